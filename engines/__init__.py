@@ -1,0 +1,21 @@
+"""Inference engines: a backend interface, a registry by name, model manifests, sliding window."""
+
+from engines.base import (
+    Engine,
+    EngineError,
+    available_backends,
+    create_engine,
+    register_backend,
+)
+from engines.manifest import LabelSpec, ModelManifest, load_manifest
+
+__all__ = [
+    "Engine",
+    "EngineError",
+    "LabelSpec",
+    "ModelManifest",
+    "available_backends",
+    "create_engine",
+    "load_manifest",
+    "register_backend",
+]

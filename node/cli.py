@@ -1,0 +1,305 @@
+"""The ``segnode`` command line.
+
+Every subcommand accepts ``--config FILE`` and ``--data-dir DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+
+from node import __version__
+from node.config import Config, load_config, parse_peer
+from node.errors import ConfigError, SegnodeError
+
+log = logging.getLogger("segnode")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="configuration file (default: built-in defaults)")
+    p.add_argument("--data-dir", type=Path, help="data directory (ledger, spool, results)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser."""
+    parser = argparse.ArgumentParser(prog="segnode", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"segnode {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the node in the foreground (logs to stdout)")
+    _common(p)
+    p.add_argument("--port", type=int)
+    p.add_argument("--host", help="address to bind (config node.host)")
+    p.add_argument("--ae-title")
+    p.add_argument(
+        "--send-to", action="append", default=[], metavar="AE@HOST:PORT",
+        help="add a result destination (repeatable)",
+    )
+
+    p = sub.add_parser("echo", help="C-ECHO a DICOM peer")
+    _common(p)
+    p.add_argument("peer", metavar="AE@HOST:PORT")
+
+    p = sub.add_parser("send", help="C-STORE DICOM files or folders to a peer")
+    _common(p)
+    p.add_argument("paths", nargs="+", type=Path)
+    p.add_argument("--to", required=True, metavar="AE@HOST:PORT")
+
+    p = sub.add_parser("jobs", help="recent jobs with state and per-stage times")
+    _common(p)
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("status", help="counts of instances, jobs and deliveries")
+    _common(p)
+
+    p = sub.add_parser("retry", help="requeue a failed job (same result UIDs)")
+    _common(p)
+    p.add_argument("job", type=int)
+
+    p = sub.add_parser("cancel", help="cancel a queued or unsent job")
+    _common(p)
+    p.add_argument("job", type=int)
+
+    try:
+        from engines.engine_cli import add_engine_parser
+    except ImportError:
+        pass
+    else:
+        before = set(sub.choices)
+        add_engine_parser(sub)
+        for name in set(sub.choices) - before:
+            _common(sub.choices[name])
+    return parser
+
+
+def _config(args: argparse.Namespace) -> Config:
+    cfg = load_config(args.config)
+    return cfg.with_overrides(data_dir=args.data_dir)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
+    )
+    logging.getLogger("pynetdicom").setLevel(logging.WARNING)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the node until SIGTERM/SIGINT."""
+    from node.service import Node
+
+    cfg = load_config(args.config).with_overrides(
+        port=args.port, ae_title=args.ae_title, data_dir=args.data_dir,
+        send_to=args.send_to, host=args.host,
+    )
+    _setup_logging(cfg.log_level)
+    node = Node(cfg)
+    node.install_signal_handlers()
+    try:
+        node.start()
+    except OSError as exc:
+        node.shutdown()
+        raise SegnodeError(f"cannot listen on {cfg.node.host}:{cfg.node.port}: {exc}") from exc
+    node.run_forever()
+    return 0
+
+
+def cmd_echo(args: argparse.Namespace) -> int:
+    """C-ECHO a peer."""
+    from node.scu import echo
+
+    cfg = _config(args)
+    peer = parse_peer(args.peer, "peer")
+    status = echo(peer, cfg.dispatch.calling_ae)
+    if status == 0:
+        print(f"C-ECHO {peer.name}: success")
+        return 0
+    print(f"C-ECHO {peer.name}: " + ("no association" if status < 0 else f"status 0x{status:04X}"))
+    return 1
+
+
+def iter_dicom_files(paths: Sequence[Path]) -> Iterator[Path]:
+    """Files under ``paths`` that are DICOM by content (PS3.10 preamble), any name."""
+    for root in paths:
+        files = sorted(root.rglob("*")) if root.is_dir() else [root]
+        for f in files:
+            if f.is_file():
+                try:
+                    with f.open("rb") as fh:
+                        head = fh.read(132)
+                except OSError:
+                    continue
+                if head[128:132] == b"DICM":
+                    yield f
+
+
+def cmd_send(args: argparse.Namespace) -> int:
+    """C-STORE files to a peer."""
+    from pydicom import dcmread
+    from pynetdicom import AE
+
+    cfg = _config(args)
+    peer = parse_peer(args.to, "--to")
+    files = list(iter_dicom_files(args.paths))
+    if not files:
+        print("no DICOM files found")
+        return 1
+    contexts: set[tuple[str, str]] = set()
+    for f in files:
+        meta = dcmread(f, stop_before_pixels=True, specific_tags=[]).file_meta
+        contexts.add((str(meta.MediaStorageSOPClassUID), str(meta.TransferSyntaxUID)))
+    ae = AE(ae_title=cfg.dispatch.calling_ae)
+    for cls, ts in sorted(contexts)[:128]:
+        ae.add_requested_context(cls, ts)
+    assoc = ae.associate(peer.host, peer.port, ae_title=peer.ae_title)
+    if not assoc.is_established:
+        print(f"cannot associate with {peer.name}")
+        return 1
+    ok = failed = 0
+    try:
+        for f in files:
+            status = assoc.send_c_store(f)
+            code = int(status.Status) if status else -1
+            if code == 0:
+                ok += 1
+            else:
+                failed += 1
+                print(f"{f}: " + ("no response" if code < 0 else f"status 0x{code:04X}"))
+    finally:
+        if assoc.is_established:
+            assoc.release()
+    print(f"sent {ok} of {len(files)} file(s) to {peer.name}" + (f", {failed} failed" if failed else ""))
+    return 0 if failed == 0 else 1
+
+
+def _fmt_stage(stages: dict[str, datetime | None]) -> str:
+    last = stages.get("last_instance")
+    parts = []
+    for key in ("queued", "volume", "inference", "encoded", "finished"):
+        t = stages.get(key)
+        if t is not None and last is not None:
+            parts.append(f"{key} +{(t - last).total_seconds():.2f}s")
+    return ", ".join(parts)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """Print recent jobs and ignored series."""
+    from node.service import open_state
+
+    cfg = _config(args)
+    ledger, _ = open_state(cfg)
+    try:
+        jobs = ledger.jobs(args.limit)
+        ignored = ledger.ignored_series(args.limit)
+    finally:
+        ledger.close()
+    if args.json:
+        out = [
+            {
+                "id": j.id, "state": j.state, "version": j.version, "series": j.series_instance_uid,
+                "instances": j.instance_count, "trigger": j.trigger, "model": j.model,
+                "reason": j.reason, "attempts": j.attempts,
+                "stages": {k: v.isoformat() if v else None for k, v in j.stages.items()},
+                "seg_sop_uid": j.seg_sop_uid, "sr_sop_uid": j.sr_sop_uid,
+                "deliveries": [
+                    {"kind": k, "destination": d, "status": s, "attempts": a}
+                    for k, d, s, a in j.deliveries
+                ],
+            }
+            for j in jobs
+        ]
+        ign = [{"series": s, "calling_ae": ae, "reason": r} for s, ae, r in ignored]
+        print(json.dumps({"jobs": out, "ignored": ign}, indent=2))
+        return 0
+    print(f"{'JOB':>5} {'STATE':<10} {'VER':>3} {'N':>5} {'TRIGGER':<20} SERIES / TIMES (after last instance)")
+    for j in jobs:
+        print(f"{j.id:>5} {j.state:<10} {j.version:>3} {j.instance_count:>5} {j.trigger:<20} {j.series_instance_uid}")
+        times = _fmt_stage(j.stages)
+        if times:
+            print(f"{'':>47}{times}")
+        if j.reason:
+            print(f"{'':>47}reason: {j.reason}")
+        for kind, dest, status, attempts in j.deliveries:
+            print(f"{'':>47}{kind} -> {dest}: {status} ({attempts} attempt(s))")
+    if ignored:
+        print("\nIGNORED SERIES")
+        for uid, ae, reason in ignored:
+            print(f"  {uid} from {ae}: {reason}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print ledger counts."""
+    from node.service import open_state
+
+    cfg = _config(args)
+    ledger, _ = open_state(cfg)
+    try:
+        counts = ledger.counts()
+    finally:
+        ledger.close()
+    print(json.dumps({"data_dir": str(cfg.data_dir), **counts}, indent=2))
+    return 0
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    """Requeue a job."""
+    from node.service import open_state
+
+    ledger, _ = open_state(_config(args))
+    try:
+        ok = ledger.retry_job(args.job)
+    finally:
+        ledger.close()
+    print(f"job {args.job} " + ("requeued" if ok else "is not failed or cancelled (or does not exist)"))
+    return 0 if ok else 1
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel a job."""
+    from node.service import open_state
+
+    ledger, _ = open_state(_config(args))
+    try:
+        ok = ledger.cancel_job(args.job)
+    finally:
+        ledger.close()
+    print(f"job {args.job} " + ("cancelled" if ok else "is not active (or does not exist)"))
+    return 0 if ok else 1
+
+
+COMMANDS = {
+    "serve": cmd_serve, "echo": cmd_echo, "send": cmd_send, "jobs": cmd_jobs,
+    "status": cmd_status, "retry": cmd_retry, "cancel": cmd_cancel,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``segnode`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command in COMMANDS:
+            return COMMANDS[args.command](args)
+        from engines.engine_cli import run_engine_command
+
+        cfg = _config(args)
+        return run_engine_command(args, data_dir=cfg.data_dir, default_model=cfg.model.manifest)
+    except ConfigError as exc:
+        print(f"segnode: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except SegnodeError as exc:
+        print(f"segnode: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

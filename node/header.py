@@ -1,0 +1,151 @@
+"""Read what the node needs from a received dataset without touching its pixels.
+
+The C-STORE handler gets the dataset as the peer encoded it. We parse the elements before
+Pixel Data (UIDs, modality, manufacturer) and then check the Pixel Data element's framing
+(declared length against the bytes that remain; for encapsulated data the sequence delimiter)
+so that a truncated transfer is refused with a failure status rather than acknowledged.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from io import BytesIO
+
+from pydicom.dataset import Dataset
+from pydicom.filereader import read_dataset
+from pydicom.tag import BaseTag
+from pydicom.uid import (
+    DeflatedExplicitVRLittleEndian,
+    ExplicitVRBigEndian,
+    ImplicitVRLittleEndian,
+)
+
+PIXEL_TAGS = {0x7FE00010, 0x7FE00008, 0x7FE00009}
+_LONG_VRS = {b"OB", b"OD", b"OF", b"OL", b"OV", b"OW", b"SQ", b"SV", b"UC", b"UN", b"UR", b"UT", b"UV"}
+
+
+class HeaderError(Exception):
+    """The dataset cannot be understood (answer 0xC210 range)."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """The attributes the SCP needs, read from before Pixel Data."""
+
+    dataset: Dataset
+    has_pixel_data: bool
+
+
+def _stop_at_pixels(tag: BaseTag, _vr: str | None, _length: int) -> bool:
+    return int(tag) in PIXEL_TAGS
+
+
+def parse_header(stream: bytes, transfer_syntax: str) -> Header:
+    """Parse the non-pixel elements of an encoded dataset and check its framing.
+
+    Parameters
+    ----------
+    stream
+        The dataset as sent (no preamble or file meta).
+    transfer_syntax
+        The negotiated transfer syntax UID.
+
+    Raises
+    ------
+    HeaderError
+        If the elements cannot be parsed or Pixel Data is truncated.
+    """
+    implicit = transfer_syntax == ImplicitVRLittleEndian
+    little = transfer_syntax != ExplicitVRBigEndian
+    data = stream
+    if transfer_syntax == DeflatedExplicitVRLittleEndian:
+        try:
+            data = zlib.decompress(stream, -zlib.MAX_WBITS)
+        except zlib.error as exc:
+            raise HeaderError(f"deflated dataset cannot be inflated: {exc}") from exc
+    fp = BytesIO(data)
+    try:
+        ds = read_dataset(fp, implicit, little, stop_when=_stop_at_pixels)
+        # Force parsing of every element read so that a malformed value fails here.
+        for elem in ds:
+            _ = elem.value
+    except Exception as exc:  # pydicom raises many types on garbage  # noqa: BLE001
+        raise HeaderError(f"dataset cannot be parsed: {type(exc).__name__}: {exc}") from exc
+    pos = fp.tell()
+    length = _check_pixel_framing(data, pos, implicit, little)
+    if length is not None and length != 0xFFFFFFFF:
+        expected = _native_length(ds)
+        if expected is not None and length < expected:
+            raise HeaderError(
+                f"Pixel Data holds {length} bytes but Rows x Columns x frames needs {expected} "
+                "(truncated)"
+            )
+    return Header(dataset=ds, has_pixel_data=length is not None)
+
+
+def _native_length(ds: Dataset) -> int | None:
+    """Bytes that native (uncompressed) Pixel Data must hold, or None if unknown."""
+    try:
+        rows, cols = int(ds.Rows), int(ds.Columns)
+        bits = int(ds.BitsAllocated)
+        spp = int(ds.get("SamplesPerPixel", 1) or 1)
+        frames = int(ds.get("NumberOfFrames", 1) or 1)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if bits == 1:
+        return (rows * cols * spp * frames + 7) // 8
+    return rows * cols * spp * frames * (bits // 8)
+
+
+def _check_pixel_framing(data: bytes, pos: int, implicit: bool, little: bool) -> int | None:
+    """Check the Pixel Data element's framing; return its declared length (None: absent)."""
+    remaining = len(data) - pos
+    if remaining == 0:
+        return None
+    if remaining < 8:
+        raise HeaderError("dataset ends inside an element header")
+    end = "<" if little else ">"
+    group, elem = struct.unpack_from(f"{end}HH", data, pos)
+    tag = (group << 16) | elem
+    if tag not in PIXEL_TAGS:
+        raise HeaderError(f"unexpected element ({group:04X},{elem:04X}) at the pixel data position")
+    if implicit:
+        (length,) = struct.unpack_from(f"{end}I", data, pos + 4)
+        start = pos + 8
+    else:
+        vr = data[pos + 4 : pos + 6]
+        if vr in _LONG_VRS:
+            if remaining < 12:
+                raise HeaderError("dataset ends inside the Pixel Data header")
+            (length,) = struct.unpack_from(f"{end}I", data, pos + 8)
+            start = pos + 12
+        else:
+            (length,) = struct.unpack_from(f"{end}H", data, pos + 6)
+            start = pos + 8
+    if length == 0xFFFFFFFF:
+        # Encapsulated (PS3.5 §A.4): items then a Sequence Delimitation Item.
+        if not data.endswith(b"\xfe\xff\xdd\xe0\x00\x00\x00\x00") and not _delimited_before_trailer(
+            data, start
+        ):
+            raise HeaderError("encapsulated Pixel Data has no sequence delimiter (truncated)")
+        return int(length)
+    if start + length > len(data):
+        raise HeaderError(
+            f"Pixel Data declares {length} bytes but only {len(data) - start} arrived (truncated)"
+        )
+    return int(length)
+
+
+def _delimited_before_trailer(data: bytes, start: int) -> bool:
+    """Walk encapsulated items; True if a sequence delimiter is reached inside ``data``."""
+    pos = start
+    while pos + 8 <= len(data):
+        group, elem, length = struct.unpack_from("<HHI", data, pos)
+        if (group, elem) == (0xFFFE, 0xE0DD):
+            return True
+        if (group, elem) != (0xFFFE, 0xE000):
+            return False
+        pos += 8 + length
+    return False

@@ -1,0 +1,1 @@
+"""Durable state: the job ledger (SQLAlchemy on SQLite) and the instance spool on disk."""

@@ -1,0 +1,96 @@
+"""The instance spool: received bytes on disk, written atomically.
+
+Layout: ``<data_dir>/spool/<study uid>/<series uid>/<sop instance uid>.dcm``. Every name comes
+from a UID that has been validated against PS3.5 §9.1 (digits and dots, at most 64
+characters), never from a raw string, so a hostile UID cannot escape the spool.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+_UID = re.compile(r"^(0|[1-9][0-9]*)(\.(0|[1-9][0-9]*))*$")
+
+
+class SpoolError(Exception):
+    """Writing to the spool failed (disk full, permissions): the sender gets 0xA700."""
+
+
+def valid_uid(uid: str) -> bool:
+    """Whether ``uid`` is a syntactically valid DICOM UID (PS3.5 §9.1).
+
+    Leading zeros in components are tolerated when reading real data elsewhere; for file
+    names we only need digits and dots, so this accepts any dotted digit string of 1-64 chars.
+    """
+    return 0 < len(uid) <= 64 and all(part.isdigit() for part in uid.split(".")) and (
+        ".." not in uid
+    )
+
+
+def strict_uid(uid: str) -> bool:
+    """Whether ``uid`` also has no leading zeros in its components (strict PS3.5 §9.1)."""
+    return 0 < len(uid) <= 64 and _UID.match(uid) is not None
+
+
+def write_atomic(path: Path, chunks: list[bytes] | bytes, *, mode: int = 0o600) -> int:
+    """Write ``chunks`` to ``path`` via a temp file, fsync, rename, fsync of the folder.
+
+    Returns the number of bytes written.
+    """
+    if isinstance(chunks, bytes):
+        chunks = [chunks]
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(chunks)}.tmp")
+    size = 0
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+                size += n
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return size
+
+
+class Spool:
+    """Instance files under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def path_for(self, study_uid: str, series_uid: str, sop_uid: str) -> Path:
+        """The file path of an instance; every UID must be valid."""
+        for uid in (study_uid, series_uid, sop_uid):
+            if not valid_uid(uid):
+                raise ValueError(f"invalid UID {uid[:80]!r}")
+        return self.root / study_uid / series_uid / f"{sop_uid}.dcm"
+
+    def store(self, study_uid: str, series_uid: str, sop_uid: str, chunks: list[bytes]) -> tuple[Path, int]:
+        """Write an instance atomically and return its path and size.
+
+        Raises
+        ------
+        SpoolError
+            On any OS error (disk full, permissions).
+        """
+        path = self.path_for(study_uid, series_uid, sop_uid)
+        try:
+            return path, write_atomic(path, chunks)
+        except OSError as exc:
+            raise SpoolError(f"cannot write {path.name}: {exc.strerror or exc}") from exc

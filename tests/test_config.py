@@ -1,0 +1,66 @@
+"""Configuration parsing: defaults, validation messages naming the key, overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node.config import ROOT_CONFIG, from_dict, load_config, parse_peer
+from node.errors import ConfigError
+
+
+def test_repository_config_matches_defaults() -> None:
+    cfg = load_config(ROOT_CONFIG)
+    default = from_dict({})
+    assert cfg.node == default.node
+    assert cfg.series == default.series
+    assert cfg.dispatch == default.dispatch
+    assert cfg.model.engine == "onnxruntime"
+    assert cfg.data_dir == ROOT_CONFIG.parent / "data"
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"node": {"ae_title": "A" * 17}}, "node.ae_title"),
+        ({"node": {"ae_title": "BAD\\AE"}}, "node.ae_title"),
+        ({"node": {"port": 70000}}, "node.port"),
+        ({"node": {"port": "104"}}, "node.port"),
+        ({"node": {"other_sop_classes": "drop"}}, "node.other_sop_classes"),
+        ({"node": {"colour": 1}}, "[node] unknown key"),
+        ({"series": {"quiet_period_s": -1}}, "series.quiet_period_s"),
+        ({"series": {"min_slices": 1}}, "series.min_slices"),
+        ({"dispatch": {"destinations": ["PACS@host"]}}, "dispatch.destinations[0]"),
+        ({"model": {"manifest": "/nonexistent/model.json"}}, "model.manifest"),
+        ({"nonsense": 1}, "unknown top-level"),
+    ],
+)
+def test_invalid_values_name_the_key(raw: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        from_dict(raw)
+
+
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("[node\nport = 1")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(p)
+
+
+def test_overrides() -> None:
+    cfg = from_dict({}).with_overrides(
+        port=4242, ae_title="EDGE", send_to=["PACS@127.0.0.1:4243", "B@[::1]:5"]
+    )
+    assert cfg.node.port == 4242
+    assert cfg.node.ae_title == "EDGE"
+    assert [p.name for p in cfg.dispatch.destinations] == ["PACS@127.0.0.1:4243", "B@::1:5"]
+    with pytest.raises(ConfigError, match="--port"):
+        from_dict({}).with_overrides(port=0)
+
+
+def test_parse_peer() -> None:
+    p = parse_peer("ORTHANC@127.0.0.1:4242")
+    assert (p.ae_title, p.host, p.port) == ("ORTHANC", "127.0.0.1", 4242)
+    with pytest.raises(ConfigError):
+        parse_peer("ORTHANC@127.0.0.1")

@@ -1,0 +1,137 @@
+"""The ledger on a real SQLite file: instances, job versions, priorities, recovery, outbox."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from storage.ledger import InstanceRecord, Ledger, utcnow
+from storage.spool import Spool, SpoolError, valid_uid, write_atomic
+
+
+def rec(sop: str, series: str = "1.2.3.1", study: str = "1.2.3", ae: str = "CT1") -> InstanceRecord:
+    return InstanceRecord(sop, "1.2.840.10008.5.1.4.1.1.2", series, study, "1.2.840.10008.1.2.1", "CT", ae)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Ledger:
+    return Ledger(tmp_path / "ledger.sqlite")
+
+
+def test_wal_and_permissions(ledger: Ledger) -> None:
+    con = sqlite3.connect(ledger.path)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert ledger.path.stat().st_mode & 0o777 == 0o600
+
+
+def test_duplicates_are_not_stored_twice(ledger: Ledger, tmp_path: Path) -> None:
+    assert ledger.record_instance(rec("1.1"), tmp_path / "a", 10)
+    assert not ledger.record_instance(rec("1.1"), tmp_path / "a", 10)
+    assert ledger.counts()["instances"] == 1
+
+
+def test_job_versions_and_pending(ledger: Ledger, tmp_path: Path) -> None:
+    for i in range(3):
+        ledger.record_instance(rec(f"1.{i}"), tmp_path / str(i), 1)
+    assert ledger.pending_series() == ["1.2.3.1"]
+    j1 = ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
+    assert j1 is not None
+    # A second signal for the same data creates nothing.
+    assert ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e") is None
+    assert ledger.pending_series() == []
+    # A late instance reopens the series as version 2; the queued v1 is superseded.
+    ledger.record_instance(rec("1.9"), tmp_path / "9", 1)
+    j2 = ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
+    assert j2 is not None
+    v1, v2 = ledger.job(j1), ledger.job(j2)
+    assert v1 is not None and v2 is not None
+    assert (v1.state, v2.state, v2.version, v2.instance_count) == ("superseded", "queued", 2, 4)
+    assert len({v1.seg_sop_uid, v2.seg_sop_uid, v1.sr_sop_uid, v2.sr_sop_uid}) == 4
+
+
+def test_priority_then_age(ledger: Ledger, tmp_path: Path) -> None:
+    ids = []
+    for n, prio in enumerate((0, 5, 0)):
+        ledger.record_instance(rec(f"2.{n}", series=f"1.2.3.{10 + n}"), tmp_path / str(n), 1)
+        ids.append(ledger.create_job(f"1.2.3.{10 + n}", trigger="t", model="m", engine="e", priority=prio))
+    order = []
+    while (job := ledger.claim_next_job()) is not None:
+        order.append(job.id)
+    assert order == [ids[1], ids[0], ids[2]]
+
+
+def test_recover_requeues_then_gives_up(ledger: Ledger, tmp_path: Path) -> None:
+    ledger.record_instance(rec("3.1"), tmp_path / "x", 1)
+    jid = ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
+    assert jid is not None
+    for _ in range(2):
+        job = ledger.claim_next_job()
+        assert job is not None and job.id == jid
+        assert ledger.recover(max_attempts=3) == 1
+    ledger.claim_next_job()
+    assert ledger.recover(max_attempts=3) == 0
+    view = ledger.job(jid)
+    assert view is not None and view.state == "failed" and "interrupted 3 times" in (view.reason or "")
+
+
+def test_outbox_lifecycle(ledger: Ledger, tmp_path: Path) -> None:
+    ledger.record_instance(rec("4.1"), tmp_path / "x", 1)
+    jid = ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
+    assert jid is not None
+    job = ledger.claim_next_job()
+    assert job is not None
+    ledger.save_results(
+        jid,
+        [("SEG", "1.2.840.10008.5.1.4.1.1.66.4", job.seg_sop_uid, job.seg_series_uid, tmp_path / "s"),
+         ("SR", "1.2.840.10008.5.1.4.1.1.88.34", job.sr_sop_uid, job.sr_series_uid, tmp_path / "r")],
+        ["A@h:1", "B@h:2"],
+    )
+    due = ledger.due_deliveries()
+    assert [(d.kind, d.destination) for d in due[:2]] == [("SEG", "A@h:1"), ("SEG", "B@h:2")]
+    assert len(due) == 4
+    later = utcnow() + timedelta(hours=1)
+    ledger.delivery_retry(due[0].id, "down", later)
+    assert len(ledger.due_deliveries()) == 3
+    for d in due[1:]:
+        ledger.delivery_done(d.id, 0)
+    assert ledger.job_state(jid) == "encoded"
+    assert ledger.due_deliveries(later + timedelta(seconds=1))[0].attempts == 1
+    ledger.delivery_done(due[0].id, 0)
+    assert ledger.job_state(jid) == "sent"
+    assert ledger.is_own_result(job.seg_sop_uid, "9.9")
+    assert ledger.is_own_result("9.9", job.sr_series_uid)
+
+
+def test_cancel_and_retry(ledger: Ledger, tmp_path: Path) -> None:
+    ledger.record_instance(rec("5.1"), tmp_path / "x", 1)
+    jid = ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
+    assert jid is not None
+    assert ledger.cancel_job(jid)
+    assert ledger.claim_next_job() is None
+    assert ledger.retry_job(jid)
+    assert ledger.job_state(jid) == "queued"
+    assert not ledger.cancel_job(9999)
+
+
+def test_spool_rejects_hostile_uids(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    for bad in ("../../etc", "1.2/3", "", "1..2", "1.2.3a", "9" * 65):
+        assert not valid_uid(bad)
+        with pytest.raises(ValueError):
+            spool.path_for("1.2", "1.3", bad)
+    path, size = spool.store("1.2", "1.3", "1.4", [b"ab", b"cd"])
+    assert path.read_bytes() == b"abcd" and size == 4
+    assert path.is_relative_to(tmp_path / "spool")
+    assert not list(path.parent.glob(".*.tmp"))
+
+
+def test_spool_error_is_clear(tmp_path: Path) -> None:
+    blocker = tmp_path / "spool"
+    spool = Spool(blocker)
+    (blocker / "1.2").write_text("a file where a folder should be")
+    with pytest.raises(SpoolError, match="cannot write"):
+        spool.store("1.2", "1.3", "1.4", [b"x"])
+    write_atomic(tmp_path / "ok.bin", b"1")

@@ -1,0 +1,225 @@
+"""The Storage SCP in-process on a real loopback socket, driven by a pynetdicom SCU.
+
+Covers the handler contract: write + record before success, duplicates, the non-CT policy,
+the loop guard, unparseable and truncated data, disk errors (0xA700), AE allow-list, and
+completion on association release (including a series split over two associations).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from pydicom import dcmread
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, generate_uid
+from pynetdicom import AE
+from pynetdicom import _config as pynetdicom_config
+from pynetdicom.sop_class import (  # type: ignore[attr-defined]
+    CTImageStorage,
+    RTDoseStorage,
+    SegmentationStorage,
+    Verification,
+)
+
+from node.config import from_dict
+from node.scp import StoreSCP
+from node.series import CompletionTracker
+from node.synthetic import write_synthetic_series
+from storage.ledger import Ledger
+from storage.spool import Spool
+from tests.conftest import LOOPBACK
+
+
+class Harness:
+    """A StoreSCP on an ephemeral port with a completion log."""
+
+    def __init__(self, tmp: Path, **node: object) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "model.json").write_text("{}")  # the SCP never loads the model
+        cfg = from_dict(
+            {"node": {"host": LOOPBACK, "port": 11112, **node},
+             "model": {"manifest": str(tmp / "model.json")}}
+        )
+        self.config = replace(cfg, node=replace(cfg.node, port=0), data_dir=tmp)
+        self.ledger = Ledger(tmp / "ledger.sqlite")
+        self.spool = Spool(tmp / "spool")
+        self.completed: list[tuple[str, str]] = []
+        self.tracker = CompletionTracker(lambda s, t: self.completed.append((s, t)))
+        self.scp = StoreSCP(self.config, self.ledger, self.spool, self.tracker)
+        self.scp.start()
+
+    def assoc(self, calling: str = "MODALITY", contexts: list[tuple[str, str]] | None = None) -> object:
+        ae = AE(ae_title=calling)
+        for cls, ts in contexts or [(CTImageStorage, ExplicitVRLittleEndian)]:
+            ae.add_requested_context(cls, ts)
+        ae.add_requested_context(Verification)
+        a = ae.associate(LOOPBACK, self.scp.port, ae_title="SEGNODE")
+        return a
+
+    def close(self) -> None:
+        self.scp.stop()
+        self.ledger.close()
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> Iterator[Harness]:
+    harness = Harness(tmp_path / "node")
+    yield harness
+    harness.close()
+
+
+@pytest.fixture(scope="module")
+def series(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    out = tmp_path_factory.mktemp("series")
+    return write_synthetic_series(out, rows=64, columns=64, slices=6)
+
+
+def send(assoc: object, path_or_ds: Path | Dataset) -> int:
+    if isinstance(path_or_ds, Dataset) and "TransferSyntaxUID" not in getattr(
+        path_or_ds, "file_meta", {}
+    ):
+        path_or_ds.file_meta = FileMetaDataset()
+        ts = ExplicitVRLittleEndian if "Manufacturer" in path_or_ds else ImplicitVRLittleEndian
+        path_or_ds.file_meta.TransferSyntaxUID = ts
+    status = assoc.send_c_store(path_or_ds)  # type: ignore[attr-defined]
+    return int(status.Status) if status else -1
+
+
+def test_echo_and_store_series_completes_on_release(h: Harness, series: list[Path]) -> None:
+    a = h.assoc()
+    assert a.is_established  # type: ignore[attr-defined]
+    assert int(a.send_c_echo().Status) == 0  # type: ignore[attr-defined]
+    for p in series:
+        assert send(a, p) == 0
+    uid = str(dcmread(series[0]).SeriesInstanceUID)
+    assert h.completed == []  # not complete while the association is open
+    a.release()  # type: ignore[attr-defined]
+    assert h.completed == [(uid, "association-release")]
+    paths = h.ledger.instance_paths(uid)
+    assert len(paths) == len(series)
+    # Stored bytes are the sent dataset, as a valid Part 10 file.
+    stored = dcmread(paths[0])
+    assert stored.SOPInstanceUID == dcmread(series[0]).SOPInstanceUID
+    assert stored.PixelData == dcmread(series[0]).PixelData
+
+
+def test_duplicate_acknowledged_once(h: Harness, series: list[Path]) -> None:
+    a = h.assoc()
+    assert send(a, series[0]) == 0
+    assert send(a, series[0]) == 0
+    a.release()  # type: ignore[attr-defined]
+    assert h.ledger.counts()["instances"] == 1
+
+
+def test_split_over_two_associations(h: Harness, series: list[Path]) -> None:
+    uid = str(dcmread(series[0]).SeriesInstanceUID)
+    a, b = h.assoc(), h.assoc()
+    for p in series[:3]:
+        assert send(a, p) == 0
+    for p in series[3:]:
+        assert send(b, p) == 0
+    a.release()  # type: ignore[attr-defined]
+    assert h.completed == []  # b is still sending the same series
+    b.release()  # type: ignore[attr-defined]
+    assert h.completed == [(uid, "association-release")]
+
+
+def test_abort_does_not_complete(h: Harness, series: list[Path]) -> None:
+    a = h.assoc()
+    assert send(a, series[0]) == 0
+    a.abort()  # type: ignore[attr-defined]
+    assert h.completed == []
+    assert h.ledger.pending_series() == [str(dcmread(series[0]).SeriesInstanceUID)]
+
+
+def test_non_ct_accepted_and_ignored(h: Harness) -> None:
+    ds = Dataset()
+    ds.SOPClassUID = RTDoseStorage
+    ds.SOPInstanceUID = generate_uid()
+    ds.StudyInstanceUID = generate_uid()
+    ds.SeriesInstanceUID = generate_uid()
+    ds.Modality = "RTDOSE"
+    a = h.assoc(contexts=[(RTDoseStorage, ImplicitVRLittleEndian)])
+    assert send(a, ds) == 0
+    a.release()  # type: ignore[attr-defined]
+    assert h.ledger.counts()["instances"] == 0
+    assert h.completed == []
+    (row,) = h.ledger.ignored_series()
+    assert "not CT" in row[2]
+
+
+def test_non_ct_rejected_at_negotiation(tmp_path: Path) -> None:
+    h = Harness(tmp_path, other_sop_classes="reject")
+    try:
+        a = h.assoc(contexts=[(RTDoseStorage, ImplicitVRLittleEndian)])
+        # The association is accepted for Verification but the RT Dose context is refused.
+        accepted = [cx.abstract_syntax for cx in a.accepted_contexts]  # type: ignore[attr-defined]
+        assert RTDoseStorage not in accepted
+        a.release()  # type: ignore[attr-defined]
+    finally:
+        h.close()
+
+
+def test_loop_guard_ignores_own_seg(h: Harness) -> None:
+    ds = Dataset()
+    ds.SOPClassUID = SegmentationStorage
+    ds.SOPInstanceUID = generate_uid()
+    ds.StudyInstanceUID = generate_uid()
+    ds.SeriesInstanceUID = generate_uid()
+    ds.Modality = "SEG"
+    ds.Manufacturer = "segnode"
+    a = h.assoc(contexts=[(SegmentationStorage, ExplicitVRLittleEndian)])
+    assert send(a, ds) == 0
+    a.release()  # type: ignore[attr-defined]
+    (row,) = h.ledger.ignored_series()
+    assert "loop guard" in row[2]
+
+
+def test_truncated_refused_and_node_keeps_serving(
+    h: Harness, series: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Send the file's bytes as they are (no re-encoding by the SCU), like a broken modality.
+    monkeypatch.setattr(pynetdicom_config, "STORE_SEND_CHUNKED_DATASET", True)
+    data = series[0].read_bytes()
+    bad = tmp_path / "truncated.dcm"
+    bad.write_bytes(data[: len(data) - 5000])
+    a = h.assoc()
+    assert 0xC000 <= send(a, bad) <= 0xCFFF
+    a.release()  # type: ignore[attr-defined]
+    garbage = tmp_path / "garbage.dcm"
+    # A valid file meta followed by garbage bytes as the dataset.
+    head = data[: 132 + 12 + int.from_bytes(data[140:144], "little")]
+    garbage.write_bytes(head + b"\x08\x00\x18\x00UI\xff\x7f" + b"\x00" * 40)
+    a = h.assoc()
+    assert 0xC000 <= send(a, garbage) <= 0xCFFF
+    a.release()  # type: ignore[attr-defined]
+    assert h.ledger.counts()["instances"] == 0
+    b = h.assoc()
+    assert send(b, series[1]) == 0
+    b.release()  # type: ignore[attr-defined]
+    assert h.ledger.counts()["instances"] == 1
+
+
+def test_disk_error_answers_a700(h: Harness, series: list[Path]) -> None:
+    ds = dcmread(series[0])
+    (h.spool.root / str(ds.StudyInstanceUID)).write_text("not a folder")
+    a = h.assoc()
+    assert send(a, series[0]) == 0xA700
+    a.release()  # type: ignore[attr-defined]
+    assert h.ledger.counts()["instances"] == 0
+
+
+def test_calling_ae_allow_list(tmp_path: Path, series: list[Path]) -> None:
+    h = Harness(tmp_path, allowed_calling_aes=["CT_SCANNER"])
+    try:
+        a = h.assoc(calling="STRANGER")
+        assert a.is_rejected  # type: ignore[attr-defined]
+        b = h.assoc(calling="CT_SCANNER")
+        assert b.is_established  # type: ignore[attr-defined]
+        assert send(b, series[0]) == 0
+        b.release()  # type: ignore[attr-defined]
+    finally:
+        h.close()
