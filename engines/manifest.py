@@ -90,7 +90,8 @@ class ModelManifest:
 
 
 def _code(raw: Any, where: str) -> Code:
-    if not (isinstance(raw, list | tuple) and len(raw) == 3 and all(isinstance(x, str) for x in raw)):
+    ok = isinstance(raw, list | tuple) and len(raw) == 3
+    if not (ok and all(isinstance(x, str) for x in raw)):
         raise EngineError(f"{where}: expected [value, scheme, meaning], got {raw!r}")
     return (raw[0], raw[1], raw[2])
 
@@ -158,6 +159,16 @@ def load_manifest(path: str | Path) -> ModelManifest:
 
 
 _KNOWN = {
-    "name", "version", "onnx", "input_name", "output_name", "output_kind", "patch_size",
-    "overlap", "batch", "fp16", "preprocessing", "labels",
+    "name",
+    "version",
+    "onnx",
+    "input_name",
+    "output_name",
+    "output_kind",
+    "patch_size",
+    "overlap",
+    "batch",
+    "fp16",
+    "preprocessing",
+    "labels",
 }

@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="address to bind (config node.host)")
     p.add_argument("--ae-title")
     p.add_argument(
-        "--send-to", action="append", default=[], metavar="AE@HOST:PORT",
+        "--send-to",
+        action="append",
+        default=[],
+        metavar="AE@HOST:PORT",
         help="add a result destination (repeatable)",
     )
 
@@ -90,6 +93,7 @@ def _setup_logging(level: str) -> None:
         stream=sys.stdout,
     )
     logging.getLogger("pynetdicom").setLevel(logging.WARNING)
+    logging.getLogger("highdicom").setLevel(logging.WARNING)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -97,8 +101,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from node.service import Node
 
     cfg = load_config(args.config).with_overrides(
-        port=args.port, ae_title=args.ae_title, data_dir=args.data_dir,
-        send_to=args.send_to, host=args.host,
+        port=args.port,
+        ae_title=args.ae_title,
+        data_dir=args.data_dir,
+        send_to=args.send_to,
+        host=args.host,
     )
     _setup_logging(cfg.log_level)
     node = Node(cfg)
@@ -176,7 +183,10 @@ def cmd_send(args: argparse.Namespace) -> int:
     finally:
         if assoc.is_established:
             assoc.release()
-    print(f"sent {ok} of {len(files)} file(s) to {peer.name}" + (f", {failed} failed" if failed else ""))
+    print(
+        f"sent {ok} of {len(files)} file(s) to {peer.name}"
+        + (f", {failed} failed" if failed else "")
+    )
     return 0 if failed == 0 else 1
 
 
@@ -204,11 +214,18 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.json:
         out = [
             {
-                "id": j.id, "state": j.state, "version": j.version, "series": j.series_instance_uid,
-                "instances": j.instance_count, "trigger": j.trigger, "model": j.model,
-                "reason": j.reason, "attempts": j.attempts,
+                "id": j.id,
+                "state": j.state,
+                "version": j.version,
+                "series": j.series_instance_uid,
+                "instances": j.instance_count,
+                "trigger": j.trigger,
+                "model": j.model,
+                "reason": j.reason,
+                "attempts": j.attempts,
                 "stages": {k: v.isoformat() if v else None for k, v in j.stages.items()},
-                "seg_sop_uid": j.seg_sop_uid, "sr_sop_uid": j.sr_sop_uid,
+                "seg_sop_uid": j.seg_sop_uid,
+                "sr_sop_uid": j.sr_sop_uid,
                 "deliveries": [
                     {"kind": k, "destination": d, "status": s, "attempts": a}
                     for k, d, s, a in j.deliveries
@@ -219,9 +236,15 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         ign = [{"series": s, "calling_ae": ae, "reason": r} for s, ae, r in ignored]
         print(json.dumps({"jobs": out, "ignored": ign}, indent=2))
         return 0
-    print(f"{'JOB':>5} {'STATE':<10} {'VER':>3} {'N':>5} {'TRIGGER':<20} SERIES / TIMES (after last instance)")
+    print(
+        f"{'JOB':>5} {'STATE':<10} {'VER':>3} {'N':>5} {'TRIGGER':<20} "
+        "SERIES / TIMES (after last instance)"
+    )
     for j in jobs:
-        print(f"{j.id:>5} {j.state:<10} {j.version:>3} {j.instance_count:>5} {j.trigger:<20} {j.series_instance_uid}")
+        print(
+            f"{j.id:>5} {j.state:<10} {j.version:>3} {j.instance_count:>5} {j.trigger:<20} "
+            f"{j.series_instance_uid}"
+        )
         times = _fmt_stage(j.stages)
         if times:
             print(f"{'':>47}{times}")
@@ -259,7 +282,10 @@ def cmd_retry(args: argparse.Namespace) -> int:
         ok = ledger.retry_job(args.job)
     finally:
         ledger.close()
-    print(f"job {args.job} " + ("requeued" if ok else "is not failed or cancelled (or does not exist)"))
+    print(
+        f"job {args.job} "
+        + ("requeued" if ok else "is not failed or cancelled (or does not exist)")
+    )
     return 0 if ok else 1
 
 
@@ -277,8 +303,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "serve": cmd_serve, "echo": cmd_echo, "send": cmd_send, "jobs": cmd_jobs,
-    "status": cmd_status, "retry": cmd_retry, "cancel": cmd_cancel,
+    "serve": cmd_serve,
+    "echo": cmd_echo,
+    "send": cmd_send,
+    "jobs": cmd_jobs,
+    "status": cmd_status,
+    "retry": cmd_retry,
+    "cancel": cmd_cancel,
 }
 
 

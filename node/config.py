@@ -181,7 +181,15 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     config file's folder) when given, else to the working directory.
     """
     d = Config()
-    unknown = set(raw) - {"data_dir", "log_level", "job_max_attempts", "node", "series", "model", "dispatch"}
+    unknown = set(raw) - {
+        "data_dir",
+        "log_level",
+        "job_max_attempts",
+        "node",
+        "series",
+        "model",
+        "dispatch",
+    }
     if unknown:
         raise ConfigError(f"unknown top-level key(s): {', '.join(sorted(unknown))}")
 
@@ -204,13 +212,19 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
             "node.other_sop_classes",
             ("ignore", "reject"),
         ),
-        max_associations=_int(n.get("max_associations", d.node.max_associations), "node.max_associations", 1, 1000),
-        network_timeout_s=_num(n.get("network_timeout_s", d.node.network_timeout_s), "node.network_timeout_s", 1),
+        max_associations=_int(
+            n.get("max_associations", d.node.max_associations), "node.max_associations", 1, 1000
+        ),
+        network_timeout_s=_num(
+            n.get("network_timeout_s", d.node.network_timeout_s), "node.network_timeout_s", 1
+        ),
     )
     s = _table(raw, "series", set(SeriesConfig.__dataclass_fields__))
     series = SeriesConfig(
         complete_on_release=_bool(s.get("complete_on_release", True), "series.complete_on_release"),
-        quiet_period_s=_num(s.get("quiet_period_s", d.series.quiet_period_s), "series.quiet_period_s", 0.1, 86400),
+        quiet_period_s=_num(
+            s.get("quiet_period_s", d.series.quiet_period_s), "series.quiet_period_s", 0.1, 86400
+        ),
         min_slices=_int(s.get("min_slices", d.series.min_slices), "series.min_slices", 2),
     )
     m = _table(raw, "model", set(ModelConfig.__dataclass_fields__))
@@ -225,14 +239,25 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     t = _table(raw, "dispatch", set(DispatchConfig.__dataclass_fields__))
     dests = t.get("destinations", [])
     if not isinstance(dests, list):
-        raise ConfigError("dispatch.destinations: must be a list of \"AE@HOST:PORT\" strings")
+        raise ConfigError('dispatch.destinations: must be a list of "AE@HOST:PORT" strings')
     dispatch = DispatchConfig(
-        destinations=tuple(parse_peer(x, f"dispatch.destinations[{i}]") if isinstance(x, str)
-                           else _bad_dest(i, x) for i, x in enumerate(dests)),
+        destinations=tuple(
+            parse_peer(x, f"dispatch.destinations[{i}]") if isinstance(x, str) else _bad_dest(i, x)
+            for i, x in enumerate(dests)
+        ),
         calling_ae=_ae(t.get("calling_ae", node.ae_title), "dispatch.calling_ae"),
-        retry_initial_s=_num(t.get("retry_initial_s", d.dispatch.retry_initial_s), "dispatch.retry_initial_s", 0.01, 3600),
-        retry_max_s=_num(t.get("retry_max_s", d.dispatch.retry_max_s), "dispatch.retry_max_s", 0.01, 86400),
-        max_attempts=_int(t.get("max_attempts", d.dispatch.max_attempts), "dispatch.max_attempts", 1),
+        retry_initial_s=_num(
+            t.get("retry_initial_s", d.dispatch.retry_initial_s),
+            "dispatch.retry_initial_s",
+            0.01,
+            3600,
+        ),
+        retry_max_s=_num(
+            t.get("retry_max_s", d.dispatch.retry_max_s), "dispatch.retry_max_s", 0.01, 86400
+        ),
+        max_attempts=_int(
+            t.get("max_attempts", d.dispatch.max_attempts), "dispatch.max_attempts", 1
+        ),
         timeout_s=_num(t.get("timeout_s", d.dispatch.timeout_s), "dispatch.timeout_s", 1, 3600),
     )
     level = _str(raw.get("log_level", "INFO"), "log_level", ("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -248,7 +273,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
 
 
 def _bad_dest(i: int, x: Any) -> Peer:
-    raise ConfigError(f"dispatch.destinations[{i}]: expected \"AE@HOST:PORT\", got {x!r}")
+    raise ConfigError(f'dispatch.destinations[{i}]: expected "AE@HOST:PORT", got {x!r}')
 
 
 def load_config(path: Path | None) -> Config:

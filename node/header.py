@@ -23,7 +23,21 @@ from pydicom.uid import (
 )
 
 PIXEL_TAGS = {0x7FE00010, 0x7FE00008, 0x7FE00009}
-_LONG_VRS = {b"OB", b"OD", b"OF", b"OL", b"OV", b"OW", b"SQ", b"SV", b"UC", b"UN", b"UR", b"UT", b"UV"}
+_LONG_VRS = {
+    b"OB",
+    b"OD",
+    b"OF",
+    b"OL",
+    b"OV",
+    b"OW",
+    b"SQ",
+    b"SV",
+    b"UC",
+    b"UN",
+    b"UR",
+    b"UT",
+    b"UV",
+}
 
 
 class HeaderError(Exception):

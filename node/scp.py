@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from pydicom.uid import UID
 from pynetdicom import AE, ALL_TRANSFER_SYNTAXES, evt
+from pynetdicom.dimse_primitives import C_STORE
 from pynetdicom.dsutils import encode_file_meta
+from pynetdicom.presentation import AllStoragePresentationContexts
 from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     CTImageStorage,
     EnhancedCTImageStorage,
     Verification,
 )
-from pynetdicom.presentation import AllStoragePresentationContexts
 
 from node.config import Config
 from node.header import HeaderError, parse_header
@@ -89,13 +90,14 @@ class StoreSCP:
         ae.add_supported_context(EnhancedCTImageStorage, ALL_TRANSFER_SYNTAXES)
         if nc.other_sop_classes == "ignore":
             for cx in AllStoragePresentationContexts:
-                if cx.abstract_syntax not in CT_CLASSES:
-                    ae.add_supported_context(cx.abstract_syntax, ALL_TRANSFER_SYNTAXES)
+                syntax = str(cx.abstract_syntax)
+                if syntax not in CT_CLASSES:
+                    ae.add_supported_context(syntax, ALL_TRANSFER_SYNTAXES)
         return ae
 
     def start(self) -> None:
         """Start listening (non-blocking)."""
-        handlers = [
+        handlers: list[Any] = [
             (evt.EVT_C_STORE, self.handle_store),
             (evt.EVT_C_ECHO, self.handle_echo),
             (evt.EVT_ACCEPTED, self.handle_accepted),
@@ -158,7 +160,7 @@ class StoreSCP:
             return OUT_OF_RESOURCES
 
     def _store(self, event: evt.Event) -> int:
-        req = event.request
+        req = cast(C_STORE, event.request)
         sop_class = str(req.AffectedSOPClassUID or "")
         sop_uid = str(req.AffectedSOPInstanceUID or "")
         calling = str(event.assoc.requestor.ae_title).strip()

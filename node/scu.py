@@ -16,13 +16,13 @@ from datetime import timedelta
 from pathlib import Path
 
 from pydicom import dcmread
+from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 from pynetdicom import AE
 from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Comprehensive3DSRStorage,
     SegmentationStorage,
     Verification,
 )
-from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
 from node.config import Config, Peer, parse_peer
 from storage.ledger import DueDelivery, Ledger, backoff, utcnow
@@ -104,14 +104,24 @@ class Dispatcher:
     def _retry(self, d: DueDelivery, error: str, status: int | None = None) -> None:
         dc = self.config.dispatch
         if d.attempts + 1 >= dc.max_attempts:
-            log.error("delivery %d of job %d to %s failed for good: %s", d.id, d.job_id, d.destination, error)
+            log.error(
+                "delivery %d of job %d to %s failed for good: %s",
+                d.id,
+                d.job_id,
+                d.destination,
+                error,
+            )
             self.ledger.delivery_failed(d.id, error)
             return
         delay = backoff(d.attempts, dc.retry_initial_s, dc.retry_max_s)
         self.ledger.delivery_retry(d.id, error, utcnow() + delay, status)
         log.warning(
             "delivery of job %d %s to %s: %s; retry in %.1f s",
-            d.job_id, d.kind, d.destination, error, delay.total_seconds(),
+            d.job_id,
+            d.kind,
+            d.destination,
+            error,
+            delay.total_seconds(),
         )
 
     def _send_to(self, dest: str, items: list[DueDelivery]) -> int:

@@ -101,8 +101,13 @@ class Node:
         nc = self.config.node
         log.info(
             "segnode listening as %s on %s:%d; engine %s, model %s %s; data in %s",
-            nc.ae_title, nc.host, self.scp.port, self.config.model.engine,
-            self.manifest.name, self.manifest.version, self.config.data_dir,
+            nc.ae_title,
+            nc.host,
+            self.scp.port,
+            self.config.model.engine,
+            self.manifest.name,
+            self.manifest.version,
+            self.config.data_dir,
         )
         self.notifier.send("READY=1", f"STATUS={self.status_line()}")
 

@@ -95,7 +95,9 @@ class Worker:
     def process(self, job: JobView) -> None:
         """Run every stage of ``job``; failures end it as failed with a reason."""
         t0 = time.perf_counter()
-        log.info("job %d: start (series v%d, %d instances)", job.id, job.version, job.instance_count)
+        log.info(
+            "job %d: start (series v%d, %d instances)", job.id, job.version, job.instance_count
+        )
         try:
             self._process(job)
         except (VolumeError, EngineError, ResultError, JobError) as exc:
@@ -118,7 +120,9 @@ class Worker:
         paths = self.ledger.instance_paths(job.series_instance_uid)
         missing = [p for p in paths if not p.exists()]
         if missing:
-            raise JobError(f"{len(missing)} spooled instance file(s) are missing, e.g. {missing[0].name}")
+            raise JobError(
+                f"{len(missing)} spooled instance file(s) are missing, e.g. {missing[0].name}"
+            )
         volume = assemble_volume(paths, min_slices=self.config.series.min_slices)
         self.ledger.mark(job.id, "volume_at")
         labels = self.engine.segment(volume.hu)

@@ -364,7 +364,10 @@ class Ledger:
             s.add(Event(at=now, kind="job-failed", job_id=job_id, message=reason[:2048]))
 
     def save_results(
-        self, job_id: int, results: Sequence[tuple[str, str, str, str, Path]], destinations: Sequence[str]
+        self,
+        job_id: int,
+        results: Sequence[tuple[str, str, str, str, Path]],
+        destinations: Sequence[str],
     ) -> None:
         """Record encoded result files and their outbox rows; the job becomes ``encoded``.
 
@@ -417,7 +420,9 @@ class Ledger:
             else:
                 job.state = "done"
                 job.finished_at = now
-            s.add(Event(at=now, kind="job-encoded", job_id=job_id, message=f"{len(results)} objects"))
+            s.add(
+                Event(at=now, kind="job-encoded", job_id=job_id, message=f"{len(results)} objects")
+            )
 
     # -- outbox --------------------------------------------------------------------------
 

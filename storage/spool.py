@@ -24,8 +24,8 @@ def valid_uid(uid: str) -> bool:
     Leading zeros in components are tolerated when reading real data elsewhere; for file
     names we only need digits and dots, so this accepts any dotted digit string of 1-64 chars.
     """
-    return 0 < len(uid) <= 64 and all(part.isdigit() for part in uid.split(".")) and (
-        ".." not in uid
+    return (
+        0 < len(uid) <= 64 and all(part.isdigit() for part in uid.split(".")) and (".." not in uid)
     )
 
 
@@ -81,7 +81,9 @@ class Spool:
                 raise ValueError(f"invalid UID {uid[:80]!r}")
         return self.root / study_uid / series_uid / f"{sop_uid}.dcm"
 
-    def store(self, study_uid: str, series_uid: str, sop_uid: str, chunks: list[bytes]) -> tuple[Path, int]:
+    def store(
+        self, study_uid: str, series_uid: str, sop_uid: str, chunks: list[bytes]
+    ) -> tuple[Path, int]:
         """Write an instance atomically and return its path and size.
 
         Raises

@@ -173,6 +173,7 @@ def make_node(tmp_path: Path) -> Iterator[Any]:
     yield factory
     for n in nodes:
         n.stop()
+        print(f"--- node log {n.log_path} ---\n{n.log()[-20000:]}")  # shown on failure
 
 
 @dataclass

@@ -13,7 +13,9 @@ from storage.spool import Spool, SpoolError, valid_uid, write_atomic
 
 
 def rec(sop: str, series: str = "1.2.3.1", study: str = "1.2.3", ae: str = "CT1") -> InstanceRecord:
-    return InstanceRecord(sop, "1.2.840.10008.5.1.4.1.1.2", series, study, "1.2.840.10008.1.2.1", "CT", ae)
+    return InstanceRecord(
+        sop, "1.2.840.10008.5.1.4.1.1.2", series, study, "1.2.840.10008.1.2.1", "CT", ae
+    )
 
 
 @pytest.fixture
@@ -56,7 +58,9 @@ def test_priority_then_age(ledger: Ledger, tmp_path: Path) -> None:
     ids = []
     for n, prio in enumerate((0, 5, 0)):
         ledger.record_instance(rec(f"2.{n}", series=f"1.2.3.{10 + n}"), tmp_path / str(n), 1)
-        ids.append(ledger.create_job(f"1.2.3.{10 + n}", trigger="t", model="m", engine="e", priority=prio))
+        ids.append(
+            ledger.create_job(f"1.2.3.{10 + n}", trigger="t", model="m", engine="e", priority=prio)
+        )
     order = []
     while (job := ledger.claim_next_job()) is not None:
         order.append(job.id)
@@ -74,7 +78,9 @@ def test_recover_requeues_then_gives_up(ledger: Ledger, tmp_path: Path) -> None:
     ledger.claim_next_job()
     assert ledger.recover(max_attempts=3) == 0
     view = ledger.job(jid)
-    assert view is not None and view.state == "failed" and "interrupted 3 times" in (view.reason or "")
+    assert (
+        view is not None and view.state == "failed" and "interrupted 3 times" in (view.reason or "")
+    )
 
 
 def test_outbox_lifecycle(ledger: Ledger, tmp_path: Path) -> None:
@@ -85,8 +91,22 @@ def test_outbox_lifecycle(ledger: Ledger, tmp_path: Path) -> None:
     assert job is not None
     ledger.save_results(
         jid,
-        [("SEG", "1.2.840.10008.5.1.4.1.1.66.4", job.seg_sop_uid, job.seg_series_uid, tmp_path / "s"),
-         ("SR", "1.2.840.10008.5.1.4.1.1.88.34", job.sr_sop_uid, job.sr_series_uid, tmp_path / "r")],
+        [
+            (
+                "SEG",
+                "1.2.840.10008.5.1.4.1.1.66.4",
+                job.seg_sop_uid,
+                job.seg_series_uid,
+                tmp_path / "s",
+            ),
+            (
+                "SR",
+                "1.2.840.10008.5.1.4.1.1.88.34",
+                job.sr_sop_uid,
+                job.sr_series_uid,
+                tmp_path / "r",
+            ),
+        ],
         ["A@h:1", "B@h:2"],
     )
     due = ledger.due_deliveries()

@@ -40,8 +40,10 @@ class Harness:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "model.json").write_text("{}")  # the SCP never loads the model
         cfg = from_dict(
-            {"node": {"host": LOOPBACK, "port": 11112, **node},
-             "model": {"manifest": str(tmp / "model.json")}}
+            {
+                "node": {"host": LOOPBACK, "port": 11112, **node},
+                "model": {"manifest": str(tmp / "model.json")},
+            }
         )
         self.config = replace(cfg, node=replace(cfg.node, port=0), data_dir=tmp)
         self.ledger = Ledger(tmp / "ledger.sqlite")
@@ -51,7 +53,9 @@ class Harness:
         self.scp = StoreSCP(self.config, self.ledger, self.spool, self.tracker)
         self.scp.start()
 
-    def assoc(self, calling: str = "MODALITY", contexts: list[tuple[str, str]] | None = None) -> object:
+    def assoc(
+        self, calling: str = "MODALITY", contexts: list[tuple[str, str]] | None = None
+    ) -> object:
         ae = AE(ae_title=calling)
         for cls, ts in contexts or [(CTImageStorage, ExplicitVRLittleEndian)]:
             ae.add_requested_context(cls, ts)

@@ -1,0 +1,1 @@
+"""Benchmarks and benchmark models (not installed with the node)."""

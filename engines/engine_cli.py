@@ -1,0 +1,134 @@
+"""``segnode engine build|list``: build TensorRT engines ahead of time and list the cache.
+
+The node's CLI registers the sub-commands with :func:`add_engine_parser` and dispatches to
+:func:`run_engine_command` with its data folder and default model::
+
+    segnode engine build [--model NAME_OR_PATH] [--precision fp16|fp32]
+                         [--flavour auto|tensorrt|tensorrt_rtx] [--target portable|current|sm86]
+    segnode engine list
+
+On a machine without a GPU ``auto`` builds with TensorRT-RTX ahead of time (a portable engine
+for compute capability 8.0 and later); with full TensorRT and a GPU it builds for that GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from engines.base import EngineError
+from engines.manifest import ModelManifest, load_manifest
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+
+def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``engine build`` and ``engine list`` on an ``add_subparsers()`` object.
+
+    Returns the ``engine`` parser; the chosen action is in ``args.engine_command``.
+    """
+    engine = subparsers.add_parser("engine", help="build or list TensorRT engines")
+    actions = engine.add_subparsers(dest="engine_command", required=True)
+    build = actions.add_parser("build", help="build (or reuse) the engine of a model")
+    build.add_argument(
+        "--model",
+        default=None,
+        help="model name under engines/models, or a manifest .json / .onnx path "
+        "(default: the configured model)",
+    )
+    build.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
+    build.add_argument("--flavour", choices=("auto", "tensorrt", "tensorrt_rtx"), default="auto")
+    build.add_argument(
+        "--target",
+        default=None,
+        help="GPU target: portable (TensorRT-RTX default), current, or e.g. sm86",
+    )
+    actions.add_parser("list", help="list cached engines and check their checksums")
+    return engine  # type: ignore[no-any-return]
+
+
+def resolve_model(spec: str | None, default_model: Path) -> ModelManifest:
+    """Load the manifest named by ``spec``: a path, a bundled model name, or the default."""
+    if spec is None:
+        return load_manifest(default_model)
+    path = Path(spec)
+    if path.suffix in (".json", ".onnx") or path.exists():
+        if path.is_dir():
+            path = path / f"{path.name}.json"
+        return load_manifest(path)
+    bundled = MODELS_DIR / spec / f"{spec}.json"
+    if bundled.exists():
+        return load_manifest(bundled)
+    names = sorted(p.name for p in MODELS_DIR.iterdir() if (p / f"{p.name}.json").exists())
+    raise EngineError(f"no model {spec!r}: not a file, and bundled models are {names}")
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
+
+
+def run_engine_command(
+    args: argparse.Namespace,
+    *,
+    data_dir: Path,
+    default_model: Path,
+    out: TextIO | None = None,
+) -> int:
+    """Run ``engine build`` or ``engine list``; return the process exit status.
+
+    Parameters
+    ----------
+    args
+        Parsed arguments from the parser :func:`add_engine_parser` registered.
+    data_dir
+        The node's data folder; engines live in ``<data_dir>/engines``.
+    default_model
+        Manifest (or ONNX) used when ``--model`` is not given.
+    out
+        Where to print (standard output by default); errors go to standard error.
+    """
+    from engines.trt_backend import build_engine, list_engines
+
+    stream = out or sys.stdout
+    cache_dir = Path(data_dir) / "engines"
+    try:
+        if args.engine_command == "build":
+            manifest = resolve_model(args.model, default_model)
+            built = build_engine(
+                manifest,
+                cache_dir=cache_dir,
+                precision=args.precision,
+                flavour=args.flavour,
+                target=args.target,
+            )
+            key = built.key
+            batch, patch = "/".join(map(str, key.batch)), "x".join(map(str, key.patch_size))
+            print(f"engine {'reused' if built.hit else 'built'}: {built.path}", file=stream)
+            print(
+                f"  model {manifest.name} {manifest.version} (sha256 {key.model_sha256[:12]}), "
+                f"{key.flavour} {key.trt_version}, target {key.target}, {key.precision}, "
+                f"batch {batch}, patch {patch}",
+                file=stream,
+            )
+            print(f"  time {built.seconds:.1f} s, size {_mb(built.size_bytes)}", file=stream)
+            return 0
+        if args.engine_command == "list":
+            records = list_engines(cache_dir)
+            print(f"engine cache {cache_dir}: {len(records)} engine(s)", file=stream)
+            for r in records:
+                k = r.key
+                state = "ok" if r.valid else f"INVALID: {r.problem}"
+                print(
+                    f"  {r.path.name}  {k.model_name} {k.precision} {k.flavour} {k.trt_version} "
+                    f"{k.target}  {_mb(r.size_bytes)}  built in {r.build_seconds:.1f} s "
+                    f"{r.created}  [{state}]",
+                    file=stream,
+                )
+            return 0
+    except EngineError as exc:
+        print(f"segnode engine: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"segnode engine: unknown command {args.engine_command!r}", file=sys.stderr)
+    return 2

@@ -1,0 +1,203 @@
+"""The ONNX Runtime backend: runs any manifest's model on the CPU (or another ORT provider).
+
+Registered as ``"onnxruntime"`` in :mod:`engines.base`. Preprocessing follows the manifest
+(``clip(HU) * scale + offset``), inference goes through
+:func:`engines.sliding_window.sliding_window_segment` with NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
+
+from engines.base import EngineError
+from engines.manifest import ModelManifest
+from engines.sliding_window import OUTPUT_KINDS, sliding_window_segment
+
+logger = logging.getLogger(__name__)
+
+# ONNX Runtime raises pybind11 exception classes (Fail, NoSuchFile, InvalidProtobuf ...) that
+# share no base class but Exception; collect them, plus the Python-side errors of its wrapper.
+_ORT_ERRORS: tuple[type[Exception], ...] = tuple(
+    obj for obj in vars(_ort_state).values() if isinstance(obj, type) and issubclass(obj, Exception)
+) + (RuntimeError, ValueError, OSError)
+
+
+class OrtEngine:
+    """Segment CT volumes with ONNX Runtime.
+
+    Parameters
+    ----------
+    threads
+        Intra-op threads (default: ONNX Runtime's choice, one per core).
+    providers
+        Execution providers in order of preference (default ``["CPUExecutionProvider"]``).
+    """
+
+    name = "onnxruntime"
+
+    def __init__(self, *, threads: int | None = None, providers: list[str] | None = None) -> None:
+        if threads is not None and threads < 1:
+            raise EngineError(f"onnxruntime: threads must be at least 1, got {threads}")
+        self._threads = threads
+        self._providers = list(providers) if providers else ["CPUExecutionProvider"]
+        self._session: ort.InferenceSession | None = None
+        self._manifest: ModelManifest | None = None
+        self._batch_size = 1
+
+    @property
+    def manifest(self) -> ModelManifest | None:
+        """The loaded model's manifest, or ``None`` before :meth:`load`."""
+        return self._manifest
+
+    def load(self, manifest: ModelManifest) -> None:
+        """Create the inference session for ``manifest``'s model and check its signature.
+
+        Raises
+        ------
+        EngineError
+            If the model file is missing or not a valid ONNX model, a provider is not
+            available, or the model's inputs and outputs disagree with the manifest.
+        """
+        path = Path(manifest.onnx_path)
+        if not path.is_file():
+            raise EngineError(f"model {manifest.name!r}: ONNX file {path} not found")
+        if manifest.output_kind not in OUTPUT_KINDS:
+            raise EngineError(
+                f"model {manifest.name!r}: output_kind must be one of {OUTPUT_KINDS}, "
+                f"got {manifest.output_kind!r}"
+            )
+        available = ort.get_available_providers()
+        missing = [p for p in self._providers if p not in available]
+        if missing:
+            raise EngineError(
+                f"onnxruntime providers {missing} not available here; have {available}"
+            )
+        options = ort.SessionOptions()
+        if self._threads is not None:
+            options.intra_op_num_threads = self._threads
+            options.inter_op_num_threads = 1
+        try:
+            session = ort.InferenceSession(
+                str(path), sess_options=options, providers=self._providers
+            )
+        except _ORT_ERRORS as exc:
+            raise EngineError(f"model {manifest.name!r}: cannot load {path}: {exc}") from exc
+        self._batch_size = _check_signature(session, manifest)
+        self._session = session
+        self._manifest = manifest
+        logger.info(
+            "loaded model %s %s (%s) on %s, patch %s, batch %d",
+            manifest.name,
+            manifest.version,
+            path.name,
+            ",".join(session.get_providers()),
+            "x".join(map(str, manifest.patch_size)),
+            self._batch_size,
+        )
+
+    def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+        """Return the uint8 label map of a ``(z, y, x)`` volume in Hounsfield units.
+
+        Raises
+        ------
+        EngineError
+            If no model is loaded, the volume is not 3-D, or inference fails.
+        """
+        session, manifest = self._session, self._manifest
+        if session is None or manifest is None:
+            raise EngineError("onnxruntime: segment() called before load()")
+        volume = np.asarray(hu)
+        if volume.ndim != 3 or min(volume.shape) < 1:
+            raise EngineError(f"expected a non-empty (z, y, x) volume, got shape {volume.shape}")
+        x = preprocess(volume, manifest)
+        input_name, output_name = manifest.input_name, manifest.output_name
+
+        def predict(batch: npt.NDArray[np.float32]) -> Any:
+            feed = {input_name: np.ascontiguousarray(batch, dtype=np.float32)}
+            try:
+                return session.run([output_name], feed)[0]
+            except _ORT_ERRORS as exc:
+                raise EngineError(f"model {manifest.name!r}: inference failed: {exc}") from exc
+
+        try:
+            labels = sliding_window_segment(
+                x,
+                predict,
+                patch_size=manifest.patch_size,
+                overlap=manifest.overlap,
+                num_classes=manifest.num_classes,
+                batch_size=self._batch_size,
+                output_kind=manifest.output_kind,
+            )
+        except ValueError as exc:
+            raise EngineError(f"model {manifest.name!r}: {exc}") from exc
+        result: npt.NDArray[np.uint8] = np.asarray(labels, dtype=np.uint8)
+        return result
+
+    def close(self) -> None:
+        """Drop the session (ONNX Runtime frees its memory with it)."""
+        self._session = None
+        self._manifest = None
+
+    def __enter__(self) -> OrtEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def preprocess(hu: npt.NDArray[Any], manifest: ModelManifest) -> npt.NDArray[np.float32]:
+    """Apply the manifest's preprocessing: ``clip(hu) * scale + offset`` as float32."""
+    x = np.array(hu, dtype=np.float32, copy=True)
+    if manifest.clip is not None:
+        np.clip(x, manifest.clip[0], manifest.clip[1], out=x)
+    if manifest.scale != 1.0:
+        x *= np.float32(manifest.scale)
+    if manifest.offset != 0.0:
+        x += np.float32(manifest.offset)
+    return x
+
+
+def _check_signature(session: ort.InferenceSession, manifest: ModelManifest) -> int:
+    """Check the model's input and output against the manifest; return the batch size."""
+    where = f"model {manifest.name!r}"
+    inputs = {i.name: i for i in session.get_inputs()}
+    outputs = {o.name: o for o in session.get_outputs()}
+    if manifest.input_name not in inputs:
+        raise EngineError(
+            f"{where}: no input named {manifest.input_name!r}; model has {sorted(inputs)}"
+        )
+    if manifest.output_name not in outputs:
+        raise EngineError(
+            f"{where}: no output named {manifest.output_name!r}; model has {sorted(outputs)}"
+        )
+    in_shape = list(inputs[manifest.input_name].shape)
+    out_shape = list(outputs[manifest.output_name].shape)
+    want_in = [None, 1, *manifest.patch_size]
+    want_out = [None, manifest.num_classes, *manifest.patch_size]
+    for label, shape, want in (("input", in_shape, want_in), ("output", out_shape, want_out)):
+        if len(shape) != 5 or any(
+            isinstance(got, int) and w is not None and got != w
+            for got, w in zip(shape, want, strict=True)
+        ):
+            raise EngineError(
+                f"{where}: {label} shape {shape} does not match the manifest "
+                f"(N, {want[1]}, {', '.join(map(str, manifest.patch_size))})"
+            )
+    batch = in_shape[0]
+    if isinstance(batch, int):
+        return batch
+    return max(1, manifest.batch_opt)

@@ -1,0 +1,318 @@
+"""Sliding-window inference, written once against the Python array API standard.
+
+The same code runs on NumPy arrays (CPU, ONNX Runtime) and on CuPy arrays or torch tensors
+(GPU backends): every operation goes through the namespace that
+:func:`array_api_compat.array_namespace` returns for the input volume, and every new array is
+created on the input's device.
+
+The method is nnU-Net's (Isensee et al., Nature Methods 18, 2021): overlapping patches on a
+regular grid, each patch's class probabilities weighted by a Gaussian importance map that
+favours the patch centre, summed, and the arg-max taken per voxel. Memory is kept bounded:
+
+* The sum is never divided by the summed weights: that divisor is the same for every class of
+  a voxel, so it cannot change the arg-max, and skipping it saves a full float32 volume.
+* Accumulation is streamed along z. Patches are visited in z-major order; as soon as no
+  remaining patch can touch a slice, that slice's arg-max is written to the uint8 output and
+  its accumulator rows are dropped. The float32 accumulator therefore spans about one patch
+  depth (``num_classes x patch_z x Y x X``), not the whole volume, whatever the number of
+  slices. This is why accumulation stays in float32: half precision would halve a buffer that
+  is already small, and would flush the Gaussian tails (about 1e-10 at a patch corner) to zero.
+* When one patch covers the whole (padded) volume, no weights or softmax are applied at all:
+  a positive per-voxel weight and the softmax are both monotonic per voxel, so the arg-max of
+  the raw network output is the same label map.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+from array_api_compat import array_namespace
+from array_api_compat import device as array_device
+
+Array: TypeAlias = Any
+"""An array of any array-API namespace (NumPy, CuPy, torch ...)."""
+
+Predict: TypeAlias = Callable[[Array], Array]
+"""``predict(batch)``: ``(N, 1, pz, py, px)`` float32 in, ``(N, C, pz, py, px)`` out."""
+
+Patch: TypeAlias = tuple[slice, slice, slice]
+
+OUTPUT_KINDS = ("logits", "probabilities")
+
+_SWEEP_MAX_CLASSES = 16
+
+
+def _axis_starts(size: int, patch: int, overlap: float) -> list[int]:
+    if size <= patch:
+        return [0]
+    step = max(1, math.floor(patch * (1.0 - overlap)))
+    starts = list(range(0, size - patch, step))
+    starts.append(size - patch)
+    return starts
+
+
+def patch_grid(shape: Sequence[int], patch_size: Sequence[int], overlap: float) -> list[Patch]:
+    """Patches that tile a volume, in z-major order.
+
+    Along each axis the patches start every ``floor(patch * (1 - overlap))`` voxels and the
+    last one ends flush with the volume, so consecutive patches overlap by at least
+    ``overlap`` of the patch and every voxel is covered.
+
+    Parameters
+    ----------
+    shape
+        Volume shape ``(z, y, x)``.
+    patch_size
+        Patch shape ``(pz, py, px)``. An axis shorter than the patch gets a single patch at 0
+        that overhangs the end; :func:`sliding_window_segment` pads such axes first.
+    overlap
+        Fraction of the patch shared by neighbours, in ``[0, 1)``.
+
+    Returns
+    -------
+    list of tuple of slice
+        One ``(z, y, x)`` slice triple per patch, each slice as long as the patch.
+    """
+    _check_triple(shape, "shape", minimum=1)
+    _check_triple(patch_size, "patch_size", minimum=1)
+    if not 0.0 <= overlap < 1.0:
+        raise ValueError(f"overlap must be in [0, 1), got {overlap}")
+    axes = [
+        [slice(s, s + p) for s in _axis_starts(n, p, overlap)]
+        for n, p in zip(shape, patch_size, strict=True)
+    ]
+    return [(z, y, x) for z in axes[0] for y in axes[1] for x in axes[2]]
+
+
+def gaussian_importance(
+    patch_size: Sequence[int], sigma_scale: float, xp: Any, *, device: Any = None
+) -> Array:
+    """Gaussian importance map of a patch, nnU-Net style.
+
+    A separable Gaussian centred on the patch centre with ``sigma = sigma_scale * size`` per
+    axis, scaled so that its maximum is 1. Values that underflow to zero are raised to the
+    smallest positive value, so every voxel of a patch keeps some weight.
+
+    Parameters
+    ----------
+    patch_size
+        Patch shape ``(pz, py, px)``.
+    sigma_scale
+        Standard deviation as a fraction of the patch size (nnU-Net uses 1/8).
+    xp
+        Array namespace to build the map in.
+    device
+        Device to build the map on (default: the namespace's default device).
+
+    Returns
+    -------
+    array
+        float32 array of shape ``patch_size``, positive, maximum 1, symmetric per axis.
+    """
+    _check_triple(patch_size, "patch_size", minimum=1)
+    if not sigma_scale > 0.0:
+        raise ValueError(f"sigma_scale must be positive, got {sigma_scale}")
+    profiles = []
+    for size in patch_size:
+        centre = (size - 1) / 2.0
+        sigma = sigma_scale * size
+        offsets = xp.arange(size, dtype=xp.float32, device=device) - centre
+        profiles.append(xp.exp(-0.5 * (offsets / sigma) ** 2))
+    weights = profiles[0][:, None, None] * profiles[1][None, :, None] * profiles[2][None, None, :]
+    weights = weights / xp.max(weights)
+    smallest = xp.min(xp.where(weights > 0, weights, xp.asarray(xp.inf, device=device)))
+    return xp.where(weights > 0, weights, smallest)
+
+
+def sliding_window_segment(
+    volume: Array,
+    predict: Predict,
+    *,
+    patch_size: tuple[int, int, int],
+    overlap: float,
+    num_classes: int,
+    batch_size: int = 1,
+    output_kind: str = "logits",
+    sigma_scale: float = 0.125,
+) -> Array:
+    """Segment a volume patch by patch and blend the patches into one label map.
+
+    Parameters
+    ----------
+    volume
+        Preprocessed float32 volume ``(z, y, x)`` in any array-API namespace.
+    predict
+        Called with float32 batches ``(N, 1, pz, py, px)`` (``N <= batch_size``) in the
+        volume's namespace and device; returns ``(N, num_classes, pz, py, px)`` logits or
+        probabilities in the same namespace (any float dtype).
+    patch_size
+        Patch shape ``(pz, py, px)`` the model takes.
+    overlap
+        Fraction of the patch shared by neighbouring patches, in ``[0, 1)``.
+    num_classes
+        Output channels, background included (at most 256).
+    batch_size
+        Patches per ``predict`` call.
+    output_kind
+        ``"logits"`` (softmax is applied before blending) or ``"probabilities"``.
+    sigma_scale
+        Standard deviation of the Gaussian importance map as a fraction of the patch size.
+
+    Returns
+    -------
+    array
+        uint8 label map, same shape, namespace and device as ``volume``; voxel value ``c`` is
+        the channel with the highest blended score (ties go to the lower channel).
+
+    Raises
+    ------
+    ValueError
+        On a malformed argument or when ``predict`` returns the wrong shape.
+
+    Notes
+    -----
+    An axis shorter than the patch is padded on both sides (centred) by repeating the edge
+    slice; for CT this extends the anatomy rather than inventing air or water at the border.
+    """
+    xp = array_namespace(volume)
+    if volume.ndim != 3 or min(volume.shape) < 1:
+        raise ValueError(f"volume must be a non-empty (z, y, x) array, got {volume.shape}")
+    _check_triple(patch_size, "patch_size", minimum=1)
+    if not 1 <= num_classes <= 256:
+        raise ValueError(f"num_classes must be in 1..256 for a uint8 label map: {num_classes}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if output_kind not in OUTPUT_KINDS:
+        raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+    dev = array_device(volume)
+    shape = tuple(int(n) for n in volume.shape)
+    padded, offsets = _pad_edge(xp.astype(volume, xp.float32, copy=False), patch_size, xp)
+    grid = patch_grid(padded.shape, patch_size, overlap)
+    run = _Runner(predict, xp, (len(grid), num_classes, *patch_size))
+
+    if len(grid) == 1:
+        labels = _argmax(run([padded])[0], xp)
+    else:
+        weights = gaussian_importance(patch_size, sigma_scale, xp, device=dev)
+        labels = _blend(padded, grid, run, weights, num_classes, batch_size, output_kind, xp)
+
+    if tuple(labels.shape) == shape:
+        return labels
+    crop = tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
+    return xp.asarray(labels[crop], copy=True)
+
+
+class _Runner:
+    """Calls ``predict`` on a list of patches and checks what comes back."""
+
+    def __init__(self, predict: Predict, xp: Any, expected: tuple[int, ...]) -> None:
+        self._predict = predict
+        self._xp = xp
+        self._channels_and_patch = expected[1:]
+
+    def __call__(self, patches: list[Array]) -> Array:
+        xp = self._xp
+        batch = xp.stack(patches)[:, None, ...]
+        out = self._predict(batch)
+        want = (len(patches), *self._channels_and_patch)
+        if tuple(out.shape) != want:
+            raise ValueError(f"predict returned shape {tuple(out.shape)}, expected {want}")
+        return xp.astype(out, xp.float32, copy=False)
+
+
+def _blend(
+    padded: Array,
+    grid: list[Patch],
+    run: _Runner,
+    weights: Array,
+    num_classes: int,
+    batch_size: int,
+    output_kind: str,
+    xp: Any,
+) -> Array:
+    """Gaussian-weighted sum streamed along z; returns the uint8 arg-max (padded shape)."""
+    dev = array_device(padded)
+    depth, rows, cols = (int(n) for n in padded.shape)
+    labels = xp.zeros((depth, rows, cols), dtype=xp.uint8, device=dev)
+    first_z = grid[0][0]
+    # acc[:, i] holds the weighted scores of slice low + i, for i < used. It is allocated
+    # once (one patch deep, more only if a batch spans several z starts) and reused.
+    acc = xp.zeros(
+        (num_classes, first_z.stop - first_z.start, rows, cols), dtype=xp.float32, device=dev
+    )
+    low = used = 0
+    for first in range(0, len(grid), batch_size):
+        batch = grid[first : first + batch_size]
+        scores = run([padded[patch] for patch in batch])
+        if output_kind == "logits":
+            scores = _softmax(scores, xp)
+        scores *= weights
+        for index, (zs, ys, xs) in enumerate(batch):
+            end = zs.stop - low
+            if end > acc.shape[1]:
+                grown = xp.zeros((num_classes, end, rows, cols), dtype=xp.float32, device=dev)
+                grown[:, :used, ...] = acc[:, :used, ...]
+                acc = grown
+            acc[:, zs.start - low : end, ys, xs] += scores[index, ...]
+            used = max(used, end)
+        # Slices before the next patch's start are final: no later patch reaches back.
+        done = grid[first + batch_size][0].start if first + batch_size < len(grid) else depth
+        if done > low:
+            count = done - low
+            labels[low:done, ...] = _argmax(acc[:, :count, ...], xp)
+            rest = used - count
+            if rest > 0:
+                acc[:, :rest, ...] = xp.asarray(acc[:, count:used, ...], copy=True)
+            acc[:, rest:used, ...] = 0.0
+            low, used = done, rest
+    return labels
+
+
+def _argmax(scores: Array, xp: Any) -> Array:
+    """uint8 index of the largest of ``(C, ...)`` scores along axis 0; ties go to the lower.
+
+    For the few classes of a segmentation model a pairwise sweep is faster than NumPy's
+    ``argmax(axis=0)`` (which walks the class axis with a stride) and works in any namespace.
+    """
+    classes = int(scores.shape[0])
+    if classes > _SWEEP_MAX_CLASSES:
+        return xp.astype(xp.argmax(scores, axis=0), xp.uint8)
+    best = scores[0, ...]
+    dev = array_device(scores)
+    index = xp.zeros(best.shape, dtype=xp.uint8, device=dev)
+    for c in range(1, classes):
+        better = scores[c, ...] > best
+        index = xp.where(better, xp.asarray(c, dtype=xp.uint8, device=dev), index)
+        best = xp.where(better, scores[c, ...], best)
+    return index
+
+
+def _softmax(logits: Array, xp: Any) -> Array:
+    """Softmax over the class axis (1) of ``(N, C, ...)``; overwrites ``logits``."""
+    logits -= xp.max(logits, axis=1, keepdims=True)
+    exp = xp.exp(logits)
+    exp /= xp.sum(exp, axis=1, keepdims=True)
+    return exp
+
+
+def _pad_edge(
+    volume: Array, patch_size: Sequence[int], xp: Any
+) -> tuple[Array, tuple[int, int, int]]:
+    """Pad axes shorter than the patch to the patch size, centred, repeating edge slices."""
+    dev = array_device(volume)
+    offsets = [0, 0, 0]
+    for axis, (size, patch) in enumerate(zip(volume.shape, patch_size, strict=True)):
+        if size >= patch:
+            continue
+        before = (patch - size) // 2
+        index = [min(max(i - before, 0), size - 1) for i in range(patch)]
+        volume = xp.take(volume, xp.asarray(index, dtype=xp.int64, device=dev), axis=axis)
+        offsets[axis] = before
+    return volume, (offsets[0], offsets[1], offsets[2])
+
+
+def _check_triple(values: Sequence[int], name: str, *, minimum: int) -> None:
+    if len(values) != 3 or any(int(v) != v or v < minimum for v in values):
+        raise ValueError(f"{name} must be three integers >= {minimum}, got {tuple(values)}")

@@ -1,0 +1,301 @@
+"""PyTorch backend: the ONNX model converted with onnx2torch and run on a CUDA device.
+
+This is the GPU path on GPUs that TensorRT-RTX refuses (compute capability 9.0: H100, H200)
+and where full TensorRT is not installed. The ONNX graph becomes a ``torch.fx`` module
+(``onnx2torch.convert``); for ``precision="fp16"`` (honoured only when the manifest allows it)
+the module and its inputs are cast with ``.half()`` (no autocast: every convolution runs on
+FP16 tensor cores without per-op casts), and 5-D tensors use the ``channels_last_3d`` memory
+format that cuDNN's fastest 3-D kernels want. ``compile=True`` wraps the module in
+``torch.compile``; ``cuda_graphs=True`` captures one CUDA graph per batch size and replays it
+(the two are exclusive: compiled code keeps its own graphs in ``mode="reduce-overhead"``).
+The sliding window (:func:`engines.sliding_window.sliding_window_segment`) runs on torch
+tensors on the device; only the uint8 label map is copied back.
+
+torch, onnx2torch and torchvision (an onnx2torch requirement) are imported inside
+:meth:`TorchEngine.load`, so importing this module needs none of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engines.base import EngineError
+
+if TYPE_CHECKING:
+    from engines.manifest import ModelManifest
+
+logger = logging.getLogger(__name__)
+
+_ONNX2TORCH_OPSET = 17
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise EngineError(f"the torch engine needs PyTorch ({exc})") from exc
+    return torch
+
+
+def convert_onnx(path: Any) -> Any:
+    """Convert the ONNX file at ``path`` to a ``torch.nn.Module`` (on the CPU, float32).
+
+    Models whose opset onnx2torch does not know are first converted to opset 17 with
+    :func:`onnx.version_converter.convert_version`.
+
+    Raises
+    ------
+    EngineError
+        If onnx2torch is missing or cannot convert a node (the message names it).
+    """
+    import onnx
+
+    try:
+        from onnx2torch import convert
+    except ImportError as exc:
+        raise EngineError(
+            f"the torch engine needs onnx2torch (pip install onnx2torch): {exc}"
+        ) from exc
+    model = onnx.load(str(path))
+    try:
+        return convert(model)
+    except NotImplementedError as first:
+        try:
+            from onnx import version_converter
+
+            older = version_converter.convert_version(model, _ONNX2TORCH_OPSET)
+            module = convert(older)
+        except Exception as exc:
+            raise EngineError(f"onnx2torch cannot convert {path}: {first}; {exc}") from first
+        logger.info("converted %s to opset %d for onnx2torch", path, _ONNX2TORCH_OPSET)
+        return module
+
+
+class TorchEngine:
+    """The ``"torch"`` backend of :func:`engines.base.create_engine`.
+
+    Parameters
+    ----------
+    device
+        Torch device, ``"cuda"`` (default), ``"cuda:1"``, or ``"cpu"`` (slow; for tests).
+    precision
+        ``"fp16"`` (used only if the manifest allows it) or ``"fp32"``.
+    compile
+        Wrap the module in ``torch.compile`` (first call compiles; :meth:`load` warms it up).
+    cuda_graphs
+        Capture and replay one CUDA graph per batch size (CUDA devices only).
+    batch_size
+        Patches per forward pass; defaults to the manifest's ``batch.opt``.
+    channels_last
+        Use the ``channels_last_3d`` memory format (default on CUDA).
+    tf32
+        Let FP32 convolutions and matmuls use TF32 tensor cores. Off by default so that
+        ``precision="fp32"`` is true FP32 (the reference for the FP16 agreement check).
+    compile_mode
+        ``mode`` passed to ``torch.compile``.
+    """
+
+    name = "torch"
+
+    def __init__(
+        self,
+        *,
+        device: str = "cuda",
+        precision: str = "fp16",
+        compile: bool = False,
+        cuda_graphs: bool = False,
+        batch_size: int | None = None,
+        channels_last: bool | None = None,
+        tf32: bool = False,
+        compile_mode: str = "default",
+    ) -> None:
+        if precision not in ("fp16", "fp32"):
+            raise EngineError(f"precision must be fp16 or fp32, not {precision!r}")
+        if compile and cuda_graphs:
+            raise EngineError("choose compile or cuda_graphs, not both")
+        self.device = device
+        self.precision = precision
+        self.compile = compile
+        self.cuda_graphs = cuda_graphs
+        self.batch_size = batch_size
+        self.channels_last = channels_last
+        self.tf32 = tf32
+        self.compile_mode = compile_mode
+        self.load_seconds = 0.0
+        self.manifest: ModelManifest | None = None
+        self._torch: Any = None
+        self._module: Any = None
+        self._fn: Any = None
+        self._dtype: Any = None
+        self._dev: Any = None
+        self._graphs: dict[int, tuple[Any, Any, Any]] = {}
+        self._batch = 1
+
+    @property
+    def half(self) -> bool:
+        """True when the model runs in FP16."""
+        return self._dtype is not None and self._dtype == self._torch.float16
+
+    @contextlib.contextmanager
+    def _flags(self) -> Iterator[None]:
+        """Process-wide cuDNN/TF32 switches, set for this engine's calls and restored after."""
+        b = self._torch.backends
+        saved = (b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32)
+        b.cudnn.benchmark = True
+        b.cudnn.allow_tf32 = b.cuda.matmul.allow_tf32 = self.tf32
+        try:
+            yield
+        finally:
+            b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32 = saved
+
+    def load(self, manifest: ModelManifest) -> None:
+        """Convert the model, move it to the device and warm it up (compile, graphs)."""
+        started = time.perf_counter()
+        torch = self._torch = _import_torch()
+        dev = torch.device(self.device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise EngineError("the torch engine found no CUDA GPU (torch.cuda.is_available())")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise EngineError(f"no CUDA device {dev.index}")
+        elif self.cuda_graphs:
+            raise EngineError("cuda_graphs needs a CUDA device")
+        self._dev = dev
+        self.manifest = manifest
+        half = self.precision == "fp16" and manifest.fp16 and dev.type == "cuda"
+        if self.precision == "fp16" and not half:
+            logger.warning(
+                "model %s runs in fp32 (manifest fp16=%s, device %s)",
+                manifest.name,
+                manifest.fp16,
+                dev,
+            )
+        self._dtype = torch.float16 if half else torch.float32
+        if self.channels_last is None:
+            self.channels_last = dev.type == "cuda"
+        module = convert_onnx(manifest.onnx_path).eval()
+        try:
+            module = module.to(device=dev, dtype=self._dtype)
+            if self.channels_last:
+                module = module.to(memory_format=torch.channels_last_3d)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise EngineError(f"out of GPU memory loading {manifest.name}: {exc}") from exc
+        self._module = module
+        self._fn = (
+            torch.compile(module, mode=self.compile_mode, dynamic=False) if self.compile else module
+        )
+        self._graphs = {}
+        batch = self._batch = self.batch_size or max(1, manifest.batch_opt)
+        zeros = torch.zeros((batch, 1, *manifest.patch_size), device=dev)
+        self._predict(zeros)  # cuDNN autotuning, compilation, graph capture
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.load_seconds = time.perf_counter() - started
+        logger.info(
+            "torch engine ready for %s on %s (%s%s%s) in %.1f s",
+            manifest.name,
+            dev,
+            "fp16" if half else "fp32",
+            ", compiled" if self.compile else "",
+            ", CUDA graphs" if self.cuda_graphs else "",
+            self.load_seconds,
+        )
+
+    def _prepare(self, patches: Any) -> Any:
+        x = patches.to(device=self._dev, dtype=self._dtype)
+        if self.channels_last:
+            x = x.contiguous(memory_format=self._torch.channels_last_3d)
+        return x
+
+    def _graph(self, n: int) -> tuple[Any, Any, Any]:
+        torch = self._torch
+        if n not in self._graphs:
+            assert self.manifest is not None
+            static_in = self._prepare(
+                torch.zeros((n, 1, *self.manifest.patch_size), device=self._dev)
+            )
+            side = torch.cuda.Stream(device=self._dev)
+            side.wait_stream(torch.cuda.current_stream(self._dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # cuDNN picks its algorithms outside the capture
+                    self._fn(static_in)
+            torch.cuda.current_stream(self._dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = self._fn(static_in)
+            self._graphs[n] = (graph, static_in, static_out)
+        return self._graphs[n]
+
+    def _predict(self, patches: Any) -> Any:
+        """Float32 logits ``(N, C, *patch)`` of ``(N, 1, *patch)`` patches, on the device.
+
+        Compiled modules and CUDA graphs are specialised to one batch size: a smaller last
+        batch is padded with zeros (and the padding's logits dropped) instead of triggering a
+        recompilation or a second capture; a larger one is split.
+        """
+        torch = self._torch
+        n, batch = int(patches.shape[0]), self._batch
+        static = self.compile or self.cuda_graphs
+        if static and n > batch:
+            parts = [self._predict(patches[i : i + batch]) for i in range(0, n, batch)]
+            return torch.cat(parts)
+        if static and n < batch:
+            pad = patches.new_zeros((batch - n, *patches.shape[1:]))
+            return self._predict(torch.cat([patches, pad]))[:n]
+        with torch.inference_mode(), self._flags():
+            if self.cuda_graphs:
+                graph, static_in, static_out = self._graph(n)
+                static_in.copy_(patches)
+                graph.replay()
+                return static_out.to(torch.float32, copy=True)
+            return self._fn(self._prepare(patches)).to(torch.float32)
+
+    def predict(self, patches: Any) -> Any:
+        """Public form of the predictor the sliding window calls (for benchmarks)."""
+        return self._predict(patches)
+
+    def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+        """Label map of a ``(z, y, x)`` HU volume, computed on the engine's device."""
+        from engines.sliding_window import sliding_window_segment
+
+        if self.manifest is None:
+            raise EngineError("torch engine used before load()")
+        if hu.ndim != 3:
+            raise EngineError(f"expected a (z, y, x) volume, got shape {hu.shape}")
+        torch, m = self._torch, self.manifest
+        try:
+            with torch.inference_mode():
+                volume = torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32)).to(self._dev)
+                if m.clip is not None:
+                    volume.clamp_(m.clip[0], m.clip[1])
+                if m.scale != 1.0:
+                    volume.mul_(m.scale)
+                if m.offset != 0.0:
+                    volume.add_(m.offset)
+                labels = sliding_window_segment(
+                    volume,
+                    self._predict,
+                    patch_size=m.patch_size,
+                    overlap=m.overlap,
+                    num_classes=m.num_classes,
+                    batch_size=self._batch,
+                    output_kind=m.output_kind,
+                )
+                result: npt.NDArray[np.uint8] = labels.to(torch.uint8).cpu().numpy()
+        except torch.cuda.OutOfMemoryError as exc:
+            raise EngineError(f"out of GPU memory segmenting a {hu.shape} volume: {exc}") from exc
+        return result
+
+    def close(self) -> None:
+        """Drop the module, graphs and cached device memory."""
+        self._graphs = {}
+        self._fn = self._module = None
+        if self._torch is not None and self._dev is not None and self._dev.type == "cuda":
+            self._torch.cuda.empty_cache()

@@ -1,0 +1,637 @@
+"""Encode a label map as DICOM SEG and its measurements as a TID 1500 Comprehensive 3D SR.
+
+* :func:`build_seg` writes a BINARY Segmentation (PS3.3 A.51, C.8.20) with one segment per
+  non-empty label, numbered 1..n in ascending label value (:func:`segment_numbers`), in the
+  Frame of Reference of the source, with frame-level references to the source instances
+  (Derivation Image, PS3.3 C.7.6.16.2.6) and the algorithm identification of the model
+  (CID 7162 "Artificial Intelligence").
+* :func:`build_sr` writes a Comprehensive 3D SR (PS3.3 A.35.13) holding a Measurement
+  Report (PS3.16 TID 1500) with one Volumetric ROI group (TID 1411) per segment: a
+  Referenced Segment, the finding type/category from the model manifest, and the volume
+  (mL), mean and standard deviation of the attenuation (HU) within the segment.
+* :func:`verify_seg` re-reads the encoded SEG and checks it reproduces the label map and
+  geometry; run it before sending.
+
+All UIDs come from :class:`ResultUIDs` or are derived from them, so re-encoding the same
+result (after a crash) reproduces identical UIDs. A label map with no labelled voxel raises
+:class:`NoSegmentsError`: neither a SEG (which needs at least one segment) nor a TID 1500
+report (which needs at least one measurement group) can describe "nothing found".
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import uuid
+from dataclasses import dataclass
+
+import highdicom as hd
+import numpy as np
+import numpy.typing as npt
+import pydicom
+from highdicom.sr import (
+    AlgorithmIdentification,
+    Comprehensive3DSR,
+    DeviceObserverIdentifyingAttributes,
+    FindingSite,
+    Measurement,
+    MeasurementReport,
+    ObservationContext,
+    ObserverContext,
+    ReferencedSegment,
+    SourceSeriesForSegmentation,
+    TrackingIdentifier,
+    VolumetricROIMeasurementsAndQualitativeEvaluations,
+)
+from pydicom.dataset import Dataset
+from pydicom.sr.codedict import codes
+from pydicom.sr.coding import Code
+from pydicom.uid import generate_uid
+
+from engines.manifest import LabelSpec, ModelManifest
+from node.errors import SegnodeError
+from node.volume import Volume
+
+logger = logging.getLogger(__name__)
+
+SEGMENTATION_STORAGE = "1.2.840.10008.5.1.4.1.1.66.4"
+MILLILITER = Code("ml", "UCUM", "milliliter")
+HOUNSFIELD_UNIT = Code("[hnsf'U]", "UCUM", "Hounsfield unit")
+ANATOMICAL_STRUCTURE = ("123037004", "SCT")  # CID 7150 "Anatomical Structure"
+POSITION_TOLERANCE_MM = 0.01
+_UID_NAMESPACE = uuid.UUID("6f1c9a52-3f0e-5b8e-9d43-7a2b0c5e8d11")  # segnode's UUID namespace
+ORIENTATION_TOLERANCE = 1e-4
+
+
+class ResultError(SegnodeError):
+    """A SEG or SR cannot be built or does not reproduce the result; the message says why."""
+
+
+class NoSegmentsError(ResultError):
+    """The label map has no labelled voxel: there is nothing to encode."""
+
+
+@dataclass(frozen=True)
+class ResultUIDs:
+    """UIDs of one result, allocated once and kept in the ledger."""
+
+    seg_series_uid: str
+    seg_sop_uid: str
+    sr_series_uid: str
+    sr_sop_uid: str
+
+    @classmethod
+    def new(cls) -> ResultUIDs:
+        """Allocate four fresh UIDs (PS3.5 B.2, UUID-derived ``2.25`` root)."""
+        return cls(*(str(generate_uid(prefix=None)) for _ in range(4)))
+
+
+@dataclass(frozen=True)
+class SegmentStatistics:
+    """Measurements of one segment."""
+
+    segment_number: int
+    label: LabelSpec
+    voxels: int
+    volume_ml: float
+    mean_hu: float
+    std_hu: float  # population standard deviation (ddof = 0)
+
+
+def _derived_uid(*parts: str) -> str:
+    """Deterministic UID from ``parts``: a name-based (SHA-1) UUID in the ``2.25`` form of
+    PS3.5 B.2, so the same result re-encoded gets the same UID."""
+    return f"2.25.{uuid.uuid5(_UID_NAMESPACE, chr(0).join(parts)).int}"
+
+
+def _code(value: tuple[str, str, str]) -> Code:
+    return Code(value[0], value[1], value[2])
+
+
+def _label_counts(
+    volume: Volume, labels: npt.NDArray[np.integer], manifest: ModelManifest
+) -> npt.NDArray[np.intp]:
+    """Voxel count of every label value 0..max manifest value, after checking ``labels``."""
+    if labels.shape != volume.shape:
+        raise ResultError(f"label map has shape {labels.shape}, volume has {volume.shape}")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ResultError(f"label map must be integer, got {labels.dtype}")
+    known = {spec.value for spec in manifest.labels}
+    top = max(known)
+    if labels.size and (int(labels.min()) < 0 or int(labels.max()) > top):
+        outside = labels[(labels < 0) | (labels > top)]
+        raise ResultError(
+            f"label map contains values {sorted({int(v) for v in outside[:100_000]})} that "
+            f"model {manifest.name} {manifest.version} does not describe (known: "
+            f"{sorted(known)})"
+        )
+    counts: npt.NDArray[np.intp] = np.bincount(
+        labels.ravel().astype(np.intp, copy=False), minlength=top + 1
+    )
+    unknown = [v for v in np.flatnonzero(counts).tolist() if v != 0 and v not in known]
+    if unknown:
+        raise ResultError(
+            f"label map contains values {unknown} that model {manifest.name} "
+            f"{manifest.version} does not describe (known: {sorted(known)})"
+        )
+    return counts
+
+
+def _numbering(counts: npt.NDArray[np.intp], manifest: ModelManifest) -> dict[int, int]:
+    present = [s.value for s in sorted(manifest.labels, key=lambda s: s.value) if counts[s.value]]
+    return {value: number for number, value in enumerate(present, start=1)}
+
+
+def segment_numbers(labels: npt.NDArray[np.integer], manifest: ModelManifest) -> dict[int, int]:
+    """Map each non-empty label value to its segment number (1..n, ascending label value).
+
+    Parameters
+    ----------
+    labels
+        Label map; 0 is background; other values must be manifest label values.
+    manifest
+        The model whose labels the map uses.
+
+    Returns
+    -------
+    dict
+        ``{label value: segment number}`` for the labels present in ``labels``.
+
+    Raises
+    ------
+    ResultError
+        ``labels`` holds a value the manifest does not describe.
+    """
+    top = max(s.value for s in manifest.labels)
+    if labels.size and (int(labels.min()) < 0 or int(labels.max()) > top):
+        raise ResultError(f"label map holds values outside 0..{top}")
+    counts = np.bincount(labels.ravel().astype(np.intp, copy=False), minlength=top + 1)
+    return _numbering(counts, manifest)
+
+
+def segment_statistics(
+    volume: Volume, labels: npt.NDArray[np.integer], manifest: ModelManifest
+) -> list[SegmentStatistics]:
+    """Voxel count, volume (mL), mean and standard deviation (HU) of each non-empty label.
+
+    The volume is ``voxels * volume.voxel_volume_ml`` (voxel summation); mean and
+    population standard deviation are over the HU of the voxels with that label.
+    """
+    counts = _label_counts(volume, labels, manifest)
+    flat = labels.ravel().astype(np.intp, copy=False)
+    hu = volume.hu.ravel().astype(np.float64)
+    sums = np.bincount(flat, weights=hu, minlength=len(counts))
+    squares = np.bincount(flat, weights=hu * hu, minlength=len(counts))
+    out = []
+    for value, number in _numbering(counts, manifest).items():
+        n = int(counts[value])
+        mean = float(sums[value] / n)
+        variance = max(float(squares[value] / n) - mean * mean, 0.0)
+        out.append(
+            SegmentStatistics(
+                segment_number=number,
+                label=manifest.label(value),
+                voxels=n,
+                volume_ml=n * volume.voxel_volume_ml,
+                mean_hu=mean,
+                std_hu=float(np.sqrt(variance)),
+            )
+        )
+    return out
+
+
+def _source_headers(volume: Volume) -> list[Dataset]:
+    """Source headers as highdicom needs them.
+
+    highdicom copies Patient/Study attributes from the first source by attribute access and
+    requires identical Image Orientation (Patient) strings; the volume accepted tolerance,
+    so the first header gets empty Type 2 attributes where missing and every header the
+    first one's orientation (copies; the volume's headers are not changed).
+    """
+    sources = list(volume.sources)
+    first = copy.deepcopy(sources[0])
+    for keyword in (
+        "PatientName", "PatientID", "PatientBirthDate", "PatientSex", "AccessionNumber",
+        "StudyID", "StudyDate", "StudyTime", "ReferringPhysicianName",
+    ):  # fmt: skip
+        if keyword not in first:
+            setattr(first, keyword, "")
+    sources[0] = first
+    if "ImageOrientationPatient" in first:
+        iop = list(first.ImageOrientationPatient)
+        for i, ds in enumerate(sources[1:], start=1):
+            if list(ds.ImageOrientationPatient) != iop:
+                ds = copy.deepcopy(ds)
+                ds.ImageOrientationPatient = iop
+                sources[i] = ds
+    return sources
+
+
+def _character_set(volume: Volume) -> str | list[str] | None:
+    value = volume.sources[0].get("SpecificCharacterSet")
+    if not value:
+        return None
+    if isinstance(value, str):
+        return value
+    return [str(v) for v in value]
+
+
+def build_seg(
+    volume: Volume,
+    labels: npt.NDArray[np.integer],
+    manifest: ModelManifest,
+    uids: ResultUIDs,
+    *,
+    manufacturer: str = "segnode",
+    software_version: str,
+    series_number: int = 9901,
+    device_serial: str = "segnode",
+    manufacturer_model_name: str = "segnode",
+    instance_number: int = 1,
+    workers: int = 0,
+) -> Dataset:
+    """Encode ``labels`` as a BINARY DICOM Segmentation of ``volume``.
+
+    Parameters
+    ----------
+    volume
+        The source volume (its headers become the SEG's references).
+    labels
+        Label map, same shape as ``volume.hu``; values are manifest label values, 0 is
+        background.
+    manifest
+        Model that produced the labels (segment codes, colours, algorithm name/version).
+    uids
+        Series and SOP Instance UIDs of the SEG.
+    manufacturer, software_version, series_number, device_serial, manufacturer_model_name,
+    instance_number
+        General Equipment / General Series / General Image values of the SEG.
+    workers
+        Passed to highdicom (processes for frame encoding; 0 encodes in this process).
+
+    Returns
+    -------
+    pydicom.Dataset
+        A ``highdicom.seg.Segmentation`` (Segmentation Storage, Explicit VR Little Endian,
+        empty frames omitted).
+
+    Raises
+    ------
+    NoSegmentsError
+        No label is present in ``labels``.
+    ResultError
+        ``labels`` does not fit the volume or the manifest, or highdicom rejects the input.
+    """
+    numbers = _numbering(_label_counts(volume, labels, manifest), manifest)
+    if not numbers:
+        raise NoSegmentsError(
+            f"model {manifest.name} {manifest.version} found no segment in series "
+            f"{volume.series_instance_uid}; no SEG or SR is produced"
+        )
+    lut = np.zeros(
+        max(s.value for s in manifest.labels) + 1,
+        dtype=np.uint8 if len(numbers) < 256 else np.uint16,
+    )
+    for value, number in numbers.items():
+        lut[value] = number
+    pixels = lut[labels]
+
+    algorithm = hd.AlgorithmIdentificationSequence(
+        name=manifest.name,
+        family=codes.cid7162.ArtificialIntelligence,
+        version=manifest.version,
+    )
+    descriptions = []
+    for value, number in numbers.items():
+        spec = manifest.label(value)
+        descriptions.append(
+            hd.seg.SegmentDescription(
+                segment_number=number,
+                segment_label=spec.name[:64],
+                segmented_property_category=_code(spec.category),
+                segmented_property_type=_code(spec.type),
+                algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
+                algorithm_identification=algorithm,
+                tracking_uid=_derived_uid(uids.seg_sop_uid, "segment", str(number)),
+                tracking_id=spec.name[:64],
+                display_color=hd.color.CIELabColor.from_rgb(*spec.color),
+            )
+        )
+    positions = [
+        hd.PlanePositionSequence(hd.CoordinateSystemNames.PATIENT, list(p))
+        for p in volume.slice_positions
+    ]
+    try:
+        seg = hd.seg.Segmentation(
+            source_images=_source_headers(volume),
+            pixel_array=pixels,
+            segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
+            segment_descriptions=descriptions,
+            series_instance_uid=uids.seg_series_uid,
+            series_number=series_number,
+            sop_instance_uid=uids.seg_sop_uid,
+            instance_number=instance_number,
+            manufacturer=manufacturer,
+            manufacturer_model_name=manufacturer_model_name,
+            software_versions=software_version,
+            device_serial_number=device_serial,
+            content_description=f"{manifest.name} {manifest.version}"[:64],
+            series_description=f"SEG {manifest.name}"[:64],
+            plane_positions=positions,
+            omit_empty_frames=True,
+            workers=workers,
+            specific_character_set=_character_set(volume),
+        )
+    except (ValueError, TypeError) as exc:
+        raise ResultError(f"cannot encode the segmentation: {exc}") from exc
+    logger.debug(
+        "SEG %s: %d segments, %d frames, series %s",
+        uids.seg_sop_uid,
+        len(numbers),
+        int(seg.NumberOfFrames),
+        volume.series_instance_uid,
+    )
+    return seg
+
+
+def _segment_label_map(seg: Dataset) -> dict[int, str]:
+    return {int(item.SegmentNumber): str(item.SegmentLabel) for item in seg.SegmentSequence}
+
+
+def build_sr(
+    volume: Volume,
+    labels: npt.NDArray[np.integer],
+    manifest: ModelManifest,
+    seg: Dataset,
+    uids: ResultUIDs,
+    *,
+    manufacturer: str = "segnode",
+    software_version: str,
+    series_number: int = 9902,
+    device_serial: str = "segnode",
+    instance_number: int = 1,
+) -> Dataset:
+    """Encode the segment measurements as a TID 1500 Comprehensive 3D SR.
+
+    Parameters
+    ----------
+    volume, labels, manifest
+        As given to :func:`build_seg`.
+    seg
+        The SEG built from them (its SOP Instance UID and segment numbers are referenced).
+    uids
+        Series and SOP Instance UIDs of the SR (tracking UIDs derive from them).
+    manufacturer, software_version, series_number, device_serial, instance_number
+        Equipment and series values; the observer device (TID 1004) is named after
+        ``manufacturer`` and ``device_serial``.
+
+    Returns
+    -------
+    pydicom.Dataset
+        A ``highdicom.sr.Comprehensive3DSR`` (complete, unverified).
+
+    Raises
+    ------
+    NoSegmentsError
+        No label is present in ``labels``.
+    ResultError
+        ``seg`` does not describe the segments of ``labels``.
+    """
+    stats = segment_statistics(volume, labels, manifest)
+    if not stats:
+        raise NoSegmentsError("no segment found; no SR is produced")
+    described = _segment_label_map(seg)
+    expected = {s.segment_number: s.label.name[:64] for s in stats}
+    if described != expected:
+        raise ResultError(f"SEG segments {described} do not match the label map {expected}")
+    if str(seg.SOPInstanceUID) != uids.seg_sop_uid:
+        raise ResultError("seg is not the SEG of these ResultUIDs")
+
+    device = DeviceObserverIdentifyingAttributes(
+        uid=_derived_uid("segnode-device", manufacturer, device_serial),
+        name="segnode",
+        manufacturer_name=manufacturer,
+        model_name=f"{manifest.name} {manifest.version}"[:64],
+        serial_number=device_serial,
+    )
+    context = ObservationContext(
+        observer_device_context=ObserverContext(
+            observer_type=codes.cid270.Device, observer_identifying_attributes=device
+        )
+    )
+    algorithm = AlgorithmIdentification(
+        name=manifest.name,
+        version=manifest.version,
+        family=codes.cid7162.ArtificialIntelligence,
+    )
+    groups = []
+    for s in stats:
+        spec = s.label
+        anatomical = (spec.category[0], spec.category[1]) == ANATOMICAL_STRUCTURE
+        groups.append(
+            VolumetricROIMeasurementsAndQualitativeEvaluations(
+                tracking_identifier=TrackingIdentifier(
+                    uid=_derived_uid(uids.sr_sop_uid, "segment", str(s.segment_number)),
+                    identifier=spec.name[:64],
+                ),
+                referenced_segment=ReferencedSegment(
+                    sop_class_uid=str(seg.SOPClassUID),
+                    sop_instance_uid=str(seg.SOPInstanceUID),
+                    segment_number=s.segment_number,
+                    source_series=SourceSeriesForSegmentation(volume.series_instance_uid),
+                ),
+                finding_type=_code(spec.type),
+                finding_category=_code(spec.category),
+                finding_sites=[FindingSite(_code(spec.type))] if anatomical else None,
+                algorithm_id=algorithm,
+                measurements=[
+                    Measurement(
+                        name=codes.SCT.Volume,
+                        value=round(s.volume_ml, 6),
+                        unit=MILLILITER,
+                        method=codes.cid7472.VolumeFromVoxelSummation,
+                    ),
+                    Measurement(
+                        name=codes.DCM.AttenuationCoefficient,
+                        value=round(s.mean_hu, 4),
+                        unit=HOUNSFIELD_UNIT,
+                        derivation=codes.cid7464.Mean,
+                    ),
+                    Measurement(
+                        name=codes.DCM.AttenuationCoefficient,
+                        value=round(s.std_hu, 4),
+                        unit=HOUNSFIELD_UNIT,
+                        derivation=codes.cid7464.StandardDeviation,
+                    ),
+                ],
+            )
+        )
+    report = MeasurementReport(
+        observation_context=context,
+        procedure_reported=codes.cid100.CTUnspecifiedBodyRegion,
+        imaging_measurements=groups,
+    )
+    try:
+        sr = Comprehensive3DSR(
+            evidence=[seg, *_source_headers(volume)],
+            content=report,
+            series_instance_uid=uids.sr_series_uid,
+            series_number=series_number,
+            sop_instance_uid=uids.sr_sop_uid,
+            instance_number=instance_number,
+            manufacturer=manufacturer,
+            is_complete=True,
+            series_description=f"SR {manifest.name}"[:64],
+            specific_character_set=_character_set(volume),
+            manufacturer_model_name="segnode",
+            software_versions=software_version,
+            device_serial_number=device_serial,
+        )
+    except (ValueError, TypeError) as exc:
+        raise ResultError(f"cannot encode the measurement report: {exc}") from exc
+    return sr
+
+
+# ------------------------------------------------------------------------------ verify
+
+
+def _reencode(ds: Dataset) -> Dataset:
+    """Write ``ds`` to bytes and read it back, as a receiver would."""
+    buffer = io.BytesIO()
+    try:
+        pydicom.dcmwrite(buffer, ds, enforce_file_format=True)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ResultError(f"the SEG cannot be written: {exc}") from exc
+    buffer.seek(0)
+    return pydicom.dcmread(buffer)
+
+
+def _item(ds: Dataset, frame: int, sequence: str) -> Dataset | None:
+    per_frame = ds.PerFrameFunctionalGroupsSequence[frame]
+    if sequence in per_frame:
+        return per_frame[sequence][0]  # type: ignore[no-any-return]
+    shared = ds.SharedFunctionalGroupsSequence[0]
+    if sequence in shared:
+        return shared[sequence][0]  # type: ignore[no-any-return]
+    return None
+
+
+def verify_seg(seg: Dataset, volume: Volume, labels: npt.NDArray[np.integer]) -> None:
+    """Check that the encoded SEG reproduces ``labels`` on the geometry of ``volume``.
+
+    The SEG is written to bytes and read back; then
+
+    * SOP Class, Study, Frame of Reference and the references to every source instance
+      (Referenced Series Sequence, PS3.3 C.12.2) are checked;
+    * the shared orientation and pixel spacing must equal the volume's, and every frame's
+      Image Position (Patient) must be a slice position of the volume (0.01 mm);
+    * the frames, put back at those slices, must give ``labels`` exactly (segment numbers
+      mapped back to label values through the Segment Labels);
+    * highdicom's reader, addressing frames by their source references, must agree.
+
+    Raises
+    ------
+    ResultError
+        Naming the first disagreement.
+    """
+    ds = _reencode(seg)
+    if str(ds.SOPClassUID) != SEGMENTATION_STORAGE:
+        raise ResultError(f"SOP Class {ds.SOPClassUID} is not Segmentation Storage")
+    for keyword, expected in (
+        ("FrameOfReferenceUID", volume.frame_of_reference_uid),
+        ("StudyInstanceUID", volume.study_instance_uid),
+    ):
+        if str(ds.get(keyword, "")) != expected:
+            raise ResultError(f"{keyword} {ds.get(keyword)} differs from the source {expected}")
+    referenced = {
+        str(item.ReferencedSOPInstanceUID)
+        for series in ds.get("ReferencedSeriesSequence", [])
+        for item in series.ReferencedInstanceSequence
+    }
+    missing = [str(s.SOPInstanceUID) for s in volume.sources if s.SOPInstanceUID not in referenced]
+    if missing:
+        raise ResultError(f"SEG does not reference source instances {missing[:3]}...")
+
+    shared = ds.SharedFunctionalGroupsSequence[0]
+    iop = np.array([float(v) for v in shared.PlaneOrientationSequence[0].ImageOrientationPatient])
+    expected_iop = np.array(volume.row_direction + volume.column_direction)
+    if np.max(np.abs(iop - expected_iop)) > ORIENTATION_TOLERANCE:
+        raise ResultError(f"SEG orientation {iop.tolist()} differs from {expected_iop.tolist()}")
+    spacing = [float(v) for v in shared.PixelMeasuresSequence[0].PixelSpacing]
+    if max(abs(spacing[0] - volume.spacing[1]), abs(spacing[1] - volume.spacing[2])) > 1e-4:
+        raise ResultError(f"SEG pixel spacing {spacing} differs from {volume.spacing[1:]}")
+    if (int(ds.Rows), int(ds.Columns)) != volume.shape[1:]:
+        raise ResultError(f"SEG frames are {ds.Rows}x{ds.Columns}, volume {volume.shape[1:]}")
+
+    if labels.shape != volume.shape or (labels.size and int(labels.min()) < 0):
+        raise ResultError(f"label map of shape {labels.shape} does not fit {volume.shape}")
+    counts = np.bincount(labels.ravel().astype(np.intp, copy=False))
+    present = [v for v in np.flatnonzero(counts).tolist() if v != 0]
+    numbers = {number: value for number, value in enumerate(present, start=1)}
+    names = _segment_label_map(ds)
+    if sorted(names) != list(range(1, len(numbers) + 1)) or len(names) != len(numbers):
+        raise ResultError(f"SEG describes segments {sorted(names)}, label map has {numbers}")
+
+    positions = np.array(volume.slice_positions)
+    frames = ds.pixel_array
+    if frames.ndim == 2:
+        frames = frames[None]
+    rebuilt = np.zeros(volume.shape, dtype=labels.dtype)
+    for f in range(frames.shape[0]):
+        identification = _item(ds, f, "SegmentIdentificationSequence")
+        plane = _item(ds, f, "PlanePositionSequence")
+        if identification is None or plane is None:
+            raise ResultError(f"SEG frame {f + 1} lacks its segment number or plane position")
+        number = int(identification.ReferencedSegmentNumber)
+        ipp = np.array([float(v) for v in plane.ImagePositionPatient])
+        distance = np.linalg.norm(positions - ipp, axis=1)
+        k = int(np.argmin(distance))
+        if distance[k] > POSITION_TOLERANCE_MM:
+            raise ResultError(
+                f"SEG frame {f + 1} at {ipp.tolist()} is not at any source slice position "
+                f"(nearest {distance[k]:.3f} mm away)"
+            )
+        if number not in numbers:
+            raise ResultError(f"SEG frame {f + 1} refers to unknown segment {number}")
+        mask = frames[f].astype(bool)
+        if np.any(rebuilt[k][mask]):
+            raise ResultError(f"SEG frame {f + 1} overlaps another segment on slice {k}")
+        rebuilt[k][mask] = numbers[number]
+    if not np.array_equal(rebuilt, labels):
+        diff = np.argwhere(rebuilt != labels)
+        raise ResultError(
+            f"SEG does not reproduce the label map: {len(diff)} voxels differ, first at "
+            f"(z, y, x) = {tuple(int(v) for v in diff[0])}"
+        )
+    _verify_with_highdicom(ds, volume, labels, numbers)
+
+
+def _verify_with_highdicom(
+    ds: Dataset,
+    volume: Volume,
+    labels: npt.NDArray[np.integer],
+    numbers: dict[int, int],
+) -> None:
+    try:
+        seg = hd.seg.Segmentation.from_dataset(ds, copy=False)
+        if volume.is_multiframe:
+            array = seg.get_pixels_by_source_frame(
+                source_sop_instance_uid=str(volume.sources[0].SOPInstanceUID),
+                source_frame_numbers=list(volume.frame_numbers),
+                combine_segments=True,
+                assert_missing_frames_are_empty=True,
+            )
+        else:
+            array = seg.get_pixels_by_source_instance(
+                source_sop_instance_uids=[str(s.SOPInstanceUID) for s in volume.sources],
+                combine_segments=True,
+                assert_missing_frames_are_empty=True,
+            )
+    except (ValueError, RuntimeError, KeyError, AttributeError) as exc:
+        raise ResultError(f"highdicom cannot read the SEG back by source reference: {exc}") from exc
+    lut = np.zeros(max(numbers) + 1, dtype=labels.dtype)
+    for number, value in numbers.items():
+        lut[number] = value
+    if not np.array_equal(lut[array], labels):
+        raise ResultError("SEG frames read back by source reference do not reproduce the labels")

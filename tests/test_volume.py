@@ -1,0 +1,415 @@
+"""node.volume: assembling CT series (single-frame and Enhanced CT) into HU volumes."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import highdicom as hd
+import numpy as np
+import pydicom
+import pytest
+from pydicom.dataset import Dataset
+from pydicom.uid import (
+    DeflatedExplicitVRLittleEndian,
+    ExplicitVRLittleEndian,
+    ImplicitVRLittleEndian,
+    JPEG2000Lossless,
+    JPEGLosslessSV1,
+    JPEGLSLossless,
+    RLELossless,
+    generate_uid,
+)
+
+from node.synthetic import (
+    AXIAL,
+    SAGITTAL,
+    jpeg_lossless_sv1,
+    phantom_hu,
+    synthetic_datasets,
+    write_enhanced_ct,
+    write_synthetic_series,
+)
+from node.volume import Volume, VolumeError, assemble_from_datasets, assemble_volume
+from tests.conftest import LIVER, PHANTOM, require_data
+
+ROWS, COLUMNS, SLICES = 32, 40, 6
+OBLIQUE = (
+    float(np.cos(np.radians(30))),
+    float(np.sin(np.radians(30))),
+    0.0,
+    0.0,
+    0.0,
+    -1.0,
+)
+
+
+def small(**kwargs: object) -> list[Dataset]:
+    """A small phantom series (32 x 40 x 6) in memory."""
+    args: dict[str, object] = {"rows": ROWS, "columns": COLUMNS, "slices": SLICES}
+    args.update(kwargs)
+    return synthetic_datasets(**args)  # type: ignore[arg-type]
+
+
+def reread(ds: Dataset) -> Dataset:
+    """Encode and decode ``ds`` so changed pixel attributes take effect."""
+    from io import BytesIO
+
+    buffer = BytesIO()
+    ds.save_as(buffer, enforce_file_format=True)
+    buffer.seek(0)
+    return pydicom.dcmread(buffer)
+
+
+# ------------------------------------------------------------------------ happy paths
+
+
+def test_synthetic_series_round_trip(tmp_path: Path) -> None:
+    paths = write_synthetic_series(
+        tmp_path, rows=ROWS, columns=COLUMNS, slices=SLICES, pixel_spacing=0.7, slice_spacing=1.25
+    )
+    shuffled = list(paths)
+    random.Random(1).shuffle(shuffled)
+    volume = assemble_volume(shuffled)
+
+    assert volume.shape == (SLICES, ROWS, COLUMNS)
+    assert volume.hu.dtype == np.float32
+    np.testing.assert_array_equal(volume.hu, phantom_hu(ROWS, COLUMNS, SLICES))
+    assert volume.spacing == pytest.approx((1.25, 0.7, 0.7))
+    assert volume.normal == pytest.approx((0.0, 0.0, 1.0))
+    assert volume.row_direction == (1.0, 0.0, 0.0)
+    assert volume.column_direction == (0.0, 1.0, 0.0)
+    assert volume.voxel_volume_ml == pytest.approx(1.25 * 0.7 * 0.7 / 1000)
+    z = [float(ds.ImagePositionPatient[2]) for ds in volume.sources]
+    assert z == sorted(z)
+    assert volume.origin == pytest.approx(
+        [float(v) for v in volume.sources[0].ImagePositionPatient]
+    )
+    assert [int(ds.InstanceNumber) for ds in volume.sources] == list(range(1, SLICES + 1))
+    assert all("PixelData" not in ds for ds in volume.sources)
+    assert len({ds.SOPInstanceUID for ds in volume.sources}) == SLICES
+    assert not volume.is_multiframe
+    # affine maps voxel (k, i, j) to the patient position of that voxel
+    k, i, j = 3, 5, 7
+    expected = (
+        np.array(volume.slice_positions[k])
+        + i * 0.7 * np.array(volume.column_direction)
+        + j * 0.7 * np.array(volume.row_direction)
+    )
+    np.testing.assert_allclose(volume.affine @ [k, i, j, 1], [*expected, 1.0], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "syntax",
+    [
+        ExplicitVRLittleEndian,
+        ImplicitVRLittleEndian,
+        DeflatedExplicitVRLittleEndian,
+        RLELossless,
+        JPEGLSLossless,
+        JPEG2000Lossless,
+        JPEGLosslessSV1,
+    ],
+    ids=lambda uid: uid.name,
+)
+def test_transfer_syntaxes_decode_to_same_hu(tmp_path: Path, syntax: str) -> None:
+    paths = write_synthetic_series(
+        tmp_path, rows=ROWS, columns=COLUMNS, slices=SLICES, transfer_syntax=syntax
+    )
+    assert pydicom.dcmread(paths[0]).file_meta.TransferSyntaxUID == syntax
+    volume = assemble_volume(paths)
+    np.testing.assert_array_equal(volume.hu, phantom_hu(ROWS, COLUMNS, SLICES))
+
+
+@pytest.mark.parametrize("precision", [12, 16])
+def test_jpeg_lossless_encoder_is_lossless(precision: int) -> None:
+    # the test encoder must be exact for every difference category, 0..16
+    from pylibjpeg.utils import decode
+
+    rng = np.random.default_rng(precision)
+    frame = rng.integers(0, 1 << precision, (17, 23)).astype(np.uint16)
+    frame[0, :2] = (0, (1 << precision) - 1)
+    np.testing.assert_array_equal(decode(jpeg_lossless_sv1(frame, precision)), frame)
+
+
+def test_signed_pixels_and_per_slice_rescale() -> None:
+    datasets = small()
+    hu = phantom_hu(ROWS, COLUMNS, SLICES)
+    for k, ds in enumerate(datasets):
+        slope, intercept = (1.0, -1024.0) if k % 2 else (0.5, -20.0 * k)
+        stored = np.rint((hu[k].astype(np.float64) - intercept) / slope).astype(np.int16)
+        ds.PixelRepresentation = 1
+        ds.BitsStored = 16
+        ds.HighBit = 15
+        ds.RescaleSlope = slope
+        ds.RescaleIntercept = intercept
+        ds.PixelData = stored.tobytes()
+    volume = assemble_from_datasets([reread(ds) for ds in datasets])
+    np.testing.assert_allclose(volume.hu, hu, atol=0.5)
+
+
+def test_reverse_order_and_flipped_normal() -> None:
+    # column direction -y: normal is -z, so ascending along the normal is descending in z
+    datasets = small(orientation=(1.0, 0.0, 0.0, 0.0, -1.0, 0.0))
+    volume = assemble_from_datasets(datasets[::-1])
+    assert volume.normal == pytest.approx((0.0, 0.0, -1.0))
+    z = [p[2] for p in volume.slice_positions]
+    assert z == sorted(z, reverse=True)
+    np.testing.assert_array_equal(volume.hu, phantom_hu(ROWS, COLUMNS, SLICES))
+
+
+@pytest.mark.parametrize("orientation", [SAGITTAL, OBLIQUE], ids=["sagittal", "oblique"])
+def test_non_axial_geometry(orientation: tuple[float, ...]) -> None:
+    datasets = small(orientation=orientation, slice_spacing=2.0)
+    volume = assemble_from_datasets(datasets[::-1])
+    row, col = np.array(orientation[:3]), np.array(orientation[3:])
+    assert volume.normal == pytest.approx(tuple(np.cross(row, col)))
+    assert volume.spacing == pytest.approx((2.0, 0.7, 0.7), abs=1e-3)  # positions have 4 decimals
+    np.testing.assert_array_equal(volume.hu, phantom_hu(ROWS, COLUMNS, SLICES))
+    assert [ds.SOPInstanceUID for ds in volume.sources] == [ds.SOPInstanceUID for ds in datasets]
+
+
+def test_datasets_are_not_modified() -> None:
+    datasets = small()
+    assemble_from_datasets(datasets)
+    assert all("PixelData" in ds for ds in datasets)
+
+
+@pytest.mark.parametrize("per_frame_rescale", [False, True], ids=["shared", "per-frame"])
+def test_enhanced_ct(tmp_path: Path, per_frame_rescale: bool) -> None:
+    order = [3, 1, 0, 5, 4, 2]
+    path = write_enhanced_ct(
+        tmp_path / "enhanced.dcm",
+        rows=ROWS,
+        columns=COLUMNS,
+        slices=SLICES,
+        frame_order=order,
+        per_frame_rescale=per_frame_rescale,
+    )
+    volume = assemble_volume([path])
+    np.testing.assert_array_equal(volume.hu, phantom_hu(ROWS, COLUMNS, SLICES))
+    assert volume.is_multiframe
+    assert len(volume.sources) == 1
+    assert "PixelData" not in volume.sources[0]
+    # slice k came from the frame that holds phantom slice k
+    assert volume.frame_numbers == tuple(order.index(k) + 1 for k in range(SLICES))
+    assert volume.spacing == pytest.approx((1.25, 0.7, 0.7))
+
+
+def test_enhanced_ct_compressed(tmp_path: Path) -> None:
+    path = write_enhanced_ct(
+        tmp_path / "enhanced.dcm",
+        rows=ROWS,
+        columns=COLUMNS,
+        slices=SLICES,
+        transfer_syntax=RLELossless,
+    )
+    np.testing.assert_array_equal(assemble_volume([path]).hu, phantom_hu(ROWS, COLUMNS, SLICES))
+
+
+def test_legacy_converted_enhanced_ct() -> None:
+    datasets = small()
+    legacy = hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=datasets,
+        series_instance_uid=generate_uid(),
+        series_number=3,
+        sop_instance_uid=generate_uid(),
+        instance_number=1,
+    )
+    volume = assemble_from_datasets([reread(legacy)])
+    np.testing.assert_array_equal(volume.hu, phantom_hu(ROWS, COLUMNS, SLICES))
+
+
+def test_real_phantom_series() -> None:
+    paths = sorted(p for p in require_data(PHANTOM).iterdir() if p.is_file())
+    volume = assemble_volume(paths)
+    assert volume.shape == (28, 512, 512)
+    assert volume.spacing == pytest.approx((5.0, 0.451171875, 0.451171875))
+    assert float(volume.hu.min()) == -1024.0
+    assert float(volume.hu.max()) == 782.0
+    z = [p[2] for p in volume.slice_positions]
+    assert z == sorted(z)
+
+
+def test_real_liver_three_slices() -> None:
+    paths = sorted(require_data(LIVER).glob("*.dcm"))
+    volume = assemble_volume(paths)
+    assert volume.shape == (3, 512, 512)
+    assert volume.spacing == pytest.approx((1.0, 0.810547, 0.810547))
+    assert float(volume.hu.min()) == -3024.0
+    assert float(volume.hu.max()) == 1381.0
+    # files are numbered from the top; the volume goes from the bottom up
+    assert [ds.InstanceNumber for ds in volume.sources] == [3, 2, 1]
+
+
+def test_volume_validates_itself() -> None:
+    volume = assemble_from_datasets(small())
+    with pytest.raises(ValueError, match="float32"):
+        Volume(
+            hu=volume.hu.astype(np.float64),
+            origin=volume.origin,
+            row_direction=volume.row_direction,
+            column_direction=volume.column_direction,
+            normal=volume.normal,
+            spacing=volume.spacing,
+            sources=volume.sources,
+            frame_of_reference_uid=volume.frame_of_reference_uid,
+            study_instance_uid=volume.study_instance_uid,
+            series_instance_uid=volume.series_instance_uid,
+        )
+
+
+# ------------------------------------------------------------------------ failures
+
+
+def test_single_slice_is_rejected() -> None:
+    with pytest.raises(VolumeError, match="1 slice"):
+        assemble_from_datasets(small()[:1])
+
+
+def test_min_slices() -> None:
+    with pytest.raises(VolumeError, match="at least 8"):
+        assemble_from_datasets(small(), min_slices=8)
+    with pytest.raises(ValueError, match="at least 2"):
+        assemble_from_datasets(small(), min_slices=1)
+
+
+def test_no_instances() -> None:
+    with pytest.raises(VolumeError, match="no instances"):
+        assemble_from_datasets([])
+
+
+def test_mixed_orientations() -> None:
+    datasets = small()
+    datasets[2].ImageOrientationPatient = [0.99, 0.141067, 0.0, -0.141067, 0.99, 0.0]
+    with pytest.raises(VolumeError, match="mixed orientations: instance 3"):
+        assemble_from_datasets(datasets)
+
+
+def test_small_orientation_jitter_is_tolerated() -> None:
+    datasets = small()
+    datasets[2].ImageOrientationPatient = [1.0, 0.00002, 0.0, -0.00002, 1.0, 0.0]
+    assemble_from_datasets(datasets)
+
+
+def test_invalid_orientation() -> None:
+    datasets = small()
+    for ds in datasets:
+        ds.ImageOrientationPatient = [1.0, 0.0, 0.0, 0.5, 0.5, 0.0]
+    with pytest.raises(VolumeError, match="not two orthogonal unit vectors"):
+        assemble_from_datasets(datasets)
+
+
+def test_missing_slice_is_a_gap() -> None:
+    datasets = small()
+    del datasets[3]
+    with pytest.raises(VolumeError, match="non-uniform slice spacing: 2.500 mm between instance 3"):
+        assemble_from_datasets(datasets)
+
+
+def test_non_uniform_spacing() -> None:
+    datasets = small()
+    x, y, z = (float(v) for v in datasets[4].ImagePositionPatient)
+    datasets[4].ImagePositionPatient = [x, y, z + 0.3]
+    with pytest.raises(VolumeError, match="non-uniform slice spacing") as info:
+        assemble_from_datasets(datasets)
+    assert "median spacing is 1.250 mm" in str(info.value)
+
+
+def test_spacing_rounding_is_tolerated() -> None:
+    datasets = small()
+    x, y, z = (float(v) for v in datasets[4].ImagePositionPatient)
+    datasets[4].ImagePositionPatient = [x, y, z + 0.005]
+    assert assemble_from_datasets(datasets).spacing[0] == pytest.approx(1.25)
+
+
+def test_gantry_tilt() -> None:
+    datasets = small()
+    shift = np.tan(np.radians(15)) * 1.25
+    for k, ds in enumerate(datasets):
+        x, y, z = (float(v) for v in ds.ImagePositionPatient)
+        ds.ImagePositionPatient = [x, y + k * shift, z]
+    with pytest.raises(VolumeError, match=r"not stacked along the slice normal.*15\.0 degrees"):
+        assemble_from_datasets(datasets)
+
+
+def test_missing_pixel_data() -> None:
+    datasets = small()
+    del datasets[1].PixelData
+    with pytest.raises(VolumeError, match="no Pixel Data"):
+        assemble_from_datasets(datasets)
+
+
+def test_non_ct_modality() -> None:
+    with pytest.raises(VolumeError, match="modality 'MR'"):
+        assemble_from_datasets(small(modality="MR"))
+
+
+def test_duplicate_positions() -> None:
+    datasets = small()
+    datasets[3].ImagePositionPatient = list(datasets[2].ImagePositionPatient)
+    with pytest.raises(VolumeError, match="duplicate slice position: instance 3 .* and instance 4"):
+        assemble_from_datasets(datasets)
+
+
+def test_mismatched_frame_of_reference() -> None:
+    datasets = small()
+    datasets[1].FrameOfReferenceUID = generate_uid()
+    with pytest.raises(VolumeError, match="2 different Frames of Reference"):
+        assemble_from_datasets(datasets)
+
+
+def test_mixed_series() -> None:
+    datasets = small()
+    datasets[1].SeriesInstanceUID = generate_uid()
+    with pytest.raises(VolumeError, match="2 different series"):
+        assemble_from_datasets(datasets)
+
+
+def test_mixed_sizes() -> None:
+    datasets = small()
+    other = small(rows=16, columns=COLUMNS)
+    datasets[2].Rows = 16
+    datasets[2].PixelData = other[2].PixelData
+    with pytest.raises(VolumeError, match=r"mixed sizes: instance 3 \(.*\) is 16x40"):
+        assemble_from_datasets(datasets)
+
+
+def test_mixed_pixel_spacing() -> None:
+    datasets = small()
+    datasets[5].PixelSpacing = [0.8, 0.8]
+    with pytest.raises(VolumeError, match="mixed pixel spacing: instance 6"):
+        assemble_from_datasets(datasets)
+
+
+def test_missing_position() -> None:
+    datasets = small()
+    del datasets[0].ImagePositionPatient
+    with pytest.raises(VolumeError, match="instance 1 .* lacks ImagePositionPatient"):
+        assemble_from_datasets(datasets)
+
+
+@pytest.mark.filterwarnings("ignore:The number of bytes of compressed pixel data")
+def test_undecodable_pixel_data() -> None:
+    datasets = small()
+    datasets[0].file_meta.TransferSyntaxUID = JPEGLSLossless  # claims JPEG-LS, holds raw bytes
+    with pytest.raises(VolumeError, match="cannot decode pixel data in transfer syntax JPEG-LS"):
+        assemble_from_datasets(datasets)
+
+
+def test_not_dicom(tmp_path: Path) -> None:
+    paths = write_synthetic_series(tmp_path, rows=ROWS, columns=COLUMNS, slices=SLICES)
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not an image")
+    with pytest.raises(VolumeError, match="notes.txt is not a DICOM file"):
+        assemble_volume([*paths, junk])
+
+
+def test_multiframe_mixed_with_single_frames(tmp_path: Path) -> None:
+    path = write_enhanced_ct(tmp_path / "e.dcm", rows=ROWS, columns=COLUMNS, slices=SLICES)
+    with pytest.raises(VolumeError, match="of which 1 are multi-frame"):
+        assemble_from_datasets([pydicom.dcmread(path), *small()])
+
+
+def test_axial_constant_is_identity_orientation() -> None:
+    assert AXIAL == (1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
