@@ -12,7 +12,7 @@ A manifest ``<model>.json`` sits next to ``<model>.onnx`` and holds::
       "fp16": false,                      # may a backend run it in half precision
       "preprocessing": {"clip": [-1024, 3071], "scale": 1.0, "offset": 0.0},
       "labels": [
-        {"value": 1, "name": "Body", "category": ["123037004", "SCT", "Anatomical Structure"],
+        {"value": 1, "name": "Body", "category": ["91723000", "SCT", "Anatomical Structure"],
          "type": ["38266002", "SCT", "Entire body"], "color": [255, 224, 189]}
       ]
     }

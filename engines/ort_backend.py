@@ -81,6 +81,10 @@ class OrtEngine:
                 f"onnxruntime providers {missing} not available here; have {available}"
             )
         options = ort.SessionOptions()
+        # Idle pool threads sleep instead of spinning: on a small node the spinning costs as
+        # much CPU as the model and slows the DICOM side; the latency cost is negligible here
+        # (about 1.5 s vs 2.7 s CPU per 512x512x128 volume on 2 cores, same wall time).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self._threads is not None:
             options.intra_op_num_threads = self._threads
             options.inter_op_num_threads = 1

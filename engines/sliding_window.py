@@ -17,9 +17,12 @@ favours the patch centre, summed, and the arg-max taken per voxel. Memory is kep
   depth (``num_classes x patch_z x Y x X``), not the whole volume, whatever the number of
   slices. This is why accumulation stays in float32: half precision would halve a buffer that
   is already small, and would flush the Gaussian tails (about 1e-10 at a patch corner) to zero.
-* When one patch covers the whole (padded) volume, no weights or softmax are applied at all:
-  a positive per-voxel weight and the softmax are both monotonic per voxel, so the arg-max of
-  the raw network output is the same label map.
+* Voxels that only one patch covers skip the weighting, the softmax and the accumulator:
+  a positive weight and the softmax are both monotonic per voxel, so the arg-max of the raw
+  output is the same label. This is exploited when all patches share one in-plane window
+  (a model whose patch holds the whole slice, such as the default "tissue" model): there a
+  slice covered by a single z position is labelled straight from that patch, and only the
+  overlap slices are blended. With several in-plane windows every voxel is blended.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ _SWEEP_MAX_CLASSES = 16
 def _axis_starts(size: int, patch: int, overlap: float) -> list[int]:
     if size <= patch:
         return [0]
-    step = max(1, math.floor(patch * (1.0 - overlap)))
+    step = max(1, math.floor(patch * (1.0 - overlap) + 1e-9))
     starts = list(range(0, size - patch, step))
     starts.append(size - patch)
     return starts
@@ -122,7 +125,8 @@ def gaussian_importance(
         profiles.append(xp.exp(-0.5 * (offsets / sigma) ** 2))
     weights = profiles[0][:, None, None] * profiles[1][None, :, None] * profiles[2][None, None, :]
     weights = weights / xp.max(weights)
-    smallest = xp.min(xp.where(weights > 0, weights, xp.asarray(xp.inf, device=device)))
+    infinity = xp.asarray(xp.inf, dtype=xp.float32, device=device)
+    smallest = xp.min(xp.where(weights > 0, weights, infinity))
     return xp.where(weights > 0, weights, smallest)
 
 
@@ -146,7 +150,8 @@ def sliding_window_segment(
     predict
         Called with float32 batches ``(N, 1, pz, py, px)`` (``N <= batch_size``) in the
         volume's namespace and device; returns ``(N, num_classes, pz, py, px)`` logits or
-        probabilities in the same namespace (any float dtype).
+        probabilities in the same namespace (any float dtype). The returned array is consumed:
+        it may be overwritten (softmax in place), so return a buffer the caller can spare.
     patch_size
         Patch shape ``(pz, py, px)`` the model takes.
     overlap
@@ -190,13 +195,9 @@ def sliding_window_segment(
     shape = tuple(int(n) for n in volume.shape)
     padded, offsets = _pad_edge(xp.astype(volume, xp.float32, copy=False), patch_size, xp)
     grid = patch_grid(padded.shape, patch_size, overlap)
-    run = _Runner(predict, xp, (len(grid), num_classes, *patch_size))
-
-    if len(grid) == 1:
-        labels = _argmax(run([padded])[0], xp)
-    else:
-        weights = gaussian_importance(patch_size, sigma_scale, xp, device=dev)
-        labels = _blend(padded, grid, run, weights, num_classes, batch_size, output_kind, xp)
+    run = _Runner(predict, xp, num_classes, patch_size)
+    weights = gaussian_importance(patch_size, sigma_scale, xp, device=dev)
+    labels = _blend(padded, grid, run, weights, num_classes, batch_size, output_kind, xp)
 
     if tuple(labels.shape) == shape:
         return labels
@@ -207,10 +208,12 @@ def sliding_window_segment(
 class _Runner:
     """Calls ``predict`` on a list of patches and checks what comes back."""
 
-    def __init__(self, predict: Predict, xp: Any, expected: tuple[int, ...]) -> None:
+    def __init__(
+        self, predict: Predict, xp: Any, num_classes: int, patch_size: tuple[int, int, int]
+    ) -> None:
         self._predict = predict
         self._xp = xp
-        self._channels_and_patch = expected[1:]
+        self._channels_and_patch = (num_classes, *patch_size)
 
     def __call__(self, patches: list[Array]) -> Array:
         xp = self._xp
@@ -236,38 +239,75 @@ def _blend(
     dev = array_device(padded)
     depth, rows, cols = (int(n) for n in padded.shape)
     labels = xp.zeros((depth, rows, cols), dtype=xp.uint8, device=dev)
-    first_z = grid[0][0]
-    # acc[:, i] holds the weighted scores of slice low + i, for i < used. It is allocated
-    # once (one patch deep, more only if a batch spans several z starts) and reused.
-    acc = xp.zeros(
-        (num_classes, first_z.stop - first_z.start, rows, cols), dtype=xp.float32, device=dev
-    )
+    shared = _shared_slices(grid, depth)
+    # acc[:, i] holds the weighted scores of slice low + i for i < used. Allocated when first
+    # needed, one patch deep (more only if a batch spans several z starts), then reused.
+    acc: Array = None
     low = used = 0
     for first in range(0, len(grid), batch_size):
         batch = grid[first : first + batch_size]
         scores = run([padded[patch] for patch in batch])
-        if output_kind == "logits":
-            scores = _softmax(scores, xp)
-        scores *= weights
         for index, (zs, ys, xs) in enumerate(batch):
-            end = zs.stop - low
-            if end > acc.shape[1]:
-                grown = xp.zeros((num_classes, end, rows, cols), dtype=xp.float32, device=dev)
-                grown[:, :used, ...] = acc[:, :used, ...]
-                acc = grown
-            acc[:, zs.start - low : end, ys, xs] += scores[index, ...]
-            used = max(used, end)
+            for begin, end, blended in _runs(shared, zs.start, zs.stop):
+                part = scores[index : index + 1, :, begin - zs.start : end - zs.start, ...]
+                if not blended:
+                    labels[begin:end, ys, xs] = _argmax(part[0, ...], xp)
+                    continue
+                if output_kind == "logits":
+                    part = _softmax(part, xp)
+                part = part[0, ...] * weights[begin - zs.start : end - zs.start, ...]
+                if acc is None or end - low > acc.shape[1]:
+                    depth_needed = max(end - low, zs.stop - zs.start)
+                    grown = xp.zeros(
+                        (num_classes, depth_needed, rows, cols), dtype=xp.float32, device=dev
+                    )
+                    if acc is not None:
+                        grown[:, :used, ...] = acc[:, :used, ...]
+                    acc = grown
+                acc[:, begin - low : end - low, ys, xs] += part
+                used = max(used, end - low)
         # Slices before the next patch's start are final: no later patch reaches back.
         done = grid[first + batch_size][0].start if first + batch_size < len(grid) else depth
-        if done > low:
-            count = done - low
-            labels[low:done, ...] = _argmax(acc[:, :count, ...], xp)
-            rest = used - count
-            if rest > 0:
-                acc[:, :rest, ...] = xp.asarray(acc[:, count:used, ...], copy=True)
+        if done <= low:
+            continue
+        for begin, end, blended in _runs(shared, low, done):
+            if blended:
+                labels[begin:end, ...] = _argmax(acc[:, begin - low : end - low, ...], xp)
+        count = done - low
+        rest = max(0, used - count)
+        if rest:
+            acc[:, :rest, ...] = xp.asarray(acc[:, count:used, ...], copy=True)
+        if used > rest:
             acc[:, rest:used, ...] = 0.0
-            low, used = done, rest
+        low, used = done, rest
     return labels
+
+
+def _shared_slices(grid: list[Patch], depth: int) -> list[bool]:
+    """Per slice, whether its voxels may lie in more than one patch and need blending.
+
+    When all patches span the same in-plane window, a slice that one z position covers
+    is covered by exactly one patch: its label is that patch's arg-max, no weights needed.
+    """
+    windows = {(ys.start, xs.start) for _, ys, xs in grid}
+    if len(windows) > 1:
+        return [True] * depth
+    coverage = [0] * depth
+    for zs in {zs.start: zs for zs, _, _ in grid}.values():
+        for z in range(zs.start, min(zs.stop, depth)):
+            coverage[z] += 1
+    return [count > 1 for count in coverage]
+
+
+def _runs(flags: list[bool], start: int, stop: int) -> list[tuple[int, int, bool]]:
+    """Maximal runs ``(begin, end, flag)`` of equal ``flags`` within ``[start, stop)``."""
+    runs: list[tuple[int, int, bool]] = []
+    begin = start
+    for z in range(start + 1, stop + 1):
+        if z == stop or flags[z] != flags[begin]:
+            runs.append((begin, z, flags[begin]))
+            begin = z
+    return runs
 
 
 def _argmax(scores: Array, xp: Any) -> Array:

@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 SEGMENTATION_STORAGE = "1.2.840.10008.5.1.4.1.1.66.4"
 MILLILITER = Code("ml", "UCUM", "milliliter")
 HOUNSFIELD_UNIT = Code("[hnsf'U]", "UCUM", "Hounsfield unit")
-ANATOMICAL_STRUCTURE = ("123037004", "SCT")  # CID 7150 "Anatomical Structure"
+#: CID 7150 "Anatomical Structure" (91723000 today; 123037004 in older editions of PS3.16)
+ANATOMICAL_STRUCTURES = frozenset({("91723000", "SCT"), ("123037004", "SCT")})
 POSITION_TOLERANCE_MM = 0.01
 _UID_NAMESPACE = uuid.UUID("6f1c9a52-3f0e-5b8e-9d43-7a2b0c5e8d11")  # segnode's UUID namespace
 ORIENTATION_TOLERANCE = 1e-4
@@ -428,7 +429,7 @@ def build_sr(
     groups = []
     for s in stats:
         spec = s.label
-        anatomical = (spec.category[0], spec.category[1]) == ANATOMICAL_STRUCTURE
+        anatomical = (spec.category[0], spec.category[1]) in ANATOMICAL_STRUCTURES
         groups.append(
             VolumetricROIMeasurementsAndQualitativeEvaluations(
                 tracking_identifier=TrackingIdentifier(

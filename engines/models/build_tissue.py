@@ -201,10 +201,20 @@ class _Graph:
         return self.op("MaxPool", x, kernel_shape=kernel, pads=pads, strides=[1, 1, 1])
 
     def dilate(self, mask: str, size: int) -> str:
-        """Dilation by a ``size x size`` in-plane square (separable)."""
+        """Dilation by a ``size x size`` in-plane square.
+
+        One MaxPool: ONNX Runtime runs a 1x5x5 window faster than two separable passes.
+        """
         if size <= 1:
             return mask
-        return self.max_along(self.max_along(mask, 2, size), 1, size)
+        half = size // 2
+        return self.op(
+            "MaxPool",
+            mask,
+            kernel_shape=[1, size, size],
+            pads=[0, half, half, 0, half, half],
+            strides=[1, 1, 1],
+        )
 
     def erode(self, mask: str, size: int) -> str:
         """Erosion by a ``size x size`` in-plane square."""
