@@ -3,12 +3,12 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint typecheck venv tools model bench clean
+.PHONY: run test lint typecheck venv tools model bench bench-gpu clean
 
 $(BIN)/segnode: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e .
 	@touch $@
 
 venv: $(BIN)/segnode
@@ -26,15 +26,31 @@ tools:
 	       apt-get install -y -qq dcmtk orthanc dicom3tools >/dev/null; \
 	     else echo "note: install dcmtk orthanc dicom3tools for the interop tests"; fi; }
 
-lint: venv
-	$(BIN)/ruff check node engines storage tests bench
-	$(BIN)/ruff format --check node engines storage tests bench
+lint: $(VENV)/.test-deps
+	$(BIN)/ruff check node engines storage tests bench scripts
+	$(BIN)/ruff format --check node engines storage tests bench scripts
 
-typecheck: venv
+typecheck: $(VENV)/.test-deps
 	$(BIN)/mypy
 
-test: venv tools lint typecheck
+# The test environment adds the test tools and TensorRT-RTX (engine builds run on the CPU).
+$(VENV)/.test-deps: pyproject.toml $(BIN)/segnode
+	$(BIN)/pip install -q -e '.[test,trt]'
+	@touch $@
+
+test: venv $(VENV)/.test-deps tools lint typecheck
 	$(BIN)/pytest -q
+
+# Ingest, completion-latency, end-to-end and memory benchmark on loopback (DCMTK storescu,
+# pynetdicom storescp, Orthanc); writes bench/out/ingest.{json,md} and timeline.png.
+bench: venv tools
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m bench.ingest --out bench/out
+
+# GPU benchmark (H200 or any CUDA GPU with torch, CuPy, onnx2torch): U-Net patch throughput
+# and full-volume latency per backend, ratios to PyTorch eager FP32 measured in the same run.
+bench-gpu: venv
+	$(BIN)/python -m bench.gpu_bench --out bench/out
 
 model: venv
 	$(BIN)/python -m engines.models.build_tissue

@@ -10,14 +10,15 @@ synthetic 128x512x512 CT, and measures, in one process and on one GPU:
 * ONNX Runtime on the CPU (patch time measured on ``--ort-patches`` patches; its full-volume
   time is *extrapolated* from that, and marked so),
 * PyTorch eager FP32 (true FP32: TF32 off) -- the baseline every ratio refers to,
-* PyTorch eager TF32, FP16 (``.half()`` + channels-last), FP16 + CUDA graphs, FP16 +
-  ``torch.compile``,
+* PyTorch eager TF32, eager FP16 (NCDHW and channels-last), FP16 + CUDA graphs, FP16 +
+  ``torch.compile`` (channels-last and NCDHW; ``--max-autotune`` adds the slow autotuned mode),
 * TensorRT, when :class:`engines.trt_backend.TensorRTEngine` can run here (else the reason).
 
 For each: patches/s at the manifest's optimal batch, full-volume latency (median of
 ``--repeats`` after one warm-up, host array in, uint8 label map out), achieved TFLOP/s against
 the measured matrix-multiply rate of the same precision (roofline), GPU utilisation sampled
-through NVML during the full-volume runs, and peak GPU memory. Agreement: FP16 vs FP32 argmax
+through NVML during the full-volume runs, the time spent outside the network (upload,
+preprocessing, blending, download), and peak GPU memory. Agreement: FP16 vs FP32 argmax
 on the U-Net (every voxel of the full volume) and, when the bundled tissue model exists,
 TorchEngine (GPU) vs OrtEngine (CPU) label maps. Output: ``bench.json`` and ``bench.md``.
 """
@@ -412,13 +413,16 @@ def markdown(report: dict[str, Any]) -> str:
         f"volume {shape}, overlap {vol['overlap']}, {vol['patches']} patches. "
         f"torch {env['torch']}, CUDA {env['cuda']}, driver {env['driver']}.",
         "",
+        f"Roofline: {vol['flops'] / 1e12:.1f} TFLOP per volume, at least "
+        f"{1000 * vol['flops'] / 1e12 / max(report['peaks_tflops'].values()):.0f} ms at the "
+        "best measured matmul rate. "
         f"Measured matmul ceilings (8192^3): {ceilings}. "
         f"Transfers (ms): {report.get('transfers_ms', {})}.",
         "",
         "| backend | patches/s | ms/patch | volume s | x eager fp32 (volume) "
         "| x eager fp32 (patch) | TFLOP/s | % of matmul peak | GPU util mean/max % "
-        "| load s | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| outside network s | load s | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         if "error" in r:
@@ -442,6 +446,7 @@ def markdown(report: dict[str, Any]) -> str:
             r.get("tflops", "-"),
             r.get("roofline_pct", "-"),
             u,
+            r.get("outside_network_s", "-"),
             r.get("load_s", "-"),
             r.get("peak_mem_gib", "-"),
         ]

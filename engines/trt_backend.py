@@ -3,7 +3,9 @@
 One code path serves NVIDIA TensorRT (module ``tensorrt``) and TensorRT for RTX (module
 ``tensorrt_rtx``, or ``tensorrt_rtx_bindings`` from the split PyPI wheels
 ``tensorrt-rtx-cu13-libs`` + ``tensorrt-rtx-cu13-bindings``); ``flavour="auto"`` takes full
-TensorRT when it imports, else TensorRT-RTX. The two differ in three places, each handled here:
+TensorRT when it imports and a GPU is present, else TensorRT-RTX. Builds live in
+:mod:`engines.trt_build` (re-exported here: :func:`build_engine`, :func:`list_engines`), the
+cache in :mod:`engines.engine_cache`. The two flavours differ in three places:
 
 * **GPU target.** TensorRT builds for the GPU it runs on (key target ``sm90`` etc.) and needs
   one. TensorRT-RTX builds ahead of time without a GPU; by default its engine is *portable*
@@ -40,14 +42,11 @@ import numpy as np
 import numpy.typing as npt
 
 from engines.base import EngineError
-from engines.engine_cache import (
+from engines.engine_cache import CachedEngine, EngineCache, EngineRecord, atomic_write
+from engines.trt_build import (
     PORTABLE,
-    CachedEngine,
-    EngineCache,
-    EngineRecord,
     Flavour,
     GpuInfo,
-    atomic_write,
     build_engine,
     gpu_info,
     list_engines,

@@ -22,17 +22,10 @@ from onnx import TensorProto, helper
 
 from bench.unet import SMALL, UNetSpec, write_unet
 from engines.base import EngineError
-from engines.engine_cache import (
-    EngineCache,
-    Flavour,
-    GpuInfo,
-    atomic_write,
-    load_flavour,
-    onnx_to_fp16,
-    resolve_target,
-)
+from engines.engine_cache import EngineCache, atomic_write
 from engines.manifest import ModelManifest, load_manifest
 from engines.trt_backend import TensorRTEngine, build_engine, check_runnable, list_engines
+from engines.trt_build import Flavour, GpuInfo, load_flavour, onnx_to_fp16, resolve_target
 
 
 def _rtx() -> Flavour:
@@ -127,7 +120,7 @@ def test_damaged_cache_entry_is_rebuilt(
     else:
         sidecar.unlink()
     assert not list_engines(tmp_path) or not list_engines(tmp_path)[0].valid
-    with caplog.at_level(logging.WARNING, logger="engines.engine_cache"):
+    with caplog.at_level(logging.WARNING, logger="engines.trt_build"):
         rebuilt = build_engine(small_unet, cache_dir=tmp_path)
     assert not rebuilt.hit
     assert "rebuilding" in caplog.text
@@ -280,7 +273,7 @@ def test_cache_lookup_of_nothing(tmp_path: Path, small_unet: ModelManifest) -> N
 
 
 def _gpu() -> GpuInfo:
-    from engines.engine_cache import gpu_info
+    from engines.trt_build import gpu_info
 
     try:
         return gpu_info()
@@ -289,7 +282,7 @@ def _gpu() -> GpuInfo:
 
 
 def test_tensorrt_engine_without_gpu_says_so(tmp_path: Path, tissue: ModelManifest) -> None:
-    from engines.engine_cache import gpu_info
+    from engines.trt_build import gpu_info
 
     try:
         gpu_info()
@@ -390,3 +383,25 @@ def test_tensorrt_engine_matches_onnxruntime(tmp_path: Path, tissue: ModelManife
     got = engine.segment(hu)
     engine.close()
     assert got.dtype == np.uint8 and float(np.mean(got == expected)) >= 0.999
+
+
+def test_segnode_engine_build_command_line(rtx: Flavour, tmp_path: Path) -> None:
+    """The real console entry point, with --data-dir after the sub-command."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    run = [sys.executable, "-m", "node.cli", "engine"]
+    out = subprocess.run(
+        [*run, "build", "--precision", "fp32", "--data-dir", str(tmp_path)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert str(tmp_path / "engines") in out.stdout
+    again = subprocess.run(
+        [*run, "list", "--data-dir", str(tmp_path)], cwd=root, capture_output=True, text=True
+    )
+    assert again.returncode == 0 and "1 engine(s)" in again.stdout
