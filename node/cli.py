@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from datetime import datetime
@@ -63,21 +64,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("retry", help="requeue a failed job (same result UIDs)")
     _common(p)
-    p.add_argument("job", type=int)
+    p.add_argument("job", type=int, nargs="?")
+    p.add_argument(
+        "--failed", action="store_true", help="requeue every failed job (latest series versions)"
+    )
 
     p = sub.add_parser("cancel", help="cancel a queued or unsent job")
     _common(p)
     p.add_argument("job", type=int)
+
+    p = sub.add_parser("rules", help="routing rules")
+    rules = p.add_subparsers(dest="rules_command", required=True)
+    p = rules.add_parser(
+        "test", help="dry run: what the rules do with each series under PATH (nothing is sent)"
+    )
+    _common(p)
+    p.add_argument("paths", nargs="+", type=Path, metavar="PATH")
+    p.add_argument(
+        "--calling-ae", default="", metavar="AE", help="calling AE title the series come from"
+    )
 
     try:
         from engines.engine_cli import add_engine_parser
     except ImportError:
         pass
     else:
-        before = set(sub.choices)
-        add_engine_parser(sub)
-        for name in set(sub.choices) - before:
-            _common(sub.choices[name])
+        engine = add_engine_parser(sub)
+        for action in engine._actions:  # --config/--data-dir on `engine build` and `engine list`
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    _common(child)
     return parser
 
 
@@ -93,6 +109,11 @@ def _setup_logging(level: str) -> None:
         stream=sys.stdout,
     )
     logging.getLogger("pynetdicom").setLevel(logging.WARNING)
+    # pynetdicom's "standard" PDU/DIMSE handlers only format DEBUG dumps (datasets included)
+    # that we never show; without them every association does less work.
+    from pynetdicom import _config as pynetdicom_config
+
+    pynetdicom_config.LOG_HANDLER_LEVEL = "none"
     logging.getLogger("highdicom").setLevel(logging.WARNING)
 
 
@@ -108,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
     )
     _setup_logging(cfg.log_level)
+    os.umask(0o077)  # spool, results and ledger hold patient data: private to the service user
     node = Node(cfg)
     node.install_signal_handlers()
     try:
@@ -221,15 +243,32 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                 "instances": j.instance_count,
                 "trigger": j.trigger,
                 "model": j.model,
+                "model_name": j.model_name,
+                "rule": j.rule,
+                "destinations": list(j.destinations),
                 "reason": j.reason,
                 "attempts": j.attempts,
                 "stages": {k: v.isoformat() if v else None for k, v in j.stages.items()},
                 "seg_sop_uid": j.seg_sop_uid,
                 "sr_sop_uid": j.sr_sop_uid,
                 "deliveries": [
-                    {"kind": k, "destination": d, "status": s, "attempts": a}
-                    for k, d, s, a in j.deliveries
+                    {
+                        "kind": k,
+                        "destination": d,
+                        "status": s,
+                        "attempts": a,
+                        "last_error": e,
+                        "acked_at": t.isoformat() if t else None,
+                    }
+                    for (k, d, s, a), e, t in zip(
+                        j.deliveries,
+                        j.delivery_errors or (None,) * len(j.deliveries),
+                        j.delivery_acks or (None,) * len(j.deliveries),
+                        strict=False,
+                    )
                 ],
+                "priority": j.priority,
+                "superseded_by": j.superseded_by,
             }
             for j in jobs
         ]
@@ -245,13 +284,24 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             f"{j.id:>5} {j.state:<10} {j.version:>3} {j.instance_count:>5} {j.trigger:<20} "
             f"{j.series_instance_uid}"
         )
+        if j.rule:
+            print(f"{'':>47}rule {j.rule}, model {j.model_name} ({j.model} on {j.engine})")
         times = _fmt_stage(j.stages)
         if times:
             print(f"{'':>47}{times}")
         if j.reason:
             print(f"{'':>47}reason: {j.reason}")
-        for kind, dest, status, attempts in j.deliveries:
-            print(f"{'':>47}{kind} -> {dest}: {status} ({attempts} attempt(s))")
+        if j.superseded_by is not None:
+            print(f"{'':>47}results superseded by job {j.superseded_by} (a later version)")
+        errors = j.delivery_errors or (None,) * len(j.deliveries)
+        acks = j.delivery_acks or (None,) * len(j.deliveries)
+        last_in = j.stages.get("last_instance")
+        for (kind, dest, status, attempts), err, ack in zip(
+            j.deliveries, errors, acks, strict=False
+        ):
+            last = f"; last error: {err}" if err and status != "sent" else ""
+            acked = f", acked +{(ack - last_in).total_seconds():.2f}s" if ack and last_in else ""
+            print(f"{'':>47}{kind} -> {dest}: {status} ({attempts} attempt(s)){acked}{last}")
     if ignored:
         print("\nIGNORED SERIES")
         for uid, ae, reason in ignored:
@@ -274,11 +324,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
-    """Requeue a job."""
+    """Requeue a job, or every failed job with ``--failed``."""
     from node.service import open_state
 
+    if (args.job is None) == (not args.failed):
+        print("segnode retry: give a JOB id or --failed", file=sys.stderr)
+        return 2
     ledger, _ = open_state(_config(args))
     try:
+        if args.failed:
+            ids = [j for j in ledger.failed_jobs() if ledger.retry_job(j)]
+            print(f"requeued {len(ids)} failed job(s)" + (f": {ids}" if ids else ""))
+            return 0
         ok = ledger.retry_job(args.job)
     finally:
         ledger.close()
@@ -302,6 +359,51 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_rules(args: argparse.Namespace) -> int:
+    """``segnode rules test``: the routing decision for each series of the files given."""
+    from engines.base import EngineError
+    from engines.manifest import load_manifest
+    from node.rules import Router, dry_run, model_specs, senders_from_peers
+
+    cfg = _config(args)
+    specs = {s.name: s for s in model_specs(cfg)}
+
+    def describe(name: str) -> str:
+        spec = specs[name]
+        try:
+            m = load_manifest(spec.manifest)
+        except EngineError as exc:
+            return f"manifest unreadable: {exc}"
+        return f"{m.name} {m.version} on {spec.engine}"
+
+    router = Router(
+        cfg.routing,
+        cfg.dispatch.destinations,
+        senders_from_peers(cfg.node.peers),
+        lambda ae: cfg.series.policy_for(ae).priority,
+    )
+    files = list(iter_dicom_files(args.paths))
+    if not files:
+        print("no DICOM files found")
+        return 1
+    nc, calling = cfg.node, args.calling_ae.strip()
+    known = {*nc.allowed_calling_aes, *(p.ae_title for p in nc.peers)}
+    if calling and known and calling not in known:
+        print(
+            f"note: calling AE {calling!r} is in neither node.allowed_calling_aes nor "
+            "[[node.peers]]: the node would refuse its associations"
+        )
+    for line in dry_run(
+        files,
+        router,
+        calling_ae=args.calling_ae.strip(),
+        describe_model=describe,
+        other_sop_classes=cfg.node.other_sop_classes,
+    ):
+        print(line)
+    return 0
+
+
 COMMANDS = {
     "serve": cmd_serve,
     "echo": cmd_echo,
@@ -310,6 +412,7 @@ COMMANDS = {
     "status": cmd_status,
     "retry": cmd_retry,
     "cancel": cmd_cancel,
+    "rules": cmd_rules,
 }
 
 

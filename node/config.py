@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from node.errors import ConfigError
+
+if TYPE_CHECKING:  # node.rules and node.destinations import this module
+    from node.destinations import Destination
+    from node.rules import Routing
 
 _ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = _ROOT / "engines" / "models" / "tissue" / "tissue.json"
@@ -22,12 +27,29 @@ _AE_OK = re.compile(r"^[\x20-\x5b\x5d-\x7e]{1,16}$")  # PS3.5 §6.2 AE: no backs
 
 
 @dataclass(frozen=True)
+class ClientTLS:
+    """TLS for an outgoing association (PS3.15 Annex B.1, The Basic TLS Secure Transport).
+
+    ``ca_file`` verifies the destination's certificate (system CAs when None);
+    ``cert_file``/``key_file`` are our client certificate when the destination asks for one;
+    ``server_name`` is the name checked against its certificate (default: the host).
+    """
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str | None = None
+    verify: bool = True
+
+
+@dataclass(frozen=True)
 class Peer:
     """A remote DICOM application entity."""
 
     ae_title: str
     host: str
     port: int
+    tls: ClientTLS | None = None
 
     @property
     def name(self) -> str:
@@ -47,6 +69,71 @@ class NodeConfig:
     other_sop_classes: str = "ignore"
     max_associations: int = 16
     network_timeout_s: float = 60.0
+    min_free_disk_mb: int = 1024
+    max_series_instances: int = 10000
+    max_series_mb: int = 20480
+    peers: tuple[PeerRule, ...] = ()
+
+
+@dataclass(frozen=True)
+class PeerRule:
+    """``[[node.peers]]``: a calling AE title allowed to associate, optionally only from a host.
+
+    ``host`` is an IP address, a network in CIDR notation or a host name (resolved at start);
+    None accepts the AE title from any address. With ``port`` (and a ``host`` that is an
+    address or a name, not a network) the peer is also a return address: the destination
+    ``"@sender"`` sends results of its series to ``return_ae_title`` (default ``ae_title``)
+    at ``host:port``, over TLS when ``tls`` is set.
+    """
+
+    ae_title: str
+    host: str | None = None
+    port: int | None = None
+    return_ae_title: str | None = None
+    tls: ClientTLS | None = None
+
+    @property
+    def return_peer(self) -> Peer | None:
+        """Where ``"@sender"`` sends this peer's results (None without a port)."""
+        if self.port is None or self.host is None:
+            return None
+        return Peer(self.return_ae_title or self.ae_title, self.host, self.port, self.tls)
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """``[tls]``: DICOM TLS on the listening side (PS3.15 Annex B.1 / B.9)."""
+
+    enabled: bool = False
+    port: int = 0
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    ca_file: Path | None = None
+    require_client_cert: bool = False
+    min_version: str = "1.2"
+    handshake_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """``[retention]``: deleting spooled instances and results after delivery."""
+
+    spool_days: float = 0.0
+    check_interval_s: float = 600.0
+
+
+#: Completion policies: which signals complete a sender's series (the quiet period is always
+#: the fallback). "auto": association release or geometric completeness, whichever is first.
+COMPLETION_MODES = ("auto", "release", "geometry", "quiet")
+
+
+@dataclass(frozen=True)
+class SenderPolicy:
+    """``[[series.senders]]``: completion policy and job priority for one calling AE title."""
+
+    ae_title: str
+    completion: str = "auto"
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +143,33 @@ class SeriesConfig:
     complete_on_release: bool = True
     quiet_period_s: float = 30.0
     min_slices: int = 2
+    completion: str = "auto"
+    senders: tuple[SenderPolicy, ...] = ()
+
+    def policy_for(self, calling_ae: str) -> SenderPolicy:
+        """The policy of ``calling_ae`` (the defaults when it has no ``[[series.senders]]``)."""
+        for p in self.senders:
+            if p.ae_title == calling_ae.strip():
+                return p
+        return SenderPolicy(ae_title=calling_ae.strip(), completion=self.completion)
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """``[streaming]``: decoding instances into volumes while they arrive."""
+
+    enabled: bool = True
+    workers: int = 2
+    max_memory_mb: int = 2048
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """``[metrics]``: the Prometheus endpoint (off by default)."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 9464
 
 
 @dataclass(frozen=True)
@@ -72,12 +186,15 @@ class ModelConfig:
 class DispatchConfig:
     """``[dispatch]``: sending results."""
 
-    destinations: tuple[Peer, ...] = ()
+    destinations: tuple[Destination, ...] = ()
     calling_ae: str = "SEGNODE"
     retry_initial_s: float = 5.0
     retry_max_s: float = 300.0
     max_attempts: int = 50
     timeout_s: float = 30.0
+    max_age_s: float = 86400.0
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -91,6 +208,11 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     job_max_attempts: int = 3
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    routing: Routing = field(default_factory=lambda: _default_routing())
 
     def with_overrides(
         self,
@@ -189,6 +311,13 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         "series",
         "model",
         "dispatch",
+        "tls",
+        "retention",
+        "streaming",
+        "metrics",
+        "routing",
+        "rules",
+        "models",
     }
     if unknown:
         raise ConfigError(f"unknown top-level key(s): {', '.join(sorted(unknown))}")
@@ -218,6 +347,16 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         network_timeout_s=_num(
             n.get("network_timeout_s", d.node.network_timeout_s), "node.network_timeout_s", 1
         ),
+        min_free_disk_mb=_int(
+            n.get("min_free_disk_mb", d.node.min_free_disk_mb), "node.min_free_disk_mb", 0
+        ),
+        max_series_instances=_int(
+            n.get("max_series_instances", d.node.max_series_instances),
+            "node.max_series_instances",
+            0,
+        ),
+        max_series_mb=_int(n.get("max_series_mb", d.node.max_series_mb), "node.max_series_mb", 0),
+        peers=_peer_rules(n.get("peers", []), path),
     )
     s = _table(raw, "series", set(SeriesConfig.__dataclass_fields__))
     series = SeriesConfig(
@@ -226,6 +365,8 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
             s.get("quiet_period_s", d.series.quiet_period_s), "series.quiet_period_s", 0.1, 86400
         ),
         min_slices=_int(s.get("min_slices", d.series.min_slices), "series.min_slices", 2),
+        completion=_str(s.get("completion", "auto"), "series.completion", COMPLETION_MODES),
+        senders=_senders(s.get("senders", [])),
     )
     m = _table(raw, "model", set(ModelConfig.__dataclass_fields__))
     model = ModelConfig(
@@ -240,9 +381,15 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     dests = t.get("destinations", [])
     if not isinstance(dests, list):
         raise ConfigError('dispatch.destinations: must be a list of "AE@HOST:PORT" strings')
+    from node.destinations import parse_destination
+    from node.rules import parse_routing
+
+    def peer_table(x: dict[str, Any], key: str) -> Peer:
+        return _tls_dest(x, key, path)
+
     dispatch = DispatchConfig(
         destinations=tuple(
-            parse_peer(x, f"dispatch.destinations[{i}]") if isinstance(x, str) else _bad_dest(i, x)
+            parse_destination(x, f"dispatch.destinations[{i}]", path, peer_table)
             for i, x in enumerate(dests)
         ),
         calling_ae=_ae(t.get("calling_ae", node.ae_title), "dispatch.calling_ae"),
@@ -259,6 +406,16 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
             t.get("max_attempts", d.dispatch.max_attempts), "dispatch.max_attempts", 1
         ),
         timeout_s=_num(t.get("timeout_s", d.dispatch.timeout_s), "dispatch.timeout_s", 1, 3600),
+        max_age_s=_num(t.get("max_age_s", d.dispatch.max_age_s), "dispatch.max_age_s", 0),
+        breaker_failures=_int(
+            t.get("breaker_failures", d.dispatch.breaker_failures), "dispatch.breaker_failures", 1
+        ),
+        breaker_cooldown_s=_num(
+            t.get("breaker_cooldown_s", d.dispatch.breaker_cooldown_s),
+            "dispatch.breaker_cooldown_s",
+            0.01,
+            86400,
+        ),
     )
     level = _str(raw.get("log_level", "INFO"), "log_level", ("DEBUG", "INFO", "WARNING", "ERROR"))
     return Config(
@@ -269,11 +426,179 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         model=model,
         dispatch=dispatch,
         job_max_attempts=_int(raw.get("job_max_attempts", 3), "job_max_attempts", 1, 100),
+        tls=_tls(_table(raw, "tls", set(TLSConfig.__dataclass_fields__)), path),
+        retention=_retention(_table(raw, "retention", set(RetentionConfig.__dataclass_fields__))),
+        streaming=_streaming(_table(raw, "streaming", set(StreamingConfig.__dataclass_fields__))),
+        metrics=_metrics(_table(raw, "metrics", set(MetricsConfig.__dataclass_fields__))),
+        routing=parse_routing(raw, path, peer_table),
     )
 
 
-def _bad_dest(i: int, x: Any) -> Peer:
-    raise ConfigError(f'dispatch.destinations[{i}]: expected "AE@HOST:PORT", got {x!r}')
+def _default_routing() -> Routing:
+    from node.rules import Routing
+
+    return Routing()
+
+
+PathFn = Callable[[Any, str], Path]
+
+
+def _tls_dest(x: dict[str, Any], key: str, path: PathFn) -> Peer:
+    """A destination given as a table: ``{peer = "AE@HOST:PORT", tls = true, ...}``."""
+    known = {"peer", "tls", "ca_file", "cert_file", "key_file", "server_name", "verify"}
+    unknown = set(x) - known
+    if unknown:
+        raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
+    if "peer" not in x:
+        raise ConfigError(f'{key}: a table destination needs peer = "AE@HOST:PORT"')
+    peer = parse_peer(_str(x["peer"], f"{key}.peer"), f"{key}.peer")
+    if not _bool(x.get("tls", False), f"{key}.tls"):
+        if set(x) - {"peer", "tls"}:
+            raise ConfigError(f"{key}: TLS options given but tls is not true")
+        return peer
+
+    def opt(name: str) -> Path | None:
+        return path(x[name], f"{key}.{name}") if name in x else None
+
+    tls = ClientTLS(
+        ca_file=opt("ca_file"),
+        cert_file=opt("cert_file"),
+        key_file=opt("key_file"),
+        server_name=_str(x["server_name"], f"{key}.server_name") if "server_name" in x else None,
+        verify=_bool(x.get("verify", True), f"{key}.verify"),
+    )
+    if (tls.cert_file is None) != (tls.key_file is None):
+        raise ConfigError(f"{key}: cert_file and key_file go together")
+    for name in ("ca_file", "cert_file", "key_file"):
+        p = getattr(tls, name)
+        if p is not None and not p.exists():
+            raise ConfigError(f"{key}.{name}: file not found: {p}")
+    return replace(peer, tls=tls)
+
+
+_PEER_TLS_KEYS = {"tls", "ca_file", "cert_file", "key_file", "server_name", "verify"}
+
+
+def _peer_rules(value: Any, path: PathFn) -> tuple[PeerRule, ...]:
+    if not isinstance(value, list):
+        raise ConfigError("node.peers: must be an array of tables ([[node.peers]])")
+    rules = []
+    for i, item in enumerate(value):
+        key = f"node.peers[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(f"{key}: must be a table with ae_title and optional host")
+        unknown = set(item) - {"ae_title", "host", "port", "return_ae_title"} - _PEER_TLS_KEYS
+        if unknown:
+            raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
+        if "ae_title" not in item:
+            raise ConfigError(f"{key}.ae_title: missing")
+        host = item.get("host")
+        if host is not None and (not isinstance(host, str) or not host.strip()):
+            raise ConfigError(f"{key}.host: must be an address, CIDR network or host name")
+        rule = PeerRule(_ae(item["ae_title"], f"{key}.ae_title"), host.strip() if host else None)
+        if "port" in item:
+            if rule.host is None:
+                raise ConfigError(f"{key}.port: a return address needs host (address or name)")
+            if "/" in rule.host:
+                raise ConfigError(
+                    f"{key}.host: with a port it is a return address: an address or a host "
+                    f"name, not a network ({rule.host!r})"
+                )
+            port = _port(item["port"], f"{key}.port")
+            ret = _ae(item.get("return_ae_title", rule.ae_title), f"{key}.return_ae_title")
+            spec = {k: item[k] for k in _PEER_TLS_KEYS if k in item}
+            peer = _tls_dest({"peer": f"{ret}@{rule.host}:{port}", **spec}, key, path)
+            rule = replace(rule, port=peer.port, return_ae_title=ret, tls=peer.tls)
+        elif set(item) & (_PEER_TLS_KEYS | {"return_ae_title"}):
+            raise ConfigError(f"{key}: return_ae_title and TLS options need port")
+        rules.append(rule)
+    return tuple(rules)
+
+
+def _tls(t: dict[str, Any], path: PathFn) -> TLSConfig:
+    d = TLSConfig()
+    enabled = _bool(t.get("enabled", False), "tls.enabled")
+
+    def opt(name: str) -> Path | None:
+        return path(t[name], f"tls.{name}") if name in t else None
+
+    cfg = TLSConfig(
+        enabled=enabled,
+        port=_int(t.get("port", 0), "tls.port", 0, 65535),
+        cert_file=opt("cert_file"),
+        key_file=opt("key_file"),
+        ca_file=opt("ca_file"),
+        require_client_cert=_bool(
+            t.get("require_client_cert", d.require_client_cert), "tls.require_client_cert"
+        ),
+        min_version=_str(t.get("min_version", d.min_version), "tls.min_version", ("1.2", "1.3")),
+        handshake_timeout_s=_num(
+            t.get("handshake_timeout_s", d.handshake_timeout_s), "tls.handshake_timeout_s", 0.1
+        ),
+    )
+    if not enabled:
+        return cfg
+    for name in ("cert_file", "key_file"):
+        if getattr(cfg, name) is None:
+            raise ConfigError(f"tls.{name}: required when tls.enabled = true")
+    if cfg.require_client_cert and cfg.ca_file is None:
+        raise ConfigError("tls.ca_file: required when tls.require_client_cert = true")
+    for name in ("cert_file", "key_file", "ca_file"):
+        p = getattr(cfg, name)
+        if p is not None and not p.exists():
+            raise ConfigError(f"tls.{name}: file not found: {p}")
+    return cfg
+
+
+def _senders(raw: Any) -> tuple[SenderPolicy, ...]:
+    """Parse ``[[series.senders]]`` (one table per calling AE title)."""
+    if not isinstance(raw, list):
+        raise ConfigError("series.senders: must be an array of tables ([[series.senders]])")
+    out: list[SenderPolicy] = []
+    for i, t in enumerate(raw):
+        key = f"series.senders[{i}]"
+        if not isinstance(t, dict):
+            raise ConfigError(f"{key}: must be a table with ae_title, completion, priority")
+        unknown = set(t) - set(SenderPolicy.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
+        if "ae_title" not in t:
+            raise ConfigError(f"{key}.ae_title: missing")
+        ae = _ae(t["ae_title"], f"{key}.ae_title")
+        if any(p.ae_title == ae for p in out):
+            raise ConfigError(f"{key}.ae_title: {ae!r} is listed twice")
+        completion = _str(t.get("completion", "auto"), f"{key}.completion", COMPLETION_MODES)
+        priority = _int(t.get("priority", 0), f"{key}.priority", -1000, 1000)
+        out.append(SenderPolicy(ae_title=ae, completion=completion, priority=priority))
+    return tuple(out)
+
+
+def _streaming(t: dict[str, Any]) -> StreamingConfig:
+    d = StreamingConfig()
+    return StreamingConfig(
+        enabled=_bool(t.get("enabled", d.enabled), "streaming.enabled"),
+        workers=_int(t.get("workers", d.workers), "streaming.workers", 1, 64),
+        max_memory_mb=_int(t.get("max_memory_mb", d.max_memory_mb), "streaming.max_memory_mb", 0),
+    )
+
+
+def _metrics(t: dict[str, Any]) -> MetricsConfig:
+    d = MetricsConfig()
+    return MetricsConfig(
+        enabled=_bool(t.get("enabled", d.enabled), "metrics.enabled"),
+        host=_str(t.get("host", d.host), "metrics.host"),
+        port=_int(t.get("port", d.port), "metrics.port", 0, 65535),
+    )
+
+
+def _retention(t: dict[str, Any]) -> RetentionConfig:
+    d = RetentionConfig()
+    return RetentionConfig(
+        spool_days=_num(t.get("spool_days", d.spool_days), "retention.spool_days", 0),
+        check_interval_s=_num(
+            t.get("check_interval_s", d.check_interval_s), "retention.check_interval_s", 1
+        ),
+    )
 
 
 def load_config(path: Path | None) -> Config:

@@ -127,15 +127,25 @@ def _label_counts(
             f"model {manifest.name} {manifest.version} does not describe (known: "
             f"{sorted(known)})"
         )
-    counts: npt.NDArray[np.intp] = np.bincount(
-        labels.ravel().astype(np.intp, copy=False), minlength=top + 1
-    )
+    counts: npt.NDArray[np.intp] = _bincount(labels, top + 1)
     unknown = [v for v in np.flatnonzero(counts).tolist() if v != 0 and v not in known]
     if unknown:
         raise ResultError(
             f"label map contains values {unknown} that model {manifest.name} "
             f"{manifest.version} does not describe (known: {sorted(known)})"
         )
+    return counts
+
+
+def _bincount(labels: npt.NDArray[np.integer], minlength: int) -> npt.NDArray[np.intp]:
+    """``np.bincount`` over a label volume, a few slices at a time (no GB-sized temporaries)."""
+    counts = np.zeros(minlength, dtype=np.intp)
+    step = max(1, (1 << 22) // max(1, labels[0].size)) if labels.ndim > 1 else labels.size or 1
+    for z in range(0, labels.shape[0], step):
+        part = np.bincount(labels[z : z + step].ravel().astype(np.intp), minlength=minlength)
+        if len(part) > len(counts):
+            counts = np.concatenate([counts, np.zeros(len(part) - len(counts), np.intp)])
+        counts[: len(part)] += part
     return counts
 
 
@@ -167,8 +177,7 @@ def segment_numbers(labels: npt.NDArray[np.integer], manifest: ModelManifest) ->
     top = max(s.value for s in manifest.labels)
     if labels.size and (int(labels.min()) < 0 or int(labels.max()) > top):
         raise ResultError(f"label map holds values outside 0..{top}")
-    counts = np.bincount(labels.ravel().astype(np.intp, copy=False), minlength=top + 1)
-    return _numbering(counts, manifest)
+    return _numbering(_bincount(labels, top + 1), manifest)
 
 
 def segment_statistics(
@@ -180,10 +189,16 @@ def segment_statistics(
     population standard deviation are over the HU of the voxels with that label.
     """
     counts = _label_counts(volume, labels, manifest)
-    flat = labels.ravel().astype(np.intp, copy=False)
-    hu = volume.hu.ravel().astype(np.float64)
-    sums = np.bincount(flat, weights=hu, minlength=len(counts))
-    squares = np.bincount(flat, weights=hu * hu, minlength=len(counts))
+    sums = np.zeros(len(counts), dtype=np.float64)
+    squares = np.zeros(len(counts), dtype=np.float64)
+    # A few slices at a time: the temporaries stay in cache instead of GB-sized arrays.
+    step = max(1, (1 << 21) // max(1, labels[0].size))
+    for z in range(0, labels.shape[0], step):
+        flat = labels[z : z + step].ravel().astype(np.intp)
+        hu = volume.hu[z : z + step].ravel().astype(np.float64)
+        sums += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
+        hu *= hu
+        squares += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
     out = []
     for value, number in _numbering(counts, manifest).items():
         n = int(counts[value])
@@ -518,10 +533,17 @@ def _item(ds: Dataset, frame: int, sequence: str) -> Dataset | None:
     return None
 
 
-def verify_seg(seg: Dataset, volume: Volume, labels: npt.NDArray[np.integer]) -> None:
+def verify_seg(
+    seg: Dataset,
+    volume: Volume,
+    labels: npt.NDArray[np.integer],
+    *,
+    encoded: bytes | None = None,
+) -> None:
     """Check that the encoded SEG reproduces ``labels`` on the geometry of ``volume``.
 
-    The SEG is written to bytes and read back; then
+    The SEG is written to bytes (or ``encoded``, the exact bytes that will be sent, is used)
+    and read back; then
 
     * SOP Class, Study, Frame of Reference and the references to every source instance
       (Referenced Series Sequence, PS3.3 C.12.2) are checked;
@@ -536,7 +558,7 @@ def verify_seg(seg: Dataset, volume: Volume, labels: npt.NDArray[np.integer]) ->
     ResultError
         Naming the first disagreement.
     """
-    ds = _reencode(seg)
+    ds = _reencode(seg) if encoded is None else pydicom.dcmread(io.BytesIO(encoded))
     if str(ds.SOPClassUID) != SEGMENTATION_STORAGE:
         raise ResultError(f"SOP Class {ds.SOPClassUID} is not Segmentation Storage")
     for keyword, expected in (

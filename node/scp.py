@@ -24,9 +24,12 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Verification,
 )
 
+from node import tls
 from node.config import Config
+from node.guards import AccessPolicy, DiskGuard, SeriesBudget
 from node.header import HeaderError, parse_header
 from node.series import CompletionTracker
+from node.streaming import Arrival
 from storage.ledger import InstanceRecord, Ledger
 from storage.spool import Spool, SpoolError, valid_uid
 
@@ -72,19 +75,29 @@ class StoreSCP:
         self.spool = spool
         self.tracker = tracker
         self.on_stored = on_stored
+        #: Called with every stored (durable, recorded) CT instance: streaming assembly.
+        self.on_instance: Callable[[Arrival], None] | None = None
         self.server: Any = None
         self.ae = self._make_ae()
+        nc = config.node
+        self.access = AccessPolicy(nc)
+        self.disk = DiskGuard(spool.root, nc.min_free_disk_mb)
+        self.budget = SeriesBudget(
+            nc.max_series_instances, nc.max_series_mb * 2**20, ledger.series_totals
+        )
+        self.tls_server: Any = None
 
     def _make_ae(self) -> AE:
         nc = self.config.node
         ae = AE(ae_title=nc.ae_title)
         ae.maximum_pdu_size = nc.max_pdu
         ae.network_timeout = nc.network_timeout_s
-        ae.acse_timeout = nc.network_timeout_s
+        # A connection that never sends its A-ASSOCIATE-RQ (a port scan, garbage) holds an
+        # association slot until the ACSE timeout: keep that short.
+        ae.acse_timeout = min(nc.network_timeout_s, 10.0)
         ae.dimse_timeout = nc.network_timeout_s
         ae.maximum_associations = nc.max_associations
-        if nc.allowed_calling_aes:
-            ae.require_calling_aet = list(nc.allowed_calling_aes)
+        # Calling AE titles (and their hosts) are checked by handle_requested.
         ae.add_supported_context(Verification)
         ae.add_supported_context(CTImageStorage, ALL_TRANSFER_SYNTAXES)
         ae.add_supported_context(EnhancedCTImageStorage, ALL_TRANSFER_SYNTAXES)
@@ -104,26 +117,86 @@ class StoreSCP:
             (evt.EVT_RELEASED, self.handle_released),
             (evt.EVT_ABORTED, self.handle_aborted),
             (evt.EVT_CONN_CLOSE, self.handle_conn_close),
+            (evt.EVT_REQUESTED, self.handle_requested),
         ]
-        nc = self.config.node
-        self.server = self.ae.start_server((nc.host, nc.port), block=False, evt_handlers=handlers)
+        nc, tc = self.config.node, self.config.tls
+        ctx = tls.server_context(tc) if tc.enabled else None
+        tls_only = ctx is not None and tc.port in (0, nc.port)
+        self.server = tls.start_server(
+            self.ae,
+            (nc.host, nc.port),
+            handlers,
+            context=ctx if tls_only else None,
+            handshake_timeout=tc.handshake_timeout_s,
+        )
+        if ctx is not None and not tls_only:
+            self.tls_server = tls.start_server(
+                self.ae,
+                (nc.host, tc.port),
+                handlers,
+                context=ctx,
+                handshake_timeout=tc.handshake_timeout_s,
+            )
+        if ctx is not None:
+            log.info(
+                "DICOM TLS (min %s, client certificate %s) on %s:%d",
+                tc.min_version,
+                "required" if tc.require_client_cert else "optional",
+                nc.host,
+                self.tls_port or self.port,
+            )
 
     @property
     def port(self) -> int:
         """The bound port (useful when config asked for port 0)."""
         return int(self.server.server_address[1])
 
+    @property
+    def tls_port(self) -> int | None:
+        """The bound port of a separate TLS listener (``tls.port``), if any."""
+        return None if self.tls_server is None else int(self.tls_server.server_address[1])
+
     def stop(self) -> None:
         """Stop accepting; associations in flight finish first (pynetdicom joins them)."""
+        if self.tls_server is not None:
+            self.tls_server.shutdown()
+            self.tls_server = None
         if self.server is not None:
             self.server.shutdown()
             self.server = None
 
     # -- association lifecycle -------------------------------------------------------------
 
+    def handle_requested(self, event: evt.Event) -> None:
+        """A-ASSOCIATE-RQ received: check the calling AE (and host) and the disk floor.
+
+        Rejections follow PS3.8 §9.3.4: an unknown calling AE title is a permanent rejection
+        (source 1, reason 3); a full disk is transient congestion (source 3, reason 1).
+        """
+        assoc = event.assoc
+        calling = str(getattr(assoc.requestor.primitive, "calling_ae_title", "") or "").strip()
+        address = str(assoc.requestor.address)
+        if not self.access.allows(calling, address):
+            log.warning("association from %r at %s refused: not an allowed peer", calling, address)
+            self._reject(assoc, (0x01, 0x01, 0x03))
+        elif not self.disk.ok():
+            log.error(
+                "association from %r refused: free disk below node.min_free_disk_mb (%d MB)",
+                calling,
+                self.config.node.min_free_disk_mb,
+            )
+            self._reject(assoc, (0x02, 0x03, 0x01))
+
+    @staticmethod
+    def _reject(assoc: Any, rsd: tuple[int, int, int]) -> None:
+        assoc.acse.send_reject(*rsd)
+        assoc.is_rejected = True
+        evt.trigger(assoc, evt.EVT_REJECTED, {})
+        assoc.kill()
+
     def handle_accepted(self, event: evt.Event) -> None:
         """Track the new association."""
-        self.tracker.opened(id(event.assoc))
+        self.tracker.opened(id(event.assoc), str(event.assoc.requestor.ae_title).strip())
         log.info(
             "association accepted from %s (%s:%s)",
             event.assoc.requestor.ae_title,
@@ -194,7 +267,8 @@ class StoreSCP:
             calling_ae=calling,
         )
         own = str(ds.get("Manufacturer", "")) == OWN_MANUFACTURER and sop_class not in CT_CLASSES
-        if own or self.ledger.is_own_result(sop_uid, series_uid):
+        # Results are SEG and SR, never CT: only other classes need the ledger lookup.
+        if own or (sop_class not in CT_CLASSES and self.ledger.is_own_result(sop_uid, series_uid)):
             self.ledger.record_ignored(rec, "object produced by this node (loop guard)")
             log.info("ignored an object this node produced (loop guard)")
             return SUCCESS
@@ -208,6 +282,14 @@ class StoreSCP:
             self.tracker.touched(id(event.assoc), series_uid)
             return SUCCESS
         meta = b"\x00" * 128 + b"DICM" + encode_file_meta(event.file_meta)
+        incoming = len(meta) + len(stream)
+        if not self.disk.ok(incoming):
+            log.error("instance refused: free disk below node.min_free_disk_mb")
+            return OUT_OF_RESOURCES
+        over = self.budget.admits(series_uid, incoming)
+        if over is not None:
+            log.warning("instance from %s refused: %s", calling, over)
+            return OUT_OF_RESOURCES
         try:
             path, size = self.spool.store(study_uid, series_uid, sop_uid, [meta, stream])
         except SpoolError as exc:
@@ -218,7 +300,10 @@ class StoreSCP:
         except Exception as exc:
             log.error("ledger write failed: %s", exc)
             return OUT_OF_RESOURCES
+        self.budget.add(series_uid, size)
         self.tracker.touched(id(event.assoc), series_uid)
         if self.on_stored is not None:
             self.on_stored(series_uid)
+        if self.on_instance is not None:
+            self.on_instance(Arrival(series_uid, sop_uid, path, calling, size))
         return SUCCESS

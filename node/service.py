@@ -10,15 +10,29 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
+from pydicom.errors import InvalidDicomError
+
 from engines.base import Engine, create_engine
 from engines.manifest import ModelManifest, load_manifest
 from node.config import Config
+from node.engine_pool import EnginePool
+from node.metrics import Metrics
 from node.notify import Notifier
+from node.retention import Retention
+from node.rules import (
+    DEFAULT_MODEL_NAME,
+    Decision,
+    Router,
+    model_specs,
+    read_facts,
+    senders_from_peers,
+)
 from node.scp import StoreSCP
 from node.scu import Dispatcher
 from node.series import CompletionTracker
+from node.streaming import Arrival, StreamingAssembler
 from node.worker import Worker
-from storage.ledger import Ledger, utcnow
+from storage.ledger import Ledger, NewJob, utcnow
 from storage.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -61,27 +75,103 @@ class Node:
             engine = create_engine(config.model.engine, **engine_options(config))
             engine.load(self.manifest)
         self.engine = engine
+        self.pool = EnginePool(
+            model_specs(config), config.data_dir, {DEFAULT_MODEL_NAME: (engine, self.manifest)}
+        )
+        self.router = Router(
+            config.routing,
+            config.dispatch.destinations,
+            senders_from_peers(config.node.peers),
+            lambda ae: config.series.policy_for(ae).priority,
+        )
         self.tracker = CompletionTracker(
-            self._series_complete, complete_on_release=config.series.complete_on_release
+            self._series_complete,
+            complete_on_release=config.series.complete_on_release,
+            policy=lambda ae: config.series.policy_for(ae).completion,
         )
         self.scp = StoreSCP(config, self.ledger, self.spool, self.tracker)
-        self.worker = Worker(config, self.ledger, engine, self.manifest)
+        self.worker = Worker(config, self.ledger, engine, self.manifest, self.pool)
         self.dispatcher = Dispatcher(config, self.ledger)
+        # Fast path: decode while receiving, geometric completeness, no timer between stages.
+        sc = config.streaming
+        self.streaming = StreamingAssembler(
+            workers=sc.workers,
+            max_bytes=sc.max_memory_mb * 2**20,
+            min_slices=config.series.min_slices,
+            on_geometry=self.tracker.geometry_complete,
+            decode_pixels=sc.enabled,
+        )
+        self.scp.on_instance = self._instance_stored
+        self.worker.volumes = self.streaming  # (geometry-only when disabled: take() is None)
+        self.worker.on_encoded = lambda _job_id: self.dispatcher.wake.set()
+        self.metrics: Metrics | None = None
+        if config.metrics.enabled:
+            self.metrics = Metrics(
+                self.ledger,
+                {
+                    "segnode_streaming_bytes": lambda: self.streaming.memory_bytes,
+                    "segnode_streaming_series": lambda: self.streaming.series_in_memory,
+                },
+            )
+        self.retention = Retention(config, self.ledger)
         self.notifier = Notifier()
         self._stop = threading.Event()
         self._create_lock = threading.Lock()
 
+    def _instance_stored(self, arrival: Arrival) -> None:
+        """SCP hook, after an instance is durable: queue its decoding, count it."""
+        self.streaming.submit(arrival)
+        if self.metrics is not None:
+            self.metrics.instance_stored(arrival.size)
+
     def _series_complete(self, series_uid: str, trigger: str) -> None:
-        with self._create_lock:
-            job_id = self.ledger.create_job(
-                series_uid,
-                trigger=trigger,
-                model=f"{self.manifest.name} {self.manifest.version}",
-                engine=self.config.model.engine,
+        """A series is complete: apply the routing rules; queue one job per model, or record
+        the series as ignored with the reason."""
+        summary = self.ledger.series_summary(series_uid)
+        if summary is None:
+            return  # another signal already took its instances
+        try:
+            facts = read_facts(
+                summary.first_instance,
+                calling_ae=summary.calling_ae,
+                instances=summary.instance_count,
+                series_uid=series_uid,
             )
-        if job_id is not None:
-            log.info("job %d queued (trigger: %s)", job_id, trigger)
+        except (OSError, InvalidDicomError, ValueError) as exc:
+            decision = Decision(ignored=f"cannot read the first instance of the series: {exc}")
+        else:
+            decision = self.router.decide(facts)
+        jobs = [
+            NewJob(
+                p.model,
+                self.pool.label(p.model),
+                self.pool.engine_name(p.model),
+                p.destinations,
+                p.priority,
+                p.rule,
+            )
+            for p in decision.jobs
+        ]
+        with self._create_lock:
+            if decision.ignored is not None:
+                if self.ledger.ignore_series(series_uid, decision.ignored):
+                    log.info("series ignored (trigger: %s): %s", trigger, decision.ignored)
+                    self.streaming.discard(series_uid)
+                return
+            job_ids = self.ledger.create_jobs(series_uid, trigger=trigger, jobs=jobs)
+        if job_ids:
+            for job_id, p in zip(job_ids, decision.jobs, strict=True):
+                log.info(
+                    "job %d queued (trigger: %s, rule %s, model %s, priority %d)",
+                    job_id,
+                    trigger,
+                    p.rule,
+                    p.model,
+                    p.priority,
+                )
             self.worker.wake.set()
+            if self.metrics is not None:
+                self.metrics.series_complete(trigger)
 
     def check_quiet(self) -> None:
         """Fallback: complete pending series that have been quiet for the configured period."""
@@ -95,6 +185,10 @@ class Node:
         n = self.ledger.recover(self.config.job_max_attempts)
         if n:
             log.info("resuming %d job(s) interrupted by a restart", n)
+        self.streaming.start()
+        if self.metrics is not None:
+            mc = self.config.metrics
+            self.metrics.start(mc.host, mc.port)
         self.scp.start()
         self.worker.start()
         self.dispatcher.start()
@@ -108,6 +202,14 @@ class Node:
             self.manifest.name,
             self.manifest.version,
             self.config.data_dir,
+        )
+        routing = self.config.routing
+        log.info(
+            "routing: %s; models: %s",
+            f"{len(routing.rules)} rule(s), mode {routing.mode}"
+            if routing.rules
+            else "implicit default rule",
+            ", ".join(f"{n} ({self.pool.label(n)})" for n in self.pool.specs),
         )
         self.notifier.send("READY=1", f"STATUS={self.status_line()}")
 
@@ -131,12 +233,22 @@ class Node:
                 self.check_quiet()
             except Exception:
                 log.exception("quiet-period scan failed")
-            if wd is not None:
+            self.retention.maybe_run()
+            if wd is not None and self.healthy():
                 self.notifier.send("WATCHDOG=1")
             if time.monotonic() - last_status > 5:
                 last_status = time.monotonic()
                 self.notifier.send(f"STATUS={self.status_line()}")
         self.shutdown()
+
+    def healthy(self) -> bool:
+        """Whether the listener, worker and outbox threads are alive (gates WATCHDOG=1).
+
+        A dead thread stops the pings, so systemd's ``WatchdogSec=`` restarts the node.
+        """
+        worker = self.worker._thread
+        alive = worker is not None and worker.is_alive() and self.dispatcher.is_alive()
+        return alive and self.scp.server is not None
 
     def request_stop(self, *_: Any) -> None:
         """Ask the main loop to stop (signal handler)."""
@@ -158,8 +270,11 @@ class Node:
         self.scp.stop()
         self.worker.stop()
         self.dispatcher.stop()
+        self.streaming.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
         try:
-            self.engine.close()
+            self.pool.close()  # every loaded engine, the default one included
         finally:
             self.ledger.close()
             self.notifier.close()

@@ -156,6 +156,7 @@ def synthetic_datasets(
     patient_id: str = "SYNTH",
     modality: str = "CT",
     series_number: int = 1,
+    images_in_acquisition: bool = False,
 ) -> list[Dataset]:
     """Build the phantom as single-frame CT Image Storage datasets (uncompressed, in memory).
 
@@ -176,6 +177,9 @@ def synthetic_datasets(
         UIDs; derived from ``seed`` when ``None``.
     patient_id, modality, series_number
         Header values (``modality`` other than "CT" is for negative tests).
+    images_in_acquisition
+        Write Images in Acquisition (0020,1002) = ``slices`` (the count hint that lets the
+        node complete the series geometrically).
 
     Returns
     -------
@@ -220,6 +224,8 @@ def synthetic_datasets(
         ds.ContentDate = "20240101"
         ds.ContentTime = "120000"
         ds.AcquisitionNumber = 1
+        if images_in_acquisition:
+            ds.ImagesInAcquisition = slices
         # Image Plane (C.7.6.2)
         ds.PixelSpacing = [pixel_spacing, pixel_spacing]
         ds.ImageOrientationPatient = [round(float(v), 10) for v in orientation]
@@ -338,6 +344,7 @@ def write_synthetic_series(
     orientation: Sequence[float] = AXIAL,
     origin: Sequence[float] | None = None,
     frame_of_reference_uid: str | None = None,
+    images_in_acquisition: bool = False,
 ) -> list[Path]:
     """Write the phantom as a CT Image Storage series, one file per slice.
 
@@ -371,6 +378,7 @@ def write_synthetic_series(
         frame_of_reference_uid=frame_of_reference_uid,
         patient_id=patient_id,
         modality=modality,
+        images_in_acquisition=images_in_acquisition,
     )
     for k, ds in enumerate(datasets, start=1):
         encode(ds, transfer_syntax)

@@ -345,28 +345,7 @@ def _assemble_single_frames(datasets: Sequence[Dataset], min_slices: int) -> Vol
     study = _same_uid(datasets, "StudyInstanceUID", "studies")
     series = _same_uid(datasets, "SeriesInstanceUID", "series")
     frame_of_reference = _same_uid(datasets, "FrameOfReferenceUID", "Frames of Reference")
-    slices = []
-    for index, ds in enumerate(datasets):
-        label = f"instance {ds.get('InstanceNumber', '?')} ({ds.get('SOPInstanceUID', '?')})"
-        for keyword in ("ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing"):
-            if keyword not in ds or ds[keyword].VM == 0:
-                raise VolumeError(f"{label} lacks {keyword}; cannot place it in a volume")
-        ps = _float_list(ds.PixelSpacing, 2, "Pixel Spacing", label)
-        slices.append(
-            _Slice(
-                label=label,
-                position=np.array(_float_list(ds.ImagePositionPatient, 3, "position", label)),
-                orientation=np.array(
-                    _float_list(ds.ImageOrientationPatient, 6, "orientation", label)
-                ),
-                pixel_spacing=(ps[0], ps[1]),
-                slope=_number(ds.get("RescaleSlope"), 1.0),
-                intercept=_number(ds.get("RescaleIntercept"), 0.0),
-                rows=int(ds.Rows),
-                columns=int(ds.Columns),
-                source_index=index,
-            )
-        )
+    slices = [_single_frame_slice(ds, index) for index, ds in enumerate(datasets)]
     order, geometry = _sort_and_check(slices, min_slices)
     rows, columns = slices[0].rows, slices[0].columns
     hu = np.empty((len(order), rows, columns), dtype=np.float32)
@@ -380,6 +359,26 @@ def _assemble_single_frames(datasets: Sequence[Dataset], min_slices: int) -> Vol
         study_instance_uid=study,
         series_instance_uid=series,
         **geometry,
+    )
+
+
+def _single_frame_slice(ds: Dataset, index: int) -> _Slice:
+    """Geometry and rescale of one single-frame instance (Image Plane, CT Image modules)."""
+    label = f"instance {ds.get('InstanceNumber', '?')} ({ds.get('SOPInstanceUID', '?')})"
+    for keyword in ("ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing"):
+        if keyword not in ds or ds[keyword].VM == 0:
+            raise VolumeError(f"{label} lacks {keyword}; cannot place it in a volume")
+    ps = _float_list(ds.PixelSpacing, 2, "Pixel Spacing", label)
+    return _Slice(
+        label=label,
+        position=np.array(_float_list(ds.ImagePositionPatient, 3, "position", label)),
+        orientation=np.array(_float_list(ds.ImageOrientationPatient, 6, "orientation", label)),
+        pixel_spacing=(ps[0], ps[1]),
+        slope=_number(ds.get("RescaleSlope"), 1.0),
+        intercept=_number(ds.get("RescaleIntercept"), 0.0),
+        rows=int(ds.Rows),
+        columns=int(ds.Columns),
+        source_index=index,
     )
 
 
@@ -567,11 +566,17 @@ def _to_hu(
 ) -> npt.NDArray[np.float32]:
     """Apply the Modality LUT (PS3.3 C.11.1.1.2): HU = stored * slope + intercept."""
     out = stored.astype(np.float32)
+    _rescale_in_place(out, slope, intercept)
+    return out
+
+
+def _rescale_in_place(out: npt.NDArray[np.float32], slope: float, intercept: float) -> None:
+    """``out = out * slope + intercept`` in float32, in place (the arithmetic of
+    :func:`_to_hu`, shared with streaming assembly so both give identical values)."""
     if slope != 1.0:
         out *= np.float32(slope)
     if intercept != 0.0:
         out += np.float32(intercept)
-    return out
 
 
 def _number(value: object, default: float) -> float:
@@ -583,14 +588,21 @@ def _number(value: object, default: float) -> float:
         raise VolumeError(f"unreadable rescale value {value!r}") from exc
 
 
-def _header(ds: Dataset) -> Dataset:
-    """Copy of ``ds`` without pixel data (file meta kept)."""
-    out = Dataset()
-    for elem in ds:
-        if elem.tag not in _PIXEL_TAGS:
-            out.add(copy.deepcopy(elem))
+def _header(ds: Dataset, *, share: bool = False) -> Dataset:
+    """Copy of ``ds`` without pixel data (file meta kept).
+
+    ``share=True`` moves the elements instead of deep-copying them, for a caller that owns
+    ``ds`` and drops it afterwards (streaming assembly); the result is equal either way.
+    """
+    if share:  # elements as read, not yet converted: values are decoded when first used
+        out = Dataset({e.tag: e for e in ds.elements() if e.tag not in _PIXEL_TAGS})
+    else:
+        out = Dataset()
+        for elem in ds:
+            if elem.tag not in _PIXEL_TAGS:
+                out.add(copy.deepcopy(elem))
     if hasattr(ds, "file_meta"):
-        out.file_meta = copy.deepcopy(ds.file_meta)
+        out.file_meta = ds.file_meta if share else copy.deepcopy(ds.file_meta)
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
 
@@ -21,9 +22,19 @@ from engines.base import Engine, EngineError
 from engines.manifest import ModelManifest
 from node import __version__
 from node.config import Config
+from node.engine_pool import EnginePool
 from node.errors import JobError
-from node.results import ResultError, ResultUIDs, build_seg, build_sr, verify_seg
-from node.volume import VolumeError, assemble_volume
+from node.results import (
+    NoSegmentsError,
+    ResultError,
+    ResultUIDs,
+    build_seg,
+    build_sr,
+    verify_seg,
+)
+from node.rules import DEFAULT_MODEL_NAME, model_specs
+from node.streaming import StreamingAssembler
+from node.volume import Volume, VolumeError, assemble_volume
 from storage.ledger import JobView, Ledger
 from storage.spool import write_atomic
 
@@ -38,29 +49,46 @@ def encode(ds: Dataset) -> bytes:
 
 
 class Worker:
-    """Runs jobs from the ledger, one at a time, on one engine.
+    """Runs jobs from the ledger, one at a time, each on its model's engine.
 
     Parameters
     ----------
     config, ledger
         Node configuration and durable state.
     engine, manifest
-        A loaded inference engine and its model.
+        The default model (``[model]``), loaded.
+    pool
+        Engines of every configured model (the default one included); built from ``config``
+        with ``engine`` preloaded when None. Other models load on their first job.
     """
 
     def __init__(
-        self, config: Config, ledger: Ledger, engine: Engine, manifest: ModelManifest
+        self,
+        config: Config,
+        ledger: Ledger,
+        engine: Engine,
+        manifest: ModelManifest,
+        pool: EnginePool | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
         self.engine = engine
         self.manifest = manifest
+        self.pool = pool or EnginePool(
+            model_specs(config), config.data_dir, {DEFAULT_MODEL_NAME: (engine, manifest)}
+        )
+        #: The last volume, kept while other models' jobs of the same series version wait.
+        self._volume: tuple[str, int, list[Path], Volume] | None = None
         self.results_dir = config.data_dir / "results"
         self.wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.current_job: int | None = None
         self.last_result: str = "none yet"
+        #: Prebuilt volumes (node.streaming); None assembles every job from the spool.
+        self.volumes: StreamingAssembler | None = None
+        #: Called with the job id once its results are encoded (wakes the outbox).
+        self.on_encoded: Callable[[int], None] | None = None
 
     def start(self) -> None:
         """Start the worker thread."""
@@ -100,6 +128,11 @@ class Worker:
         )
         try:
             self._process(job)
+        except NoSegmentsError as exc:
+            reason = f"nothing to send: {exc}"
+            log.info("job %d: %s", job.id, reason)
+            self.ledger.finish_empty(job.id, reason)
+            self.last_result = f"job {job.id} found no segment"
         except (VolumeError, EngineError, ResultError, JobError) as exc:
             self._fail(job, str(exc))
         except MemoryError:
@@ -123,9 +156,18 @@ class Worker:
             raise JobError(
                 f"{len(missing)} spooled instance file(s) are missing, e.g. {missing[0].name}"
             )
-        volume = assemble_volume(paths, min_slices=self.config.series.min_slices)
+        engine, manifest = self.pool.get(job.model_name)
+        volume = self._sibling_volume(job, paths)
+        if volume is None and self.volumes is not None:
+            volume = self.volumes.take(job.series_instance_uid, paths)
+            if volume is not None:
+                log.info("job %d: volume prebuilt while the series arrived", job.id)
+        if volume is None:
+            volume = assemble_volume(paths, min_slices=self.config.series.min_slices)
+        if self.ledger.queued_siblings(job.id):  # another model will need the same volume
+            self._volume = (job.series_instance_uid, job.version, paths, volume)
         self.ledger.mark(job.id, "volume_at")
-        labels = self.engine.segment(volume.hu)
+        labels = engine.segment(volume.hu)
         self.ledger.mark(job.id, "inference_at")
         uids = ResultUIDs(
             seg_series_uid=job.seg_series_uid,
@@ -133,13 +175,14 @@ class Worker:
             sr_series_uid=job.sr_series_uid,
             sr_sop_uid=job.sr_sop_uid,
         )
-        seg = build_seg(volume, labels, self.manifest, uids, software_version=__version__)
-        verify_seg(seg, volume, labels)
-        sr = build_sr(volume, labels, self.manifest, seg, uids, software_version=__version__)
+        seg = build_seg(volume, labels, manifest, uids, software_version=__version__)
+        seg_bytes = encode(seg)
+        verify_seg(seg, volume, labels, encoded=seg_bytes)  # check the bytes that will be sent
+        sr = build_sr(volume, labels, manifest, seg, uids, software_version=__version__)
         out = self.results_dir / str(job.id)
         seg_path = out / f"seg-{uids.seg_sop_uid}.dcm"
         sr_path = out / f"sr-{uids.sr_sop_uid}.dcm"
-        write_atomic(seg_path, encode(seg))
+        write_atomic(seg_path, seg_bytes)
         write_atomic(sr_path, encode(sr))
         self.ledger.save_results(
             job.id,
@@ -147,8 +190,21 @@ class Worker:
                 ("SEG", str(seg.SOPClassUID), uids.seg_sop_uid, uids.seg_series_uid, seg_path),
                 ("SR", str(sr.SOPClassUID), uids.sr_sop_uid, uids.sr_series_uid, sr_path),
             ],
-            [p.name for p in self.config.dispatch.destinations],
+            list(job.destinations),
         )
+        if self.on_encoded is not None:
+            self.on_encoded(job.id)
+
+    def _sibling_volume(self, job: JobView, paths: list[Path]) -> Volume | None:
+        """The volume of the previous job if it was the same series version (another model)."""
+        cached, self._volume = self._volume, None
+        if cached is None:
+            return None
+        uid, version, cached_paths, volume = cached
+        if (uid, version, cached_paths) != (job.series_instance_uid, job.version, paths):
+            return None
+        log.info("job %d: volume shared with the previous model's job", job.id)
+        return volume
 
 
 def result_paths(data_dir: Path, job_id: int) -> list[Path]:

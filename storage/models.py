@@ -74,6 +74,10 @@ class Instance(Base):
 class Job(Base):
     """One run of a model over one version of a series.
 
+    Routing may run several models over one series version: one job each (``model_name``),
+    each with its own result UIDs. ``destinations`` is the JSON list of destination names
+    chosen by the routing rule when the job was created (``AE@host:port``, ``stow:<url>``).
+
     States: ``queued -> running -> encoded -> sent`` or ``failed``; ``cancelled`` and
     ``superseded`` end a job without results. Each stage has its own timestamp.
     Result UIDs are allocated when the job is created so that a re-encoding after a crash
@@ -81,13 +85,16 @@ class Job(Base):
     """
 
     __tablename__ = "jobs"
-    __table_args__ = (UniqueConstraint("series_id", "version"),)
+    __table_args__ = (UniqueConstraint("series_id", "version", "model_name"),)
     id: Mapped[int] = mapped_column(primary_key=True)
     series_id: Mapped[int] = mapped_column(ForeignKey("series.id"), index=True)
     version: Mapped[int]
     state: Mapped[str] = mapped_column(String(16), index=True)
     priority: Mapped[int] = mapped_column(default=0)
     model: Mapped[str] = mapped_column(String(128))
+    model_name: Mapped[str] = mapped_column(String(64), default="default")
+    rule: Mapped[str] = mapped_column(String(128), default="")
+    destinations: Mapped[str] = mapped_column(String(8192), default="[]")
     engine: Mapped[str] = mapped_column(String(32))
     trigger: Mapped[str] = mapped_column(String(32))
     reason: Mapped[str | None] = mapped_column(String(2048))
@@ -132,7 +139,7 @@ class Delivery(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     result_id: Mapped[int] = mapped_column(ForeignKey("results.id"), index=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
-    destination: Mapped[str] = mapped_column(String(128))
+    destination: Mapped[str] = mapped_column(String(512))
     status: Mapped[str] = mapped_column(String(16))  # pending | sent | failed
     attempts: Mapped[int] = mapped_column(default=0)
     next_attempt_at: Mapped[datetime]
@@ -152,3 +159,18 @@ class Event(Base):
     job_id: Mapped[int | None] = mapped_column(index=True)
     series_id: Mapped[int | None]
     message: Mapped[str] = mapped_column(String(2048))
+
+
+class SpoolPurge(Base):
+    """Retention: when a delivered series' spooled instances (and sent results) were deleted.
+
+    A table of its own, so that ledgers made before it gain it without a migration
+    (``create_all`` adds missing tables).
+    """
+
+    __tablename__ = "spool_purges"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    series_id: Mapped[int] = mapped_column(ForeignKey("series.id"), unique=True)
+    purged_at: Mapped[datetime]
+    files: Mapped[int] = mapped_column(default=0)
+    size_bytes: Mapped[int] = mapped_column(default=0)

@@ -1,0 +1,611 @@
+"""Ingest and end-to-end benchmark: ``make bench`` (``python -m bench.ingest --out bench/out``).
+
+Everything runs on loopback in one invocation, against real peers:
+
+1. **Ingest.** DCMTK ``storescu`` sends a synthetic 512x512x256 CT (one association) to
+   (a) ``segnode serve``, (b) pynetdicom's bundled ``python -m pynetdicom storescp`` (its
+   defaults, and with ``-pdu 0``), (c) Orthanc. Each target is started fresh for each of
+   ``--runs`` runs; we report the median MB/s and instances/s (wall time of ``storescu``) and
+   the receiver's CPU time (user + system, from ``/proc``) per MB.
+2. **Completion latency.** An in-process pynetdicom SCU sends the same series to a fresh
+   node; the time of the last C-STORE response is taken right where the SCU receives it, the
+   job's ``created_at`` (series complete, job queued) from the ledger. Default config (quiet
+   period 30 s): the release (no count hint) and geometry (Images in Acquisition present)
+   signals are measured separately.
+3. **End to end.** 512x512x128 CT to a node that sends results to Orthanc, default model on
+   the CPU: last C-STORE response -> SEG and SR acknowledged by Orthanc (the delivery ack times
+   in the ledger), with each stage's share, and a timeline plot.
+4. **Memory.** Peak RSS of the node (sampled every 10 ms from ``/proc``) while it receives a
+   512x512x1000 series, up to the moment the job is queued, against the volume's size in memory
+   (float32).
+
+Outputs in ``--out``: ``ingest.json``, ``ingest.md`` (the tables), ``timeline.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# -- data -------------------------------------------------------------------------------------
+
+
+def series(name: str, slices: int, seed: int, hint: bool) -> Path:
+    """A cached synthetic 512x512 series under bench/generated/."""
+    from node.synthetic import write_synthetic_series
+
+    out = ROOT / "bench" / "generated" / name
+    done = out.with_name(f"{name}.done")
+    if not done.exists():
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"generating {name} ({slices} slices)...", flush=True)
+        write_synthetic_series(
+            out, rows=512, columns=512, slices=slices, seed=seed, images_in_acquisition=hint
+        )
+        done.write_text("")
+    return out
+
+
+def files_of(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.dcm"))
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (and its reaped children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(fields[i]) for i in (11, 12)) / CLK_TCK
+
+
+def rss_bytes(pid: int, key: str = "VmRSS") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        try:
+            with socket.create_connection((LOOPBACK, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"port {port} not listening after {timeout} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@contextmanager
+def segnode(work: Path, extra: str = "") -> Iterator[tuple[int, subprocess.Popen[bytes], Path]]:
+    """A fresh ``segnode serve`` on loopback; yields (port, process, data dir)."""
+    port = free_port()
+    data = work / "data"
+    cfg = work / "config.toml"
+    cfg.write_text(
+        f'data_dir = "{data}"\nlog_level = "INFO"\n{extra}\n'
+        f'[node]\nae_title = "SEGNODE"\nhost = "{LOOPBACK}"\nport = {port}\n'
+    )
+    log = (work / "node.log").open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "node.cli", "serve", "--config", str(cfg)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_port(port, proc)
+        yield port, proc, data
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def storescp(work: Path, *args: str) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """pynetdicom's bundled storescp application writing to a fresh folder."""
+    port = free_port()
+    out = work / "out"
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "pynetdicom", "storescp", str(port), "-ba", LOOPBACK]
+    proc = subprocess.Popen(
+        [*cmd, "-od", str(out), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_port(port, proc)
+        yield port, proc
+    finally:
+        stop(proc)
+
+
+NOOP_SCP = """
+import sys, time
+from pynetdicom import AE, ALL_TRANSFER_SYNTAXES, evt
+from pynetdicom.sop_class import CTImageStorage
+ae = AE("NOOP"); ae.maximum_pdu_size = 0
+ae.add_supported_context(CTImageStorage, ALL_TRANSFER_SYNTAXES)
+ae.start_server(("127.0.0.1", int(sys.argv[1])), evt_handlers=[(evt.EVT_C_STORE, lambda e: 0)])
+"""
+
+
+@contextmanager
+def noop_scp(work: Path) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """pynetdicom with a C-STORE handler that stores nothing: the ceiling of any SCP built on
+    pynetdicom (its receive path and reactor polling alone)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", NOOP_SCP, str(port)])
+    try:
+        wait_port(port, proc)
+        yield port, proc
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def orthanc(work: Path) -> Iterator[tuple[int, int, subprocess.Popen[bytes]]]:
+    """A fresh Orthanc; yields (DICOM port, HTTP port, process)."""
+    exe = shutil.which("Orthanc")
+    if exe is None:
+        raise RuntimeError("Orthanc not installed (apt-get install orthanc)")
+    dicom, http = free_port(), free_port()
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "Name": "bench",
+        "StorageDirectory": str(work / "storage"),
+        "IndexDirectory": str(work / "storage"),
+        "DicomAet": "ORTHANC",
+        "DicomPort": dicom,
+        "HttpPort": http,
+        "RemoteAccessAllowed": False,
+        "AuthenticationEnabled": False,
+        "DicomCheckCalledAet": False,
+        "DicomAlwaysAllowStore": True,
+        "DicomAlwaysAllowEcho": True,
+        "Plugins": [],
+        "HttpBindAddress": LOOPBACK,
+        "DicomBindAddress": LOOPBACK,
+    }
+    (work / "orthanc.json").write_text(json.dumps(cfg))
+    log = (work / "orthanc.log").open("ab")
+    proc = subprocess.Popen([exe, str(work / "orthanc.json")], stdout=log, stderr=log)
+    try:
+        wait_port(http, proc)
+        wait_port(dicom, proc)
+        yield dicom, http, proc
+    finally:
+        stop(proc)
+
+
+def storescu(port: int, folder: Path, called: str = "SEGNODE") -> float:
+    """Send a folder with DCMTK storescu (one association); return the wall time."""
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        ["storescu", "-aet", "MODALITY", "-aec", called, "+sd", LOOPBACK, str(port), str(folder)],
+        capture_output=True,
+        text=True,
+    )
+    elapsed = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"storescu failed: {r.stdout}{r.stderr}")
+    return elapsed
+
+
+def storescu_parallel(port: int, folders: list[Path], called: str) -> float:
+    """Send each folder with its own storescu at the same time; return the wall time."""
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            ["storescu", "-aet", "MODALITY", "-aec", called, "+sd", LOOPBACK, str(port), str(f)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for f in folders
+    ]
+    for p in procs:
+        out, _ = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"storescu failed: {out.decode(errors='replace')}")
+    return time.perf_counter() - t0
+
+
+def send_pynetdicom(port: int, paths: list[Path]) -> float:
+    """Send with an in-process pynetdicom SCU; return the wall-clock time (epoch seconds) at
+    which the last C-STORE response was received (before the release)."""
+    from pydicom import dcmread
+    from pydicom.uid import ExplicitVRLittleEndian
+    from pynetdicom import AE
+    from pynetdicom.sop_class import CTImageStorage  # type: ignore[attr-defined]
+
+    ae = AE(ae_title="MODALITY")
+    ae.add_requested_context(CTImageStorage, ExplicitVRLittleEndian)
+    ae.maximum_pdu_size = 0
+    datasets = [dcmread(p) for p in paths]
+    assoc = ae.associate(LOOPBACK, port, ae_title="SEGNODE")
+    if not assoc.is_established:
+        raise RuntimeError("association rejected")
+    last = 0.0
+    for ds in datasets:
+        status = assoc.send_c_store(ds)
+        last = time.time()
+        if not status or int(status.Status) != 0:
+            raise RuntimeError(f"C-STORE failed: {status}")
+    assoc.release()
+    return last
+
+
+# -- ledger -----------------------------------------------------------------------------------
+
+
+def epoch(text: str | None) -> float | None:
+    """A ledger timestamp (naive UTC) as epoch seconds."""
+    if not text:
+        return None
+    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
+
+
+def ledger_job(data: Path) -> dict[str, Any] | None:
+    db = data / "ledger.sqlite"
+    if not db.exists():
+        return None
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
+        c.row_factory = sqlite3.Row
+        row = c.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT 1").fetchone()
+        if row is None:
+            return None
+        job = dict(row)
+        acks = c.execute(
+            "SELECT sent_at FROM deliveries WHERE job_id = ? ORDER BY id", (job["id"],)
+        ).fetchall()
+        job["acks"] = [a[0] for a in acks]
+        return job
+
+
+def wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.01)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+# -- measurements -----------------------------------------------------------------------------
+
+
+def ingest(folder: Path, runs: int, tmp: Path) -> list[dict[str, Any]]:
+    paths = files_of(folder)
+    mb = sum(p.stat().st_size for p in paths) / 1e6
+    rows = []
+
+    def measure(
+        name: str, start: Callable[[Path], Any], called: str, folders: list[Path] | None = None
+    ) -> None:
+        times, cpus = [], []
+        for r in range(runs):
+            work = tmp / f"{name.replace(' ', '_')}-{r}"
+            work.mkdir(parents=True)
+            with start(work) as handle:
+                port = handle[0]
+                proc = next(x for x in handle if isinstance(x, subprocess.Popen))
+                c0 = cpu_seconds(proc.pid)
+                if folders:
+                    times.append(storescu_parallel(port, folders, called))
+                else:
+                    times.append(storescu(port, folder, called))
+                cpus.append(cpu_seconds(proc.pid) - c0)
+            shutil.rmtree(work, ignore_errors=True)
+        t = statistics.median(times)
+        rows.append(
+            {
+                "target": name,
+                "runs_s": [round(x, 3) for x in times],
+                "median_s": round(t, 3),
+                "mb_per_s": round(mb / t, 1),
+                "instances_per_s": round(len(paths) / t, 1),
+                "cpu_s_per_mb": round(statistics.median(cpus) / mb, 4),
+            }
+        )
+        print(f"  {name}: {rows[-1]}", flush=True)
+
+    measure("segnode", lambda w: segnode(w), "SEGNODE")
+    measure("pynetdicom storescp (defaults)", lambda w: storescp(w), "STORESCP")
+    measure("pynetdicom storescp -pdu 0", lambda w: storescp(w, "-pdu", "0"), "STORESCP")
+    measure("orthanc", lambda w: orthanc(w), "ORTHANC")
+    measure("pynetdicom, no-op handler (ceiling)", lambda w: noop_scp(w), "NOOP")
+    # The same series split over 4 simultaneous associations (quarters, one storescu each).
+    quarters = []
+    for q in range(4):
+        d = tmp / "quarters" / str(q)
+        d.mkdir(parents=True)
+        for p in paths[q::4]:
+            (d / p.name).symlink_to(p)
+        quarters.append(d)
+    for name, start, called in (
+        ("segnode, 4 associations", lambda w: segnode(w), "SEGNODE"),
+        ("pynetdicom storescp (defaults), 4 associations", lambda w: storescp(w), "STORESCP"),
+    ):
+        measure(name, start, called, quarters)
+    return rows
+
+
+def completion(folder: Path, runs: int, tmp: Path, label: str) -> dict[str, Any]:
+    paths = files_of(folder)
+    lat, triggers = [], []
+    for r in range(runs):
+        work = tmp / f"completion-{label}-{r}"
+        work.mkdir(parents=True)
+        with segnode(work) as (port, _proc, data):
+            last = send_pynetdicom(port, paths)
+            job = wait(lambda: ledger_job(data), 60, "job queued")
+            created = epoch(job["created_at"])
+            assert created is not None
+            lat.append((created - last) * 1000)
+            triggers.append(job["trigger"])
+        shutil.rmtree(work, ignore_errors=True)
+    out = {
+        "series": label,
+        "runs_ms": [round(x, 1) for x in lat],
+        "median_ms": round(statistics.median(lat), 1),
+        "trigger": sorted(set(triggers)),
+    }
+    print(f"  completion {label}: {out}", flush=True)
+    return out
+
+
+STAGES = (
+    ("completion", "last response", "created_at"),
+    ("queue", "created_at", "started_at"),
+    ("volume", "started_at", "volume_at"),
+    ("inference", "volume_at", "inference_at"),
+    ("encode", "inference_at", "encoded_at"),
+    ("delivery", "encoded_at", "last ack"),
+)
+
+
+def end_to_end(folder: Path, tmp: Path) -> dict[str, Any]:
+    paths = files_of(folder)
+    work = tmp / "e2e"
+    work.mkdir(parents=True)
+    with orthanc(work / "orthanc") as (dport, hport, _o):
+        extra = f'[dispatch]\ndestinations = ["ORTHANC@{LOOPBACK}:{dport}"]\n'
+        (work / "node").mkdir()
+        with segnode(work / "node", extra) as (port, _proc, data):
+            last = send_pynetdicom(port, paths)
+            job = wait(
+                lambda: (j := ledger_job(data)) and j["state"] in ("sent", "failed") and j,
+                900,
+                "job sent",
+            )
+            if job["state"] != "sent":
+                raise RuntimeError(f"job failed: {job['reason']}")
+            with urllib.request.urlopen(f"http://{LOOPBACK}:{hport}/series", timeout=10) as r:
+                n_series = len(json.loads(r.read()))
+    keys = ("created_at", "started_at", "volume_at", "inference_at", "encoded_at")
+    t: dict[str, float | None] = {k: epoch(job[k]) for k in keys}
+    t["last response"] = last
+    acked = max(a for a in (epoch(x) for x in job["acks"]) if a is not None)
+    t["last ack"] = acked
+    total = acked - last
+    stages = []
+    for name, a, b in STAGES:
+        start, end = t[a], t[b]
+        assert start is not None and end is not None
+        stages.append(
+            {
+                "stage": name,
+                "start_s": round(start - last, 3),
+                "seconds": round(end - start, 3),
+                "share": round((end - start) / total, 4),
+            }
+        )
+    first = epoch(job["first_instance_at"])
+    out = {
+        "series": f"512x512x{len(paths)}",
+        "receive_s": round(last - first, 3) if first is not None else None,
+        "total_s": round(total, 3),
+        "trigger": job["trigger"],
+        "orthanc_series": n_series,
+        "stages": stages,
+    }
+    print(f"  end to end: {out}", flush=True)
+    return out
+
+
+def memory(folder: Path, tmp: Path) -> dict[str, Any]:
+    n = len(files_of(folder))
+    volume_bytes = n * 512 * 512 * 4
+    work = tmp / "memory"
+    work.mkdir(parents=True)
+    with segnode(work) as (port, proc, data):
+        base = rss_bytes(proc.pid)
+        sender = subprocess.Popen(
+            ["storescu", "-aet", "MODALITY", "-aec", "SEGNODE", "+sd", LOOPBACK, str(port)]
+            + [str(folder)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        peak = base
+        while True:
+            peak = max(peak, rss_bytes(proc.pid))
+            if sender.poll() is not None and ledger_job(data):
+                break
+            time.sleep(0.01)
+        peak = max(peak, rss_bytes(proc.pid))
+        hwm = rss_bytes(proc.pid, "VmHWM")
+        proc.kill()
+    out = {
+        "series": f"512x512x{n}",
+        "volume_mb": round(volume_bytes / 2**20, 1),
+        "idle_rss_mb": round(base / 2**20, 1),
+        "peak_rss_mb": round(peak / 2**20, 1),
+        "vm_hwm_mb": round(hwm / 2**20, 1),
+        "ratio": round(peak / volume_bytes, 3),
+        "target_ratio": 1.5,
+    }
+    print(f"  memory: {out}", flush=True)
+    return out
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [
+        f"Measured {res['date']} on {res['machine']}.",
+        "",
+        "| receiver (512x512x256 CT, storescu, 1 association) | MB/s | instances/s | "
+        "CPU s per MB | runs (s) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in res["ingest"]:
+        lines.append(
+            f"| {r['target']} | {r['mb_per_s']} | {r['instances_per_s']} | "
+            f"{r['cpu_s_per_mb']} | {', '.join(map(str, r['runs_s']))} |"
+        )
+    by = {r["target"]: r["mb_per_s"] for r in res["ingest"]}
+    ref = "pynetdicom storescp (defaults)"
+    lines.append("")
+    for suffix in ("", ", 4 associations"):
+        if f"segnode{suffix}" in by and f"{ref}{suffix}" in by:
+            ratio = by[f"segnode{suffix}"] / by[f"{ref}{suffix}"]
+            lines.append(f"segnode / {ref}{suffix}: **{ratio:.2f}x**  ")
+    lines.append("")
+    lines += [
+        "| completion latency (last C-STORE response -> job queued) | median (ms) | runs (ms) "
+        "| signal |",
+        "|---|---:|---|---|",
+    ]
+    for c in res["completion"]:
+        lines.append(
+            f"| {c['series']} | {c['median_ms']} | {', '.join(map(str, c['runs_ms']))} | "
+            f"{', '.join(c['trigger'])} |"
+        )
+    e = res["end_to_end"]
+    lines += [
+        "",
+        f"End to end {e['series']} (last C-STORE response -> SEG and SR acknowledged by "
+        f"Orthanc), default model on CPU: **{e['total_s']} s** (completion by {e['trigger']}; "
+        f"receiving took {e.get('receive_s')} s before that)",
+        "",
+        "| stage | starts at (s) | seconds | share |",
+        "|---|---:|---:|---:|",
+    ]
+    for s in e["stages"]:
+        lines.append(f"| {s['stage']} | {s['start_s']} | {s['seconds']} | {s['share']:.1%} |")
+    m = res["memory"]
+    lines += [
+        "",
+        f"Memory while receiving {m['series']}: peak RSS {m['peak_rss_mb']} MiB (idle "
+        f"{m['idle_rss_mb']} MiB) for a {m['volume_mb']} MiB float32 volume: "
+        f"**{m['ratio']}x** (target <= {m['target_ratio']}x).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(e2e: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    colors = ["#8c564b", "#7f7f7f", "#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    if e2e.get("receive_s"):
+        receive = e2e["receive_s"]
+        ax.barh(0, receive, left=-receive, color="#bcbd22", label="receive (+ streaming decode)")
+        ax.axvline(0, color="black", linewidth=0.8)
+    for i, s in enumerate(e2e["stages"]):
+        ax.barh(0, s["seconds"], left=s["start_s"], color=colors[i % len(colors)], label=s["stage"])
+    ax.set_yticks([])
+    ax.set_xlabel("seconds after the last C-STORE response")
+    ax.set_title(f"segnode end to end, {e2e['series']} CT, total {e2e['total_s']} s")
+    ax.legend(ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--skip-memory", action="store_true", help="skip the 1000-slice series")
+    args = p.parse_args(argv)
+    for tool in ("storescu", "Orthanc"):
+        if shutil.which(tool) is None:
+            print(f"{tool} not installed: make tools", file=sys.stderr)
+            return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    ct256 = series("ct256", 256, 900, hint=False)
+    ct256h = series("ct256-hint", 256, 903, hint=True)
+    ct128 = series("ct128", 128, 901, hint=False)
+    res: dict[str, Any] = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}, Python {sys.version.split()[0]}",
+    }
+    with tempfile.TemporaryDirectory(prefix="segnode-bench-") as t:
+        tmp = Path(t)
+        print("ingest", flush=True)
+        res["ingest"] = ingest(ct256, args.runs, tmp)
+        print("completion latency", flush=True)
+        res["completion"] = [
+            completion(ct256, args.runs, tmp, "512x512x256, no count hint"),
+            completion(ct256h, args.runs, tmp, "512x512x256, Images in Acquisition"),
+        ]
+        print("end to end", flush=True)
+        res["end_to_end"] = end_to_end(ct128, tmp)
+        if not args.skip_memory:
+            print("memory", flush=True)
+            res["memory"] = memory(series("ct1000", 1000, 902, hint=True), tmp)
+    (args.out / "ingest.json").write_text(json.dumps(res, indent=2))
+    if "memory" not in res:
+        res["memory"] = {k: "-" for k in ("series", "peak_rss_mb", "idle_rss_mb", "volume_mb")}
+        res["memory"].update(ratio="-", target_ratio=1.5)
+    (args.out / "ingest.md").write_text(markdown(res))
+    plot(res["end_to_end"], args.out / "timeline.png")
+    print((args.out / "ingest.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

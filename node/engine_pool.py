@@ -1,0 +1,120 @@
+"""One inference engine per configured model, loaded when a job first needs it.
+
+The default model (``[model]``) is usually loaded at start so that the first job does not wait;
+the models of ``[models.NAME]`` are loaded by the worker on their first job and kept for the
+life of the process. Manifests are read at start for every model, so a broken manifest stops
+the node before it accepts anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from engines.base import Engine, EngineError, create_engine
+from engines.manifest import ModelManifest, load_manifest
+from node.rules import DEFAULT_MODEL_NAME, ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def engine_options(spec: ModelSpec, data_dir: Path) -> dict[str, Any]:
+    """Backend constructor options of one model."""
+    if spec.engine == "onnxruntime":
+        return {"threads": spec.threads or None}
+    if spec.engine == "tensorrt":
+        return {"cache_dir": data_dir / "engines", "precision": spec.precision}
+    if spec.engine == "torch":
+        return {"precision": spec.precision}
+    return {}
+
+
+class EnginePool:
+    """Loaded engines by model name.
+
+    Parameters
+    ----------
+    specs
+        Every configured model (the default one under ``"default"``).
+    data_dir
+        The node's data directory (engine caches).
+    preloaded
+        Engines already loaded, by model name (the node's default engine, or a test's).
+
+    Raises
+    ------
+    EngineError
+        If a manifest cannot be read.
+    """
+
+    def __init__(
+        self,
+        specs: Iterable[ModelSpec],
+        data_dir: Path,
+        preloaded: Mapping[str, tuple[Engine, ModelManifest]] | None = None,
+    ) -> None:
+        self.specs = {s.name: s for s in specs}
+        self.data_dir = data_dir
+        self._engines: dict[str, Engine] = {}
+        self.manifests: dict[str, ModelManifest] = {}
+        for name, (engine, manifest) in (preloaded or {}).items():
+            self._engines[name] = engine
+            self.manifests[name] = manifest
+        for name, spec in self.specs.items():
+            if name not in self.manifests:
+                self.manifests[name] = load_manifest(spec.manifest)
+        self._lock = threading.Lock()
+
+    def label(self, name: str) -> str:
+        """``"<manifest name> <version>"`` of a model (the job's model column)."""
+        m = self.manifests.get(name)
+        return f"{m.name} {m.version}" if m is not None else name
+
+    def engine_name(self, name: str) -> str:
+        """The backend a model runs on."""
+        spec = self.specs.get(name)
+        return spec.engine if spec is not None else "unknown"
+
+    def get(self, name: str) -> tuple[Engine, ModelManifest]:
+        """The loaded engine and manifest of model ``name`` (loading it on first use).
+
+        Raises
+        ------
+        EngineError
+            If the model is not configured or its backend cannot load it.
+        """
+        with self._lock:
+            engine = self._engines.get(name)
+            if engine is not None:
+                return engine, self.manifests[name]
+            spec = self.specs.get(name)
+            if spec is None:
+                known = ", ".join(sorted(self.specs)) or "none"
+                raise EngineError(f"model {name!r} is not configured (configured: {known})")
+            manifest = self.manifests[name]
+            log.info("loading model %s (%s) on %s", name, self.label(name), spec.engine)
+            engine = create_engine(spec.engine, **engine_options(spec, self.data_dir))
+            engine.load(manifest)
+            self._engines[name] = engine
+            return engine, manifest
+
+    def loaded(self) -> list[str]:
+        """Names of the models whose engines are loaded."""
+        with self._lock:
+            return sorted(self._engines)
+
+    def close(self) -> None:
+        """Close every loaded engine."""
+        with self._lock:
+            engines, self._engines = list(self._engines.values()), {}
+        for engine in engines:
+            try:
+                engine.close()
+            except Exception:
+                log.exception("closing an engine failed")
+
+
+__all__ = ["DEFAULT_MODEL_NAME", "EnginePool", "engine_options"]

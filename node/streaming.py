@@ -1,0 +1,482 @@
+"""Streaming assembly: decode each instance into its series' volume while the series arrives.
+
+The C-STORE handler stays write-record-reply: after the instance is durable it hands
+:meth:`StreamingAssembler.submit` a small :class:`Arrival` (no pixel data, nothing decoded) and
+answers. A bounded pool of threads then reads the spooled file (still in the page cache),
+decodes its pixels with the same code as :func:`node.volume.assemble_volume` and rescales them
+to HU straight into a slot of the series' in-memory slab. The same threads track the slice
+geometry (:class:`node.series.SeriesGeometry`) and report geometric completeness.
+
+When the worker starts a job it calls :meth:`StreamingAssembler.take` with the instance files
+the ledger lists for the series. If every one of them was decoded, the volume is built from
+the slab - sorted along the normal with :mod:`node.volume`'s own checks, so it is exactly
+the :class:`~node.volume.Volume` that ``assemble_volume`` returns - usually without copying
+the voxels (the slab is permuted in place when it was sized from Images in Acquisition).
+Anything else (a restart, an instance missing, a decode error, memory pressure) returns None
+and the worker assembles from the spool as before; an error is then reported by the canonical
+path with its usual message.
+
+Memory is bounded: slabs of all series together stay under ``streaming.max_memory_mb``; the
+least recently active series is spilled (its pixels dropped, so it falls back to the spool)
+when a new slab would not fit. A series leaves memory when a job takes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pydicom
+from pydicom.dataset import Dataset
+
+from node.series import SeriesGeometry
+from node.volume import (
+    MIN_SLICES,
+    Volume,
+    VolumeError,
+    _check_instance,
+    _decode,
+    _header,
+    _rescale_in_place,
+    _same_uid,
+    _single_frame_slice,
+    _Slice,
+    _sort_and_check,
+    assemble_from_datasets,
+)
+
+log = logging.getLogger(__name__)
+
+#: Slab size (slices) when the instances do not announce how many there will be.
+DEFAULT_SLAB_SLICES = 64
+#: Largest Images in Acquisition used to size one slab.
+MAX_SLAB_SLICES = 4096
+#: Series tracked at once; beyond it the least recently active idle ones are forgotten.
+MAX_SERIES = 256
+#: Series whose slice geometry is remembered (a few hundred bytes per slice each).
+MAX_GEOMETRIES = 1024
+
+OnGeometry = Callable[[str, str], object]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A stored (durable, recorded) instance, as the SCP hands it over."""
+
+    series_uid: str
+    sop_uid: str
+    path: Path
+    calling_ae: str
+    size: int = 0
+
+
+@dataclass(eq=False)
+class _Series:
+    """Streaming state of one series (guarded by the assembler's condition)."""
+
+    uid: str
+    calling_ae: str
+    pending: int = 0
+    last_used: float = 0.0
+    rows: int = 0
+    columns: int = 0
+    slab_slices: int = 0
+    slabs: list[npt.NDArray[np.float32] | None] = field(default_factory=list)
+    used: int = 0  # slots handed out
+    nbytes: int = 0
+    slots: dict[str, int] = field(default_factory=dict)  # spool path -> slot
+    headers: dict[int, Dataset] = field(default_factory=dict)
+    slices: dict[int, _Slice] = field(default_factory=dict)
+    multiframe: tuple[str, Volume] | None = None
+    spilled: bool = False
+    broken: bool = False
+
+
+class StreamingAssembler:
+    """Decodes arriving instances into per-series volumes on a bounded thread pool.
+
+    Parameters
+    ----------
+    workers
+        Decoding threads.
+    max_bytes
+        Cap on the slabs of all series together; 0 keeps no pixels (geometry only).
+    min_slices
+        As ``series.min_slices`` (passed to the volume checks).
+    on_geometry
+        Called as ``on_geometry(series_uid, calling_ae)`` when a series becomes geometrically
+        complete (from a pool thread, after the instance's ledger row was committed).
+    decode_pixels
+        False tracks geometry only (``streaming.enabled = false``).
+    """
+
+    def __init__(
+        self,
+        *,
+        workers: int = 2,
+        max_bytes: int = 2 * 2**30,
+        min_slices: int = MIN_SLICES,
+        on_geometry: OnGeometry | None = None,
+        decode_pixels: bool = True,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.min_slices = min_slices
+        self.on_geometry = on_geometry
+        self.decode_pixels = decode_pixels and max_bytes > 0
+        self._cond = threading.Condition()
+        self._series: dict[str, _Series] = {}
+        # Geometry outlives a state taken by a job: a series reopened by the quiet period
+        # half-way through a split transfer is still completed by geometry when the rest
+        # arrives. Insertion-ordered, the oldest forgotten beyond MAX_GEOMETRIES.
+        self._geometry: dict[str, SeriesGeometry] = {}
+        self._bytes = 0
+        self._queue: queue.SimpleQueue[tuple[_Series, Arrival] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"segnode-decode-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        self._started = False
+        self._stopping = False
+        self.taken = 0  # volumes handed to the worker (for tests and metrics)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the decoding threads."""
+        if not self._started:
+            self._started = True
+            for t in self._threads:
+                t.start()
+
+    def stop(self) -> None:
+        """Stop the threads (instances still queued are skipped); drop every volume."""
+        self._stopping = True
+        if self._started:
+            for _ in self._threads:
+                self._queue.put(None)
+            for t in self._threads:
+                t.join(30)
+            self._started = False
+        with self._cond:
+            self._series.clear()
+            self._geometry.clear()
+            self._bytes = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held in slabs now."""
+        with self._cond:
+            return self._bytes
+
+    @property
+    def series_in_memory(self) -> int:
+        """Series with streaming state now."""
+        with self._cond:
+            return len(self._series)
+
+    # -- the SCP side ---------------------------------------------------------------------
+
+    def submit(self, arrival: Arrival) -> None:
+        """Queue a stored instance for decoding; O(1), never blocks the SCP thread."""
+        with self._cond:
+            state = self._series.get(arrival.series_uid)
+            if state is None:
+                if len(self._series) >= MAX_SERIES:
+                    self._forget_idle()
+                state = _Series(uid=arrival.series_uid, calling_ae=arrival.calling_ae)
+                self._series[arrival.series_uid] = state
+            state.pending += 1
+            state.last_used = time.monotonic()
+        self._queue.put((state, arrival))
+
+    # -- the pool -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            state, arrival = item
+            fired = False
+            try:
+                if not self._stopping:
+                    fired = self._decode(state, arrival)
+            except Exception as exc:  # any failure only costs the fast path  # noqa: BLE001
+                log.debug("streaming: %s not decoded: %s", arrival.path.name, exc)
+                with self._cond:
+                    state.broken = True
+            finally:
+                with self._cond:
+                    state.pending -= 1
+                    self._cond.notify_all()
+            if fired and self.on_geometry is not None:
+                self.on_geometry(state.uid, arrival.calling_ae)
+
+    def _decode(self, state: _Series, arrival: Arrival) -> bool:
+        """Decode one instance into its slot; return True when the series just became
+        geometrically complete."""
+        with self._cond:
+            pixels = self.decode_pixels and not state.spilled and not state.broken
+        ds = pydicom.dcmread(arrival.path, stop_before_pixels=not pixels)
+        frames = int(ds.get("NumberOfFrames", 1) or 1)
+        if frames > 1:
+            return self._multiframe(state, arrival, ds, pixels)
+        position = orientation = None
+        expected = ds.get("ImagesInAcquisition")
+        try:
+            sl = _single_frame_slice(ds, 0)
+            position, orientation = sl.position, sl.orientation
+        except VolumeError:
+            sl = None
+        if pixels and sl is not None:
+            _check_instance(ds)
+            stored = _decode(ds, sl.label)
+            if stored.shape != (sl.rows, sl.columns):
+                raise VolumeError(f"{sl.label}: decoded shape {stored.shape}")
+            header = _header(ds, share=True)
+            del ds
+            slot = self._slot(state, sl.rows, sl.columns, _int_or_none(expected))
+            with self._cond:
+                slab = None if slot is None else state.slabs[slot // state.slab_slices]
+            if slab is not None and slot is not None:
+                view = slab[slot % state.slab_slices]
+                view[...] = stored
+                _rescale_in_place(view, sl.slope, sl.intercept)
+                with self._cond:
+                    state.slots[str(arrival.path)] = slot
+                    state.headers[slot] = header
+                    state.slices[slot] = sl
+        with self._cond:
+            return self._geometry_of(state.uid).add(
+                arrival.sop_uid, position, orientation, _int_or_none(expected)
+            )
+
+    def _multiframe(self, state: _Series, arrival: Arrival, ds: Dataset, pixels: bool) -> bool:
+        """One multi-frame instance is a whole volume: assemble it now."""
+        frames = int(ds.NumberOfFrames)
+        if not pixels:
+            with self._cond:
+                self._geometry_of(state.uid).mixed = True  # by release or quiet period only
+            return False
+        volume = assemble_from_datasets([ds], min_slices=self.min_slices)
+        del ds
+        nbytes = int(volume.hu.nbytes)
+        with self._cond:
+            alone = state.used == 0 and state.multiframe is None and not state.slots
+            if not alone or not self._reserve(state, nbytes):
+                state.broken = True
+                return False
+            state.multiframe = (str(arrival.path), volume)
+            state.nbytes += nbytes
+            self._geometry_of(state.uid).fired = True
+        log.debug("streaming: multi-frame %s assembled (%d frames)", arrival.sop_uid, frames)
+        return True
+
+    def _geometry_of(self, series_uid: str) -> SeriesGeometry:
+        """The series' geometry tracker (caller holds the lock)."""
+        g = self._geometry.get(series_uid)
+        if g is None:
+            while len(self._geometry) >= MAX_GEOMETRIES:
+                del self._geometry[next(iter(self._geometry))]
+            g = self._geometry[series_uid] = SeriesGeometry()
+        return g
+
+    def _slot(self, state: _Series, rows: int, columns: int, expected: int | None) -> int | None:
+        """Hand out the next slab slot, allocating (and possibly evicting) as needed."""
+        with self._cond:
+            if state.spilled or state.broken:
+                return None
+            if state.slab_slices == 0:
+                state.rows, state.columns = rows, columns
+                ok = expected is not None and MIN_SLICES <= expected <= MAX_SLAB_SLICES
+                state.slab_slices = expected if ok and expected else DEFAULT_SLAB_SLICES
+            if (rows, columns) != (state.rows, state.columns):
+                state.broken = True  # mixed sizes: the spool path reports it
+                return None
+            slot = state.used
+            if slot // state.slab_slices >= len(state.slabs):
+                size = state.slab_slices * rows * columns * 4
+                if not self._reserve(state, size):
+                    return None
+                state.slabs.append(np.empty((state.slab_slices, rows, columns), np.float32))
+                state.nbytes += size
+            state.used += 1
+            return slot
+
+    def _reserve(self, state: _Series, size: int) -> bool:
+        """Make room for ``size`` bytes (caller holds the lock); spill ``state`` if none."""
+        while self._bytes + size > self.max_bytes:
+            victims = [
+                s for s in self._series.values() if s is not state and s.nbytes and not s.spilled
+            ]
+            if not victims:
+                log.info(
+                    "streaming: series %s does not fit in streaming.max_memory_mb; "
+                    "it will be assembled from the spool",
+                    state.uid,
+                )
+                self._spill(state)
+                return False
+            self._spill(min(victims, key=lambda s: s.last_used))
+        self._bytes += size
+        return True
+
+    def _forget_idle(self) -> None:
+        """Drop the least recently active half of the idle series (caller holds the lock):
+        series whose jobs never ran (cancelled, failed early) must not accumulate."""
+        idle = [s for s in self._series.values() if not s.pending]
+        idle.sort(key=lambda s: s.last_used)
+        for state in idle[: max(1, len(idle) // 2)]:
+            self._spill(state)
+            del self._series[state.uid]
+
+    def _spill(self, state: _Series) -> None:
+        """Drop a series' pixels (caller holds the lock); it falls back to the spool."""
+        self._bytes -= state.nbytes
+        state.nbytes = 0
+        state.slabs = []
+        state.multiframe = None
+        state.headers.clear()
+        state.slices.clear()
+        state.slots.clear()
+        state.spilled = True
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued instance was processed (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while any(s.pending for s in self._series.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    # -- the worker side ------------------------------------------------------------------
+
+    def discard(self, series_uid: str) -> None:
+        """Forget a series (its job was cancelled or failed before taking the volume)."""
+        with self._cond:
+            state = self._series.pop(series_uid, None)
+            if state is not None:
+                self._spill(state)
+
+    def take(self, series_uid: str, paths: Sequence[Path], timeout: float = 60.0) -> Volume | None:
+        """The prebuilt volume of exactly ``paths`` (ledger order), or None.
+
+        Waits for decodes still in flight. The series' state leaves the assembler either way;
+        instances arriving afterwards start a new state (a new job version).
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            state = self._series.pop(series_uid, None)
+            if state is None:
+                return None
+            while state.pending > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if state.pending > 0 or state.spilled or state.broken:
+                self._spill(state)  # late decodes of this state then allocate nothing
+                return None
+            multiframe = state.multiframe
+            slots = dict(state.slots)
+            self._bytes -= state.nbytes
+            state.nbytes = 0
+        if multiframe is not None:
+            path, volume = multiframe
+            ok = len(paths) == 1 and str(paths[0]) == path and not slots
+            return self._taken(volume) if ok else None
+        keys = [str(p) for p in paths]
+        if len(keys) != len(slots) or any(k not in slots for k in keys):
+            return None
+        try:
+            volume = self._build(state, [slots[k] for k in keys])
+        except VolumeError as exc:
+            log.debug("streaming: series %s not usable: %s", series_uid, exc)
+            return None
+        return self._taken(volume)
+
+    def _taken(self, volume: Volume) -> Volume:
+        self.taken += 1
+        return volume
+
+    def _build(self, state: _Series, slot_of: list[int]) -> Volume:
+        """:func:`node.volume._assemble_single_frames` over decoded slots, same checks."""
+        headers = [state.headers[s] for s in slot_of]
+        study = _same_uid(headers, "StudyInstanceUID", "studies")
+        series = _same_uid(headers, "SeriesInstanceUID", "series")
+        frame_of_reference = _same_uid(headers, "FrameOfReferenceUID", "Frames of Reference")
+        slices = [replace(state.slices[s], source_index=i) for i, s in enumerate(slot_of)]
+        order, geometry = _sort_and_check(slices, self.min_slices)
+        hu = _gather(state, [slot_of[i] for i in order])
+        return Volume(
+            hu=hu,
+            sources=tuple(headers[i] for i in order),
+            frame_of_reference_uid=frame_of_reference,
+            study_instance_uid=study,
+            series_instance_uid=series,
+            **geometry,
+        )
+
+
+def _gather(state: _Series, perm: list[int]) -> npt.NDArray[np.float32]:
+    """Slices in the order ``perm`` (slot numbers) as one ``(z, y, x)`` array.
+
+    A single full slab is permuted in place (no second copy of the volume); otherwise the
+    slices are copied into a new array and each slab is released as soon as it is drained.
+    """
+    n, per = len(perm), state.slab_slices
+    if len(state.slabs) == 1 and n == per and state.slabs[0] is not None:
+        slab = state.slabs[0]
+        state.slabs = []
+        _permute_in_place(slab, perm)
+        return slab
+    out = np.empty((n, state.rows, state.columns), dtype=np.float32)
+    left = [0] * len(state.slabs)
+    for s in perm:
+        left[s // per] += 1
+    for k, s in enumerate(perm):
+        part = state.slabs[s // per]
+        assert part is not None
+        out[k] = part[s % per]
+        left[s // per] -= 1
+        if left[s // per] == 0:
+            state.slabs[s // per] = None
+    state.slabs = []
+    return out
+
+
+def _permute_in_place(a: npt.NDArray[np.float32], perm: list[int]) -> None:
+    """``a[k] = a_before[perm[k]]`` for every k, following cycles with one spare slice."""
+    done = np.zeros(len(perm), dtype=bool)
+    spare = np.empty(a.shape[1:], dtype=a.dtype)
+    for start in range(len(perm)):
+        if done[start] or perm[start] == start:
+            done[start] = True
+            continue
+        spare[...] = a[start]
+        k = start
+        while True:
+            done[k] = True
+            src = perm[k]
+            if src == start:
+                a[k] = spare
+                break
+            a[k] = a[src]
+            k = src
+
+
+def _int_or_none(value: object) -> int | None:
+    try:
+        return int(value) if value not in (None, "") else None  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,1 @@
+"""Operational scripts: crash harness, outage scenario (run with ``python -m scripts.NAME``)."""

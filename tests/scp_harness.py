@@ -1,0 +1,70 @@
+"""An in-process StoreSCP on an ephemeral loopback port, for the hardening tests."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pydicom.uid import ExplicitVRLittleEndian
+from pynetdicom import AE
+from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[attr-defined]
+
+from node.config import DEFAULT_MODEL, from_dict
+from node.scp import StoreSCP
+from node.series import CompletionTracker
+from storage.ledger import Ledger
+from storage.spool import Spool
+from tests.conftest import LOOPBACK
+
+
+class SCPHarness:
+    """A :class:`~node.scp.StoreSCP` built from a raw config dict (port forced to 0)."""
+
+    def __init__(self, tmp: Path, raw: dict[str, Any] | None = None) -> None:
+        raw = dict(raw or {})
+        raw.setdefault("node", {})
+        raw["node"] = {"host": LOOPBACK, "port": 11112, **raw["node"]}
+        raw.setdefault("model", {"manifest": str(DEFAULT_MODEL)})
+        cfg = from_dict(raw)
+        self.config = replace(cfg, node=replace(cfg.node, port=0), data_dir=tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.ledger = Ledger(tmp / "ledger.sqlite")
+        self.spool = Spool(tmp / "spool")
+        self.completed: list[tuple[str, str]] = []
+        self.tracker = CompletionTracker(lambda s, t: self.completed.append((s, t)))
+        self.scp = StoreSCP(self.config, self.ledger, self.spool, self.tracker)
+        self.scp.start()
+
+    @property
+    def port(self) -> int:
+        """The listening port (TLS when ``[tls]`` is on and has no port of its own)."""
+        return self.scp.port
+
+    def assoc(
+        self,
+        calling: str = "MODALITY",
+        *,
+        port: int | None = None,
+        tls_args: tuple[ssl.SSLContext, str] | None = None,
+        timeout: float = 10.0,
+    ) -> Any:
+        """Request an association (CT Image Storage + Verification)."""
+        ae = AE(ae_title=calling)
+        ae.acse_timeout = ae.dimse_timeout = ae.network_timeout = timeout
+        ae.connection_timeout = timeout
+        ae.add_requested_context(CTImageStorage, ExplicitVRLittleEndian)
+        ae.add_requested_context(Verification)
+        return ae.associate(LOOPBACK, port or self.port, ae_title="SEGNODE", tls_args=tls_args)
+
+    def close(self) -> None:
+        """Stop listening, close the ledger."""
+        self.scp.stop()
+        self.ledger.close()
+
+
+def store(assoc: Any, path_or_ds: Any) -> int:
+    """C-STORE one object; -1 when no response."""
+    status = assoc.send_c_store(path_or_ds)
+    return int(status.Status) if status and "Status" in status else -1

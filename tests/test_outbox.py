@@ -1,0 +1,239 @@
+"""Outbox guarantees with a real destination on loopback (a counting Storage SCP).
+
+The dispatcher runs in-process on a real ledger holding encoded jobs whose result files are
+small SEG / SR datasets; the destination is :class:`scripts.harness.CountingSCP`, which is down
+(nothing listening on its port) for part of each test.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+from pynetdicom.sop_class import (  # type: ignore[attr-defined]
+    Comprehensive3DSRStorage,
+    SegmentationStorage,
+)
+from sqlalchemy import select
+
+from node.config import Config, from_dict
+from node.scu import CircuitBreakers, Dispatcher, jittered_backoff
+from scripts.harness import CountingSCP, free_port
+from storage.ledger import InstanceRecord, Ledger
+from storage.models import Event
+from storage.spool import write_atomic
+from tests.conftest import LOOPBACK, ROOT, wait_for
+
+
+def result_file(path: Path, sop_class: str, sop_uid: str, study: str) -> Path:
+    """A minimal dataset of ``sop_class`` written as a Part 10 file."""
+    ds = Dataset()
+    ds.SOPClassUID = sop_class
+    ds.SOPInstanceUID = sop_uid
+    ds.StudyInstanceUID = study
+    ds.SeriesInstanceUID = generate_uid()
+    ds.Modality = "SEG" if sop_class == SegmentationStorage else "SR"
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.file_meta.MediaStorageSOPClassUID = sop_class
+    ds.file_meta.MediaStorageSOPInstanceUID = sop_uid
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds.save_as(path, enforce_file_format=True)
+    return path
+
+
+def encoded_job(ledger: Ledger, out: Path, destinations: list[str]) -> int:
+    """Record one instance, make a job, claim it and save SEG + SR results: an encoded job."""
+    study, series = generate_uid(), generate_uid()
+    spool = out / "spool" / f"{generate_uid()}.dcm"
+    write_atomic(spool, b"x")
+    rec = InstanceRecord(generate_uid(), "1.2.840.10008.5.1.4.1.1.2", series, study, "", "CT", "M")
+    ledger.record_instance(rec, spool, 1)
+    job_id = ledger.create_job(series, trigger="test", model="m", engine="e")
+    assert job_id is not None
+    job = ledger.claim_next_job()
+    assert job is not None and job.id == job_id
+    res = out / "results" / str(job_id)
+    seg = result_file(res / "seg.dcm", SegmentationStorage, job.seg_sop_uid, study)
+    sr = result_file(res / "sr.dcm", Comprehensive3DSRStorage, job.sr_sop_uid, study)
+    ledger.save_results(
+        job_id,
+        [
+            ("SEG", SegmentationStorage, job.seg_sop_uid, job.seg_series_uid, seg),
+            ("SR", Comprehensive3DSRStorage, job.sr_sop_uid, job.sr_series_uid, sr),
+        ],
+        destinations,
+    )
+    return job_id
+
+
+def outbox_config(tmp: Path, destinations: list[Any], **dispatch: Any) -> Config:
+    """A config whose dispatch section sends to ``destinations`` with fast retries."""
+    cfg = from_dict(
+        {
+            "dispatch": {
+                "destinations": destinations,
+                "retry_initial_s": 0.05,
+                "retry_max_s": 0.2,
+                "breaker_failures": 3,
+                "breaker_cooldown_s": 0.6,
+                "timeout_s": 5,
+                **dispatch,
+            }
+        }
+    )
+    return replace(cfg, data_dir=tmp)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    led = Ledger(tmp_path / "ledger.sqlite")
+    yield led
+    led.close()
+
+
+def events(ledger: Ledger, kind: str) -> list[Event]:
+    with ledger._read() as s:
+        return list(s.scalars(select(Event).where(Event.kind == kind).order_by(Event.id)))
+
+
+def test_jittered_backoff_bounds_and_spread() -> None:
+    rng = random.Random(1)
+    for attempts in range(12):
+        base = min(10.0, 0.5 * 2**attempts)
+        values = [jittered_backoff(attempts, 0.5, 10.0, rng) for _ in range(200)]
+        assert all(base / 2 <= v <= base for v in values)
+        assert max(values) - min(values) > base / 4  # really jittered
+    assert jittered_backoff(10_000, 1.0, 300.0, rng) <= 300.0  # no overflow
+
+
+def test_circuit_breaker_opens_after_n_and_closes_on_success() -> None:
+    now = [100.0]
+    b = CircuitBreakers(3, 30.0, 1.0, 8.0, random.Random(0), clock=lambda: now[0])
+    assert b.blocked_for("P") == 0
+    w1, opened = b.failure("P")
+    assert not opened and 0.5 <= w1 <= 1.0 and b.blocked_for("P") == pytest.approx(w1)
+    b.failure("P")
+    w3, opened = b.failure("P")
+    assert opened and 27 <= w3 <= 33 and b.is_open("P")
+    now[0] += w3 + 0.01
+    assert b.blocked_for("P") == 0  # half-open: one probe allowed
+    w4, opened = b.failure("P")
+    assert not opened and w4 >= 27  # the probe failed: open again, no second "opened"
+    assert b.blocked_for("Q") == 0  # per destination
+    assert b.success("P") and not b.is_open("P") and b.blocked_for("P") == 0
+
+
+def test_destination_down_then_back_gets_everything_once(tmp_path: Path, ledger: Ledger) -> None:
+    port = free_port()
+    dest = f"COUNTER@{LOOPBACK}:{port}"
+    cfg = outbox_config(tmp_path, [dest])
+    jobs = [encoded_job(ledger, tmp_path, [dest]) for _ in range(3)]
+    d = Dispatcher(cfg, ledger, rng=random.Random(7))
+    d.start()
+    scp = CountingSCP(port)
+    try:
+        # Down: connection attempts back off, then the breaker opens; no object uses attempts.
+        wait_for(lambda: len(events(ledger, "destination-down")) >= 4, 20, "4 failed connects")
+        assert d.breakers.is_open(dest)
+        for job_id in jobs:
+            view = ledger.job(job_id)
+            assert view is not None and view.state == "encoded"
+            assert [a for *_, a in view.deliveries] == [0, 0]
+            assert all(
+                "associat" in (e or "") or "unreachable" in (e or "") for e in view.delivery_errors
+            )
+        down = events(ledger, "destination-down")
+        gaps = [(b.at - a.at).total_seconds() for a, b in zip(down[2:], down[3:], strict=False)]
+        assert all(g >= 0.5 for g in gaps), gaps  # open breaker: one probe per cool-down
+        scp.start()
+        wait_for(lambda: all(ledger.job_state(j) == "sent" for j in jobs), 20, "all sent")
+        time.sleep(0.5)  # nothing more arrives
+    finally:
+        d.stop()
+        scp.stop()
+    counts = scp.counts()
+    assert len(counts) == 6 and set(counts.values()) == {1}, counts
+    for job_id in jobs:
+        view = ledger.job(job_id)
+        assert view is not None
+        assert [a for *_, a in view.deliveries] == [1, 1]  # one attempt each: the one that worked
+    assert not d.breakers.is_open(dest)
+
+
+def test_max_age_fails_visibly_and_retry_failed_requeues(tmp_path: Path) -> None:
+    port = free_port()
+    dest = f"COUNTER@{LOOPBACK}:{port}"
+    data = tmp_path / "data"
+    data.mkdir()
+    led = Ledger(data / "ledger.sqlite")
+    try:
+        jobs = [encoded_job(led, data, [dest]) for _ in range(2)]
+        cfg = outbox_config(data, [dest], max_age_s=0.5)
+        d = Dispatcher(cfg, led, rng=random.Random(3))
+        d.start()
+        try:
+            wait_for(lambda: all(led.job_state(j) == "failed" for j in jobs), 15, "jobs expired")
+        finally:
+            d.stop()
+        view = led.job(jobs[0])
+        assert view is not None and view.reason is not None and "max_age_s" in view.reason
+        assert {st for _, _, st, _ in view.deliveries} == {"failed"}
+        assert led.counts()["deliveries_failed"] == 4
+    finally:
+        led.close()
+    cli = [sys.executable, "-m", "node.cli"]
+    out = subprocess.run(
+        [*cli, "jobs", "--data-dir", str(data)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert "max_age_s" in out.stdout and "failed" in out.stdout
+    bad = subprocess.run([*cli, "retry", "--data-dir", str(data)], cwd=ROOT, capture_output=True)
+    assert bad.returncode == 2
+    out = subprocess.run(
+        [*cli, "retry", "--failed", "--data-dir", str(data)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and "requeued 2 failed job(s)" in out.stdout, out
+    led = Ledger(data / "ledger.sqlite")
+    scp = CountingSCP(port).start()
+    d = Dispatcher(outbox_config(data, [dest], max_age_s=60), led)
+    d.start()
+    try:
+        wait_for(lambda: all(led.job_state(j) == "sent" for j in jobs), 15, "sent after retry")
+    finally:
+        d.stop()
+        scp.stop()
+        led.close()
+    assert sorted(scp.counts().values()) == [1, 1, 1, 1]
+
+
+def test_failure_status_uses_attempts_with_backoff(tmp_path: Path, ledger: Ledger) -> None:
+    """A destination that answers a failure status: attempts are used, then the job fails."""
+    scp = CountingSCP()
+    scp._handle_store = lambda event: 0xA700  # type: ignore[method-assign]
+    scp.start()
+    cfg = outbox_config(tmp_path, [scp.peer], max_attempts=3)
+    job_id = encoded_job(ledger, tmp_path, [scp.peer])
+    d = Dispatcher(cfg, ledger, rng=random.Random(5))
+    d.start()
+    try:
+        wait_for(lambda: ledger.job_state(job_id) == "failed", 15, "job failed")
+    finally:
+        d.stop()
+        scp.stop()
+    view = ledger.job(job_id)
+    assert view is not None and "0xA700" in (view.reason or "")
+    assert view.deliveries[0][3] == 3
+    retries = [e.at for e in events(ledger, "delivery-retry")]
+    assert len(retries) >= 2

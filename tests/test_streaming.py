@@ -1,0 +1,250 @@
+"""Streaming assembly: the prebuilt volume is exactly ``assemble_volume``'s, geometry
+completeness fires once at the right instance, memory stays under the cap."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydicom.uid import (
+    DeflatedExplicitVRLittleEndian,
+    ExplicitVRLittleEndian,
+    ImplicitVRLittleEndian,
+    JPEGLSLossless,
+)
+
+from node.series import SeriesGeometry, uniform_stack
+from node.streaming import Arrival, StreamingAssembler, _permute_in_place
+from node.synthetic import SAGITTAL, write_enhanced_ct, write_synthetic_series
+from node.volume import Volume, assemble_volume
+
+
+def assert_same_volume(a: Volume, b: Volume) -> None:
+    """Every field of two volumes is identical (voxels bit for bit)."""
+    assert a.hu.dtype == b.hu.dtype and a.hu.shape == b.hu.shape
+    assert a.hu.flags.c_contiguous and b.hu.flags.c_contiguous
+    np.testing.assert_array_equal(a.hu, b.hu)
+    for name in (
+        "origin",
+        "row_direction",
+        "column_direction",
+        "normal",
+        "spacing",
+        "positions",
+        "frame_numbers",
+        "frame_of_reference_uid",
+        "study_instance_uid",
+        "series_instance_uid",
+    ):
+        assert getattr(a, name) == getattr(b, name), name
+    assert len(a.sources) == len(b.sources)
+    for x, y in zip(a.sources, b.sources, strict=True):
+        assert x == y
+        assert x.file_meta == y.file_meta
+        assert "PixelData" not in x
+
+
+def feed(asm: StreamingAssembler, paths: list[Path], series_uid: str, order: list[int]) -> None:
+    for i in order:
+        asm.submit(Arrival(series_uid, f"sop{i}", paths[i], "MODALITY", 0))
+
+
+def series_uid_of(path: Path) -> str:
+    from pydicom import dcmread
+
+    return str(dcmread(path, stop_before_pixels=True).SeriesInstanceUID)
+
+
+@pytest.fixture
+def asm() -> Iterator[StreamingAssembler]:
+    a = StreamingAssembler(workers=2, max_bytes=256 * 2**20)
+    a.start()
+    yield a
+    a.stop()
+
+
+@pytest.mark.parametrize(
+    ("syntax", "orientation", "hint", "seed"),
+    [
+        (ExplicitVRLittleEndian, None, True, 41),
+        (ExplicitVRLittleEndian, None, False, 42),
+        (ImplicitVRLittleEndian, SAGITTAL, True, 43),
+        (DeflatedExplicitVRLittleEndian, None, False, 44),
+        (JPEGLSLossless, None, True, 45),
+    ],
+)
+def test_prebuilt_volume_is_exactly_assemble_volume(
+    asm: StreamingAssembler,
+    tmp_path: Path,
+    syntax: str,
+    orientation: tuple[float, ...] | None,
+    hint: bool,
+    seed: int,
+) -> None:
+    kwargs = {"orientation": orientation} if orientation else {}
+    paths = write_synthetic_series(
+        tmp_path,
+        rows=48,
+        columns=40,
+        slices=70,  # more than one default slab when there is no hint
+        transfer_syntax=syntax,
+        seed=seed,
+        images_in_acquisition=hint,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    uid = series_uid_of(paths[0])
+    order = list(range(len(paths)))
+    random.Random(seed).shuffle(order)  # arrival order differs from slice order
+    feed(asm, paths, uid, order)
+    ledger_order = [paths[i] for i in order]  # the ledger lists instances as they arrived
+    got = asm.take(uid, ledger_order)
+    assert got is not None
+    assert_same_volume(got, assemble_volume(ledger_order))
+    assert asm.memory_bytes == 0 and asm.series_in_memory == 0
+
+
+def test_multiframe_prebuilt(asm: StreamingAssembler, tmp_path: Path) -> None:
+    path = write_enhanced_ct(tmp_path / "mf.dcm", rows=32, columns=32, slices=12, seed=46)
+    uid = series_uid_of(path)
+    fired: list[str] = []
+    asm.on_geometry = lambda s, _ae: fired.append(s)
+    feed(asm, [path], uid, [0])
+    got = asm.take(uid, [path])
+    assert got is not None
+    assert_same_volume(got, assemble_volume([path]))
+    assert fired == [uid]  # one multi-frame instance holds its whole stack
+
+
+def test_fallback_when_the_ledger_lists_other_instances(
+    asm: StreamingAssembler, tmp_path: Path
+) -> None:
+    paths = write_synthetic_series(tmp_path, rows=16, columns=16, slices=6, seed=47)
+    uid = series_uid_of(paths[0])
+    feed(asm, paths, uid, list(range(5)))  # the sixth was stored but never streamed
+    assert asm.take(uid, paths) is None
+    assert asm.take(uid, paths) is None  # the state is gone either way
+    assert asm.memory_bytes == 0
+
+
+def test_broken_series_falls_back(asm: StreamingAssembler, tmp_path: Path) -> None:
+    """A series assembly would refuse (a gap) is never served from memory."""
+    paths = write_synthetic_series(tmp_path, rows=16, columns=16, slices=6, seed=48)
+    del paths[2]
+    uid = series_uid_of(paths[0])
+    feed(asm, paths, uid, list(range(len(paths))))
+    assert asm.take(uid, paths) is None
+
+
+def test_geometry_fires_once_at_the_last_slice(tmp_path: Path) -> None:
+    paths = write_synthetic_series(
+        tmp_path / "a", rows=16, columns=16, slices=8, seed=49, images_in_acquisition=True
+    )
+    gap = write_synthetic_series(
+        tmp_path / "b", rows=16, columns=16, slices=8, seed=50, images_in_acquisition=True
+    )
+    plain = write_synthetic_series(tmp_path / "c", rows=16, columns=16, slices=8, seed=51)
+    fired: list[tuple[str, str]] = []
+    asm = StreamingAssembler(workers=1, on_geometry=lambda s, ae: fired.append((s, ae)))
+    asm.start()
+    try:
+        uid, gap_uid, plain_uid = (series_uid_of(p[0]) for p in (paths, gap, plain))
+        feed(asm, paths, uid, [7, 0, 3, 1, 6, 2, 5])
+        feed(asm, gap[:3] + gap[4:], gap_uid, list(range(7)))  # 7 of 8: never complete
+        feed(asm, plain, plain_uid, list(range(8)))  # no count hint: never by geometry
+        assert asm.wait_idle()
+        assert fired == []  # seven of eight
+        feed(asm, paths, uid, [4])
+        assert asm.wait_idle()
+        assert fired == [(uid, "MODALITY")]
+        assert asm.take(plain_uid, plain) is not None
+        assert asm.take(gap_uid, gap) is None
+    finally:
+        asm.stop()
+
+
+def test_series_geometry_rules() -> None:
+    axial = np.array([1.0, 0, 0, 0, 1, 0])
+    g = SeriesGeometry()
+    pos = [np.array([0.0, 0.0, 2.5 * k]) for k in range(4)]
+    assert not g.add("a", pos[0], axial, 4)
+    assert not g.add("b", pos[3], axial, 4)
+    assert not g.add("c", pos[1], axial, 4)
+    assert g.add("d", pos[2], axial, 4)
+    assert not g.add("e", np.array([0.0, 0.0, 10.0]), axial, 4)  # fires once only
+    assert not uniform_stack([pos[0], pos[1], pos[3]], axial)  # a gap
+    assert not uniform_stack([pos[0], pos[0]], axial)  # a duplicate
+    tilted = SeriesGeometry()
+    tilted.add("a", pos[0], axial, 2)
+    assert not tilted.add("b", pos[1], np.array([1.0, 0, 0, 0, 0, -1]), 2)  # mixed orientation
+
+
+def test_memory_cap_spills_least_recent_series(tmp_path: Path) -> None:
+    a = write_synthetic_series(tmp_path / "a", rows=64, columns=64, slices=8, seed=52)
+    b = write_synthetic_series(tmp_path / "b", rows=64, columns=64, slices=8, seed=53)
+    slab = 64 * 64 * 64 * 4  # one default slab of 64 slices
+    asm = StreamingAssembler(workers=1, max_bytes=slab + slab // 2)
+    asm.start()
+    try:
+        ua, ub = series_uid_of(a[0]), series_uid_of(b[0])
+        feed(asm, a, ua, list(range(8)))
+        assert asm.wait_idle()
+        assert asm.memory_bytes == slab
+        feed(asm, b, ub, list(range(8)))
+        vb = asm.take(ub, b)
+        assert vb is not None  # b fitted by spilling a
+        assert asm.take(ua, a) is None  # a falls back to the spool
+        assert asm.memory_bytes <= asm.max_bytes
+        assert_same_volume(vb, assemble_volume(b))
+    finally:
+        asm.stop()
+
+
+def test_geometry_only_when_streaming_disabled(tmp_path: Path) -> None:
+    paths = write_synthetic_series(
+        tmp_path, rows=16, columns=16, slices=4, seed=54, images_in_acquisition=True
+    )
+    fired: list[str] = []
+    asm = StreamingAssembler(
+        workers=1, decode_pixels=False, on_geometry=lambda s, _ae: fired.append(s)
+    )
+    asm.start()
+    try:
+        uid = series_uid_of(paths[0])
+        feed(asm, paths, uid, [3, 1, 0, 2])
+        assert asm.take(uid, paths) is None
+        assert fired == [uid] and asm.memory_bytes == 0
+    finally:
+        asm.stop()
+
+
+def test_permute_in_place() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.random((9, 2, 3)).astype(np.float32)
+    perm = [int(i) for i in rng.permutation(9)]
+    want = a[perm].copy()
+    _permute_in_place(a, perm)
+    np.testing.assert_array_equal(a, want)
+
+
+def test_geometry_survives_a_job_taking_the_series(tmp_path: Path) -> None:
+    """The quiet period made a job of the first half of a split transfer: the second half
+    still completes the series by geometry (a new version)."""
+    paths = write_synthetic_series(
+        tmp_path, rows=16, columns=16, slices=8, seed=55, images_in_acquisition=True
+    )
+    fired: list[str] = []
+    asm = StreamingAssembler(workers=1, on_geometry=lambda s, _ae: fired.append(s))
+    asm.start()
+    try:
+        uid = series_uid_of(paths[0])
+        feed(asm, paths, uid, [0, 1, 2, 3])
+        assert asm.take(uid, paths[:4]) is not None  # job v1 took the first half
+        feed(asm, paths, uid, [4, 5, 6, 7])
+        assert asm.wait_idle()
+        assert fired == [uid]
+        assert asm.take(uid, paths) is None  # v2 has all eight: assembled from the spool
+    finally:
+        asm.stop()
