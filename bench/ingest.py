@@ -312,45 +312,10 @@ def wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 def ingest(folder: Path, runs: int, tmp: Path) -> list[dict[str, Any]]:
+    """Throughput of every receiver; runs are interleaved (run 1 of each target, then run 2
+    of each, ...) so that a change in the machine's load affects all targets alike."""
     paths = files_of(folder)
     mb = sum(p.stat().st_size for p in paths) / 1e6
-    rows = []
-
-    def measure(
-        name: str, start: Callable[[Path], Any], called: str, folders: list[Path] | None = None
-    ) -> None:
-        times, cpus = [], []
-        for r in range(runs):
-            work = tmp / f"{name.replace(' ', '_')}-{r}"
-            work.mkdir(parents=True)
-            with start(work) as handle:
-                port = handle[0]
-                proc = next(x for x in handle if isinstance(x, subprocess.Popen))
-                c0 = cpu_seconds(proc.pid)
-                if folders:
-                    times.append(storescu_parallel(port, folders, called))
-                else:
-                    times.append(storescu(port, folder, called))
-                cpus.append(cpu_seconds(proc.pid) - c0)
-            shutil.rmtree(work, ignore_errors=True)
-        t = statistics.median(times)
-        rows.append(
-            {
-                "target": name,
-                "runs_s": [round(x, 3) for x in times],
-                "median_s": round(t, 3),
-                "mb_per_s": round(mb / t, 1),
-                "instances_per_s": round(len(paths) / t, 1),
-                "cpu_s_per_mb": round(statistics.median(cpus) / mb, 4),
-            }
-        )
-        print(f"  {name}: {rows[-1]}", flush=True)
-
-    measure("segnode", lambda w: segnode(w), "SEGNODE")
-    measure("pynetdicom storescp (defaults)", lambda w: storescp(w), "STORESCP")
-    measure("pynetdicom storescp -pdu 0", lambda w: storescp(w, "-pdu", "0"), "STORESCP")
-    measure("orthanc", lambda w: orthanc(w), "ORTHANC")
-    measure("pynetdicom, no-op handler (ceiling)", lambda w: noop_scp(w), "NOOP")
     # The same series split over 4 simultaneous associations (quarters, one storescu each).
     quarters = []
     for q in range(4):
@@ -359,11 +324,45 @@ def ingest(folder: Path, runs: int, tmp: Path) -> list[dict[str, Any]]:
         for p in paths[q::4]:
             (d / p.name).symlink_to(p)
         quarters.append(d)
-    for name, start, called in (
-        ("segnode, 4 associations", lambda w: segnode(w), "SEGNODE"),
-        ("pynetdicom storescp (defaults), 4 associations", lambda w: storescp(w), "STORESCP"),
-    ):
-        measure(name, start, called, quarters)
+    targets: list[tuple[str, Callable[[Path], Any], str, list[Path] | None]] = [
+        ("segnode", segnode, "SEGNODE", None),
+        ("pynetdicom storescp (defaults)", storescp, "STORESCP", None),
+        ("pynetdicom storescp -pdu 0", lambda w: storescp(w, "-pdu", "0"), "STORESCP", None),
+        ("orthanc", orthanc, "ORTHANC", None),
+        ("pynetdicom, no-op handler (ceiling)", noop_scp, "NOOP", None),
+        ("segnode, 4 associations", segnode, "SEGNODE", quarters),
+        ("pynetdicom storescp (defaults), 4 associations", storescp, "STORESCP", quarters),
+    ]
+    times: dict[str, list[float]] = {t[0]: [] for t in targets}
+    cpus: dict[str, list[float]] = {t[0]: [] for t in targets}
+    for r in range(runs):
+        for name, start, called, folders in targets:
+            work = tmp / f"{name.replace(' ', '_')}-{r}"
+            work.mkdir(parents=True)
+            with start(work) as handle:
+                port = handle[0]
+                proc = next(x for x in handle if isinstance(x, subprocess.Popen))
+                c0 = cpu_seconds(proc.pid)
+                if folders:
+                    times[name].append(storescu_parallel(port, folders, called))
+                else:
+                    times[name].append(storescu(port, folder, called))
+                cpus[name].append(cpu_seconds(proc.pid) - c0)
+            shutil.rmtree(work, ignore_errors=True)
+            print(f"  run {r + 1} {name}: {times[name][-1]:.2f} s", flush=True)
+    rows = []
+    for name, *_ in targets:
+        t = statistics.median(times[name])
+        rows.append(
+            {
+                "target": name,
+                "runs_s": [round(x, 3) for x in times[name]],
+                "median_s": round(t, 3),
+                "mb_per_s": round(mb / t, 1),
+                "instances_per_s": round(len(paths) / t, 1),
+                "cpu_s_per_mb": round(statistics.median(cpus[name]) / mb, 4),
+            }
+        )
     return rows
 
 
