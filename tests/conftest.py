@@ -218,13 +218,9 @@ class Orthanc:
                 self.proc.kill()
 
 
-def start_orthanc(base: Path, dicom_port: int | None = None) -> Orthanc:
-    """Start Orthanc with a private storage folder; wait until its REST API answers."""
-    exe = require_tool("Orthanc")
-    base.mkdir(parents=True, exist_ok=True)
-    dicom_port = dicom_port or free_port()
-    http_port = free_port()
-    cfg = {
+def orthanc_config(base: Path, dicom_port: int, http_port: int, **extra: Any) -> dict[str, Any]:
+    """An Orthanc configuration on loopback with private storage under ``base``."""
+    return {
         "Name": "segnode-test",
         "StorageDirectory": str(base / "storage"),
         "IndexDirectory": str(base / "storage"),
@@ -240,7 +236,17 @@ def start_orthanc(base: Path, dicom_port: int | None = None) -> Orthanc:
         "DicomModalities": {},
         "HttpBindAddress": LOOPBACK,
         "DicomBindAddress": LOOPBACK,
+        **extra,
     }
+
+
+def start_orthanc(base: Path, dicom_port: int | None = None) -> Orthanc:
+    """Start Orthanc with a private storage folder; wait until its REST API answers."""
+    exe = require_tool("Orthanc")
+    base.mkdir(parents=True, exist_ok=True)
+    dicom_port = dicom_port or free_port()
+    http_port = free_port()
+    cfg = orthanc_config(base, dicom_port, http_port)
     (base / "orthanc.json").write_text(json.dumps(cfg))
     log = (base / "orthanc.log").open("ab")
     proc = subprocess.Popen([exe, str(base / "orthanc.json")], stdout=log, stderr=subprocess.STDOUT)

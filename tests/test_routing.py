@@ -26,6 +26,7 @@ from tests.conftest import (
     NodeProcess,
     Orthanc,
     free_port,
+    orthanc_config,
     require_tool,
     wait_for,
 )
@@ -101,24 +102,9 @@ def start_pacs(
     """Start Orthanc on loopback with ``extra`` configuration; wait for its REST API."""
     exe = require_tool("Orthanc")
     base.mkdir(parents=True, exist_ok=True)
-    cfg = {
-        "Name": "segnode-routing-test",
-        "StorageDirectory": str(base / "storage"),
-        "IndexDirectory": str(base / "storage"),
-        "DicomAet": "ORTHANC",
-        "DicomPort": dicom_port or free_port(),
-        "HttpPort": free_port(),
-        "RemoteAccessAllowed": False,
-        "AuthenticationEnabled": False,
-        "DicomCheckCalledAet": False,
-        "DicomAlwaysAllowStore": True,
-        "DicomAlwaysAllowEcho": True,
-        "Plugins": [],
-        "DicomModalities": {},
-        "HttpBindAddress": LOOPBACK,
-        "DicomBindAddress": LOOPBACK,
-        **(extra or {}),
-    }
+    cfg = orthanc_config(
+        base, dicom_port or free_port(), free_port(), Name="segnode-routing-test", **(extra or {})
+    )
     (base / "orthanc.json").write_text(json.dumps(cfg))
     log = (base / "orthanc.log").open("ab")
     proc = subprocess.Popen([exe, str(base / "orthanc.json")], stdout=log, stderr=subprocess.STDOUT)
