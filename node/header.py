@@ -8,10 +8,11 @@ so that a truncated transfer is refused with a failure status rather than acknow
 
 from __future__ import annotations
 
+import io
 import struct
 import zlib
 from dataclasses import dataclass
-from io import BytesIO
+from typing import Any, BinaryIO, cast
 
 from pydicom.dataset import Dataset
 from pydicom.filereader import read_dataset
@@ -22,6 +23,7 @@ from pydicom.uid import (
     ImplicitVRLittleEndian,
 )
 
+SEQUENCE_DELIMITER = b"\xfe\xff\xdd\xe0\x00\x00\x00\x00"
 PIXEL_TAGS = {0x7FE00010, 0x7FE00008, 0x7FE00009}
 _LONG_VRS = {
     b"OB",
@@ -56,7 +58,41 @@ def _stop_at_pixels(tag: BaseTag, _vr: str | None, _length: int) -> bool:
     return int(tag) in PIXEL_TAGS
 
 
-def parse_header(stream: bytes, transfer_syntax: str) -> Header:
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only file over a buffer, without copying it (BytesIO would)."""
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        super().__init__()
+        self._view = memoryview(data)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else self._pos + size
+        out = bytes(self._view[self._pos : end])
+        self._pos += len(out)
+        return out
+
+    def readinto(self, buffer: Any) -> int:
+        out = self.read(len(buffer))
+        buffer[: len(out)] = out
+        return len(out)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+
+def parse_header(stream: bytes | memoryview, transfer_syntax: str) -> Header:
     """Parse the non-pixel elements of an encoded dataset and check its framing.
 
     Parameters
@@ -79,9 +115,9 @@ def parse_header(stream: bytes, transfer_syntax: str) -> Header:
             data = zlib.decompress(stream, -zlib.MAX_WBITS)
         except zlib.error as exc:
             raise HeaderError(f"deflated dataset cannot be inflated: {exc}") from exc
-    fp = BytesIO(data)
+    fp = _ViewReader(data)
     try:
-        ds = read_dataset(fp, implicit, little, stop_when=_stop_at_pixels)
+        ds = read_dataset(cast(BinaryIO, fp), implicit, little, stop_when=_stop_at_pixels)
         # Force parsing of every element read so that a malformed value fails here.
         for elem in ds:
             _ = elem.value
@@ -113,7 +149,9 @@ def _native_length(ds: Dataset) -> int | None:
     return rows * cols * spp * frames * (bits // 8)
 
 
-def _check_pixel_framing(data: bytes, pos: int, implicit: bool, little: bool) -> int | None:
+def _check_pixel_framing(
+    data: bytes | memoryview, pos: int, implicit: bool, little: bool
+) -> int | None:
     """Check the Pixel Data element's framing; return its declared length (None: absent)."""
     remaining = len(data) - pos
     if remaining == 0:
@@ -129,7 +167,7 @@ def _check_pixel_framing(data: bytes, pos: int, implicit: bool, little: bool) ->
         (length,) = struct.unpack_from(f"{end}I", data, pos + 4)
         start = pos + 8
     else:
-        vr = data[pos + 4 : pos + 6]
+        vr = bytes(data[pos + 4 : pos + 6])
         if vr in _LONG_VRS:
             if remaining < 12:
                 raise HeaderError("dataset ends inside the Pixel Data header")
@@ -140,9 +178,8 @@ def _check_pixel_framing(data: bytes, pos: int, implicit: bool, little: bool) ->
             start = pos + 8
     if length == 0xFFFFFFFF:
         # Encapsulated (PS3.5 §A.4): items then a Sequence Delimitation Item.
-        if not data.endswith(b"\xfe\xff\xdd\xe0\x00\x00\x00\x00") and not _delimited_before_trailer(
-            data, start
-        ):
+        trailer = bytes(data[-8:])
+        if trailer != SEQUENCE_DELIMITER and not _delimited_before_trailer(data, start):
             raise HeaderError("encapsulated Pixel Data has no sequence delimiter (truncated)")
         return int(length)
     if start + length > len(data):
@@ -152,7 +189,7 @@ def _check_pixel_framing(data: bytes, pos: int, implicit: bool, little: bool) ->
     return int(length)
 
 
-def _delimited_before_trailer(data: bytes, start: int) -> bool:
+def _delimited_before_trailer(data: bytes | memoryview, start: int) -> bool:
     """Walk encapsulated items; True if a sequence delimiter is reached inside ``data``."""
     pos = start
     while pos + 8 <= len(data):

@@ -1,21 +1,23 @@
 """The Storage SCP: accept, write, record, reply.
 
-The C-STORE handler follows pynetdicom's ``apps/common.py:handle_store`` shape: it never
-decodes pixels and never waits for inference. It validates the request, parses the elements
-before Pixel Data, writes the bytes as received to the spool atomically, records the instance
-in the ledger, and only then answers 0x0000. Failures map to statuses (PS3.4 §B.2.3):
-0xA700 out of resources (disk or ledger), 0xC210-0xC213 cannot understand.
+The transport is :mod:`node.ul`, a blocking, non-polling Upper Layer acceptor (one thread per
+association). The C-STORE handler follows pynetdicom's ``apps/common.py:handle_store`` shape:
+it never decodes pixels and never waits for inference. It validates the request, parses the
+elements before Pixel Data, writes the bytes as received to the spool atomically, records the
+instance in the ledger, and only then answers 0x0000. Failures map to statuses (PS3.4
+§B.2.3) with an Error Comment (0000,0902) saying why: 0xA700 out of resources (disk or
+ledger), 0xA900 SOP instance mismatch, 0xC210-0xC212 cannot understand.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
+from pydicom.dataset import FileMetaDataset
 from pydicom.uid import UID
-from pynetdicom import AE, ALL_TRANSFER_SYNTAXES, evt
-from pynetdicom.dimse_primitives import C_STORE
+from pynetdicom import ALL_TRANSFER_SYNTAXES
 from pynetdicom.dsutils import encode_file_meta
 from pynetdicom.presentation import AllStoragePresentationContexts
 from pynetdicom.sop_class import (  # type: ignore[attr-defined]
@@ -30,6 +32,15 @@ from node.guards import AccessPolicy, DiskGuard, SeriesBudget
 from node.header import HeaderError, parse_header
 from node.series import CompletionTracker
 from node.streaming import Arrival
+from node.ul import (
+    IMPLEMENTATION_CLASS_UID,
+    IMPLEMENTATION_VERSION,
+    Acceptor,
+    AcceptorOptions,
+    AssociationInfo,
+    StoreRequest,
+    StoreResult,
+)
 from storage.ledger import InstanceRecord, Ledger
 from storage.spool import Spool, SpoolError, valid_uid
 
@@ -48,7 +59,7 @@ SOP_MISMATCH = 0xA900
 
 
 class StoreSCP:
-    """The node's listening application entity and its event handlers.
+    """The node's listening application entity and its service handlers.
 
     Parameters
     ----------
@@ -77,66 +88,45 @@ class StoreSCP:
         self.on_stored = on_stored
         #: Called with every stored (durable, recorded) CT instance: streaming assembly.
         self.on_instance: Callable[[Arrival], None] | None = None
-        self.server: Any = None
-        self.ae = self._make_ae()
         nc = config.node
+        self.options = AcceptorOptions(
+            ae_title=nc.ae_title,
+            contexts=self._contexts(),
+            max_pdu=nc.max_pdu,
+            # A connection that never sends its A-ASSOCIATE-RQ (a port scan, garbage) holds an
+            # association slot until the ACSE timeout: keep that short.
+            acse_timeout=min(nc.network_timeout_s, 10.0),
+            network_timeout=nc.network_timeout_s,
+            max_associations=nc.max_associations,
+            # An instance larger than a whole series may be is refused while it streams in.
+            max_dataset_bytes=nc.max_series_mb * 2**20,
+        )
+        self.server: Acceptor | None = None
+        self.tls_server: Acceptor | None = None
         self.access = AccessPolicy(nc)
         self.disk = DiskGuard(spool.root, nc.min_free_disk_mb)
         self.budget = SeriesBudget(
             nc.max_series_instances, nc.max_series_mb * 2**20, ledger.series_totals
         )
-        self.tls_server: Any = None
+        self._assoc_keys: dict[int, int] = {}
 
-    def _make_ae(self) -> AE:
-        nc = self.config.node
-        ae = AE(ae_title=nc.ae_title)
-        ae.maximum_pdu_size = nc.max_pdu
-        ae.network_timeout = nc.network_timeout_s
-        # A connection that never sends its A-ASSOCIATE-RQ (a port scan, garbage) holds an
-        # association slot until the ACSE timeout: keep that short.
-        ae.acse_timeout = min(nc.network_timeout_s, 10.0)
-        ae.dimse_timeout = nc.network_timeout_s
-        ae.maximum_associations = nc.max_associations
-        # Calling AE titles (and their hosts) are checked by handle_requested.
-        ae.add_supported_context(Verification)
-        ae.add_supported_context(CTImageStorage, ALL_TRANSFER_SYNTAXES)
-        ae.add_supported_context(EnhancedCTImageStorage, ALL_TRANSFER_SYNTAXES)
-        if nc.other_sop_classes == "ignore":
+    def _contexts(self) -> dict[str, list[str]]:
+        syntaxes = [str(ts) for ts in ALL_TRANSFER_SYNTAXES]
+        contexts = {str(Verification): syntaxes}
+        contexts.update({uid: syntaxes for uid in sorted(CT_CLASSES)})
+        if self.config.node.other_sop_classes == "ignore":
             for cx in AllStoragePresentationContexts:
-                syntax = str(cx.abstract_syntax)
-                if syntax not in CT_CLASSES:
-                    ae.add_supported_context(syntax, ALL_TRANSFER_SYNTAXES)
-        return ae
+                contexts.setdefault(str(cx.abstract_syntax), syntaxes)
+        return contexts
 
     def start(self) -> None:
         """Start listening (non-blocking)."""
-        handlers: list[Any] = [
-            (evt.EVT_C_STORE, self.handle_store),
-            (evt.EVT_C_ECHO, self.handle_echo),
-            (evt.EVT_ACCEPTED, self.handle_accepted),
-            (evt.EVT_RELEASED, self.handle_released),
-            (evt.EVT_ABORTED, self.handle_aborted),
-            (evt.EVT_CONN_CLOSE, self.handle_conn_close),
-            (evt.EVT_REQUESTED, self.handle_requested),
-        ]
         nc, tc = self.config.node, self.config.tls
         ctx = tls.server_context(tc) if tc.enabled else None
         tls_only = ctx is not None and tc.port in (0, nc.port)
-        self.server = tls.start_server(
-            self.ae,
-            (nc.host, nc.port),
-            handlers,
-            context=ctx if tls_only else None,
-            handshake_timeout=tc.handshake_timeout_s,
-        )
+        self.server = self._listen(nc.port, ctx if tls_only else None)
         if ctx is not None and not tls_only:
-            self.tls_server = tls.start_server(
-                self.ae,
-                (nc.host, tc.port),
-                handlers,
-                context=ctx,
-                handshake_timeout=tc.handshake_timeout_s,
-            )
+            self.tls_server = self._listen(tc.port, ctx)
         if ctx is not None:
             log.info(
                 "DICOM TLS (min %s, client certificate %s) on %s:%d",
@@ -146,117 +136,101 @@ class StoreSCP:
                 self.tls_port or self.port,
             )
 
+    def _listen(self, port: int, context: Any) -> Acceptor:
+        options = AcceptorOptions(**{**vars(self.options), "tls_context": context})
+        options.handshake_timeout = self.config.tls.handshake_timeout_s
+        acceptor = Acceptor(options, self)
+        acceptor.start((self.config.node.host, port))
+        return acceptor
+
     @property
     def port(self) -> int:
         """The bound port (useful when config asked for port 0)."""
-        return int(self.server.server_address[1])
+        assert self.server is not None
+        return self.server.server_address[1]
 
     @property
     def tls_port(self) -> int | None:
         """The bound port of a separate TLS listener (``tls.port``), if any."""
-        return None if self.tls_server is None else int(self.tls_server.server_address[1])
+        return None if self.tls_server is None else self.tls_server.server_address[1]
 
     def stop(self) -> None:
-        """Stop accepting; associations in flight finish first (pynetdicom joins them)."""
-        if self.tls_server is not None:
-            self.tls_server.shutdown()
-            self.tls_server = None
-        if self.server is not None:
-            self.server.shutdown()
-            self.server = None
+        """Stop accepting; associations in flight finish first."""
+        for server in (self.tls_server, self.server):
+            if server is not None:
+                server.stop()
+        self.tls_server = self.server = None
 
-    # -- association lifecycle -------------------------------------------------------------
+    # -- association lifecycle (node.ul.Handlers) ------------------------------------------
 
-    def handle_requested(self, event: evt.Event) -> None:
+    def requested(self, info: AssociationInfo) -> tuple[int, int, int] | None:
         """A-ASSOCIATE-RQ received: check the calling AE (and host) and the disk floor.
 
         Rejections follow PS3.8 §9.3.4: an unknown calling AE title is a permanent rejection
         (source 1, reason 3); a full disk is transient congestion (source 3, reason 1).
         """
-        assoc = event.assoc
-        calling = str(getattr(assoc.requestor.primitive, "calling_ae_title", "") or "").strip()
-        address = str(assoc.requestor.address)
-        if not self.access.allows(calling, address):
-            log.warning("association from %r at %s refused: not an allowed peer", calling, address)
-            self._reject(assoc, (0x01, 0x01, 0x03))
-        elif not self.disk.ok():
+        if not self.access.allows(info.calling_ae, info.address):
+            log.warning(
+                "association from %r at %s refused: not an allowed peer",
+                info.calling_ae,
+                info.address,
+            )
+            return (0x01, 0x01, 0x03)
+        if not self.disk.ok():
             log.error(
                 "association from %r refused: free disk below node.min_free_disk_mb (%d MB)",
-                calling,
+                info.calling_ae,
                 self.config.node.min_free_disk_mb,
             )
-            self._reject(assoc, (0x02, 0x03, 0x01))
+            return (0x02, 0x03, 0x01)
+        return None
 
-    @staticmethod
-    def _reject(assoc: Any, rsd: tuple[int, int, int]) -> None:
-        assoc.acse.send_reject(*rsd)
-        assoc.is_rejected = True
-        evt.trigger(assoc, evt.EVT_REJECTED, {})
-        assoc.kill()
-
-    def handle_accepted(self, event: evt.Event) -> None:
+    def accepted(self, info: AssociationInfo) -> None:
         """Track the new association."""
-        self.tracker.opened(id(event.assoc), str(event.assoc.requestor.ae_title).strip())
-        log.info(
-            "association accepted from %s (%s:%s)",
-            event.assoc.requestor.ae_title,
-            event.assoc.requestor.address,
-            event.assoc.requestor.port,
-        )
+        self.tracker.opened(id(info), info.calling_ae)
+        log.info("association accepted from %s (%s:%s)", info.calling_ae, info.address, info.port)
 
-    def handle_released(self, event: evt.Event) -> None:
-        """A normal release completes the series this association delivered."""
-        done = self.tracker.closed(id(event.assoc), released=True)
-        log.info("association released; %d series complete", len(done))
-
-    def handle_aborted(self, event: evt.Event) -> None:
-        """An abort leaves its series to the quiet-period rule."""
-        self.tracker.closed(id(event.assoc), released=False)
-        log.warning("association aborted by peer")
-
-    def handle_conn_close(self, event: evt.Event) -> None:
-        """A dropped connection without release or abort counts as an abort."""
-        self.tracker.closed(id(event.assoc), released=False)
-
-    def handle_echo(self, event: evt.Event) -> int:
-        """C-ECHO: always success."""
-        return SUCCESS
+    def closed(self, info: AssociationInfo, released: bool) -> None:
+        """A normal release completes the series this association delivered; an abort or a
+        dropped connection leaves them to the quiet-period rule."""
+        done = self.tracker.closed(id(info), released=released)
+        if released:
+            log.info("association released; %d series complete", len(done))
 
     # -- C-STORE ---------------------------------------------------------------------------
 
-    def handle_store(self, event: evt.Event) -> int:
+    def store(self, info: AssociationInfo, request: StoreRequest) -> StoreResult:
         """Validate, write atomically, record, reply; never raise."""
         try:
-            return self._store(event)
+            return self._store(info, request)
         except Exception:
             log.exception("unexpected error in C-STORE handler")
-            return OUT_OF_RESOURCES
+            return OUT_OF_RESOURCES, "internal error; see the node log"
 
-    def _store(self, event: evt.Event) -> int:
-        req = cast(C_STORE, event.request)
-        sop_class = str(req.AffectedSOPClassUID or "")
-        sop_uid = str(req.AffectedSOPInstanceUID or "")
-        calling = str(event.assoc.requestor.ae_title).strip()
+    def _store(self, info: AssociationInfo, req: StoreRequest) -> StoreResult:
+        sop_class = req.sop_class_uid
+        sop_uid = req.sop_instance_uid
+        calling = info.calling_ae
         if not valid_uid(sop_uid):
             log.warning("refused instance with invalid SOP Instance UID from %s", calling)
-            return BAD_UID
-        ts = str(event.context.transfer_syntax)
-        stream = event.encoded_dataset(include_meta=False)
+            return BAD_UID, "invalid Affected SOP Instance UID"
+        ts = req.transfer_syntax
+        stream = req.dataset
         try:
             header = parse_header(stream, ts)
         except HeaderError as exc:
             log.warning("refused unparseable instance from %s: %s", calling, exc)
-            return CANNOT_UNDERSTAND
+            return CANNOT_UNDERSTAND, f"cannot parse dataset: {exc}"
         ds = header.dataset
         ds_sop = str(ds.get("SOPInstanceUID", ""))
         if ds_sop and ds_sop != sop_uid:
             log.warning("refused instance whose SOP Instance UID differs from the request")
-            return SOP_MISMATCH
+            return SOP_MISMATCH, "SOP Instance UID differs from the C-STORE request"
         study_uid = str(ds.get("StudyInstanceUID", ""))
         series_uid = str(ds.get("SeriesInstanceUID", ""))
         if not (valid_uid(study_uid) and valid_uid(series_uid)):
             log.warning("refused instance without valid Study/Series Instance UID from %s", calling)
-            return MISSING_ATTRIBUTE
+            return MISSING_ATTRIBUTE, "missing or invalid Study/Series Instance UID"
         rec = InstanceRecord(
             sop_instance_uid=sop_uid,
             sop_class_uid=sop_class,
@@ -279,31 +253,44 @@ class StoreSCP:
             return SUCCESS
         if self.ledger.has_instance(sop_uid):
             log.info("duplicate instance from %s acknowledged, not stored again", calling)
-            self.tracker.touched(id(event.assoc), series_uid)
+            self.tracker.touched(id(info), series_uid)
             return SUCCESS
-        meta = b"\x00" * 128 + b"DICM" + encode_file_meta(event.file_meta)
+        meta = file_meta(sop_class, sop_uid, ts, calling)
         incoming = len(meta) + len(stream)
         if not self.disk.ok(incoming):
             log.error("instance refused: free disk below node.min_free_disk_mb")
-            return OUT_OF_RESOURCES
+            return OUT_OF_RESOURCES, "free disk below the node's floor"
         over = self.budget.admits(series_uid, incoming)
         if over is not None:
             log.warning("instance from %s refused: %s", calling, over)
-            return OUT_OF_RESOURCES
+            return OUT_OF_RESOURCES, over
         try:
             path, size = self.spool.store(study_uid, series_uid, sop_uid, [meta, stream])
         except SpoolError as exc:
             log.error("spool write failed: %s", exc)
-            return OUT_OF_RESOURCES
+            return OUT_OF_RESOURCES, "cannot write to the spool"
         try:
             self.ledger.record_instance(rec, path, size)
         except Exception as exc:
             log.error("ledger write failed: %s", exc)
-            return OUT_OF_RESOURCES
+            return OUT_OF_RESOURCES, "cannot record the instance"
         self.budget.add(series_uid, size)
-        self.tracker.touched(id(event.assoc), series_uid)
+        self.tracker.touched(id(info), series_uid)
         if self.on_stored is not None:
             self.on_stored(series_uid)
         if self.on_instance is not None:
             self.on_instance(Arrival(series_uid, sop_uid, path, calling, size))
         return SUCCESS
+
+
+def file_meta(sop_class: str, sop_uid: str, transfer_syntax: str, calling_ae: str) -> bytes:
+    """Preamble, prefix and File Meta Information (PS3.10 §7.1) for a received instance."""
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = UID(sop_class)
+    meta.MediaStorageSOPInstanceUID = UID(sop_uid)
+    meta.TransferSyntaxUID = UID(transfer_syntax)
+    meta.ImplementationClassUID = UID(IMPLEMENTATION_CLASS_UID)
+    meta.ImplementationVersionName = IMPLEMENTATION_VERSION
+    if calling_ae:
+        meta.SourceApplicationEntityTitle = calling_ae
+    return b"\x00" * 128 + b"DICM" + encode_file_meta(meta)

@@ -2,9 +2,9 @@
 
 Server side: :func:`server_context` builds an :class:`ssl.SSLContext` from ``[tls]`` (our
 certificate and key, optionally a CA that client certificates must chain to, TLS 1.2 at
-least). :class:`AssociationServer` is pynetdicom's threaded server with one change: the TLS
-handshake runs in the connection's own thread under a time limit, not in the accept loop, so a
-client that connects and then says nothing cannot stop the node from accepting others.
+least). The acceptor (:mod:`node.ul`) runs the handshake in the connection's own thread under
+``tls.handshake_timeout_s``, not in the accept loop, so a client that connects and then says
+nothing cannot stop the node from accepting others.
 
 Client side: :func:`client_context` builds the context for one destination's ``tls`` options;
 pass ``(context, server_name)`` as pynetdicom's ``tls_args``.
@@ -15,12 +15,6 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
-import threading
-from datetime import datetime
-from typing import Any
-
-from pynetdicom import AE
-from pynetdicom.transport import ThreadedAssociationServer
 
 from node.config import ClientTLS, Peer, TLSConfig
 from node.errors import ConfigError
@@ -86,70 +80,10 @@ def tls_args(peer: Peer) -> tuple[ssl.SSLContext, str] | None:
     return client_context(peer.tls), peer.tls.server_name or peer.host
 
 
-class AssociationServer(ThreadedAssociationServer):
-    """pynetdicom's threaded server with the TLS handshake moved off the accept loop.
-
-    The attribute ``handshake_timeout`` bounds the handshake; a failed handshake (a plain TCP
-    peer, no or an untrusted client certificate, a too old TLS version) closes the connection
-    and is logged with the peer's address.
-    """
-
-    handshake_timeout: float = 10.0
-    tls_context: ssl.SSLContext | None = None
-
-    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
-        """Accept a connection; wrap it for TLS without handshaking yet."""
-        assert self.socket is not None
-        client, address = self.socket.accept()
-        if self.tls_context is not None:
-            client = self.tls_context.wrap_socket(
-                client, server_side=True, do_handshake_on_connect=False
-            )
-        return client, address
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        """In the connection's thread: handshake (TLS) with a deadline, then the association."""
-        if isinstance(request, ssl.SSLSocket):
-            try:
-                request.settimeout(self.handshake_timeout)
-                request.do_handshake()
-                request.settimeout(None)
-            except (OSError, ValueError) as exc:
-                log.warning(
-                    "TLS handshake with %s failed: %s",
-                    client_address[0] if isinstance(client_address, tuple) else client_address,
-                    _short(exc),
-                )
-                self.shutdown_request(request)
-                return
-        super().process_request_thread(request, client_address)
-
-
-def _short(exc: BaseException) -> str:
+def describe_tls_error(exc: BaseException) -> str:
+    """A short reason for a failed handshake, for the log."""
     if isinstance(exc, ssl.SSLError) and exc.reason:
         return str(exc.reason)
     if isinstance(exc, TimeoutError | socket.timeout):
         return "timed out"
     return type(exc).__name__
-
-
-def start_server(
-    ae: AE,
-    address: tuple[str, int],
-    handlers: list[Any],
-    *,
-    context: ssl.SSLContext | None = None,
-    handshake_timeout: float = 10.0,
-) -> AssociationServer:
-    """Start a non-blocking server like ``AE.start_server(block=False)`` with our server class."""
-    server = ae.make_server(address, evt_handlers=handlers, server_class=AssociationServer)
-    assert isinstance(server, AssociationServer)
-    server.tls_context = context
-    server.handshake_timeout = handshake_timeout
-    stamp = datetime.now().strftime("%Y%m%d%H%M%S")
-    thread = threading.Thread(
-        target=server.serve_forever, name=f"AcceptorServer@{stamp}", daemon=True
-    )
-    thread.start()
-    ae._servers.append(server)  # so that server.shutdown() finds and removes it
-    return server

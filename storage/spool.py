@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
+
+#: Anything os.write accepts.
+Buffer = bytes | bytearray | memoryview
 
 _UID = re.compile(r"^(0|[1-9][0-9]*)(\.(0|[1-9][0-9]*))*$")
 
@@ -34,7 +38,7 @@ def strict_uid(uid: str) -> bool:
     return 0 < len(uid) <= 64 and _UID.match(uid) is not None
 
 
-def write_atomic(path: Path, chunks: list[bytes] | bytes, *, mode: int = 0o600) -> int:
+def write_atomic(path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o600) -> int:
     """Write ``chunks`` to ``path`` via a temp file, fsync, rename, fsync of the folder.
 
     Returns the number of bytes written.
@@ -82,7 +86,7 @@ class Spool:
         return self.root / study_uid / series_uid / f"{sop_uid}.dcm"
 
     def store(
-        self, study_uid: str, series_uid: str, sop_uid: str, chunks: list[bytes]
+        self, study_uid: str, series_uid: str, sop_uid: str, chunks: Sequence[Buffer]
     ) -> tuple[Path, int]:
         """Write an instance atomically and return its path and size.
 

@@ -301,7 +301,8 @@ def fuzz_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SCPHar
     )
     # Garbage connections hold a slot until the ACSE timeout (10 s in the node); shorter here
     # so that hundreds of them do not pile up during the test.
-    h.scp.ae.acse_timeout = 0.2
+    assert h.scp.server is not None
+    h.scp.server.options.acse_timeout = 0.2
     try:
         yield h, watch
     finally:
