@@ -569,6 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--skip-memory", action="store_true", help="skip the 1000-slice series")
+    p.add_argument(
+        "--only",
+        choices=["ingest", "completion", "end_to_end", "memory"],
+        help="run one section and print its JSON (no tables written)",
+    )
     args = p.parse_args(argv)
     for tool in ("storescu", "Orthanc"):
         if shutil.which(tool) is None:
@@ -582,6 +587,19 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}, Python {sys.version.split()[0]}",
     }
+    if args.only:
+        sections: dict[str, Callable[[Path], Any]] = {
+            "ingest": lambda tmp: ingest(ct256, args.runs, tmp),
+            "completion": lambda tmp: [
+                completion(ct256, args.runs, tmp, "512x512x256, no count hint"),
+                completion(ct256h, args.runs, tmp, "512x512x256, Images in Acquisition"),
+            ],
+            "end_to_end": lambda tmp: end_to_end(ct128, tmp),
+            "memory": lambda tmp: memory(series("ct1000", 1000, 902, hint=True), tmp),
+        }
+        with tempfile.TemporaryDirectory(prefix="segnode-bench-") as t:
+            print(json.dumps(sections[args.only](Path(t)), indent=2))
+        return 0
     with tempfile.TemporaryDirectory(prefix="segnode-bench-") as t:
         tmp = Path(t)
         print("ingest", flush=True)

@@ -12,13 +12,13 @@ ledger), 0xA900 SOP instance mismatch, 0xC210-0xC212 cannot understand.
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pydicom.dataset import FileMetaDataset
 from pydicom.uid import UID
 from pynetdicom import ALL_TRANSFER_SYNTAXES
-from pynetdicom.dsutils import encode_file_meta
 from pynetdicom.presentation import AllStoragePresentationContexts
 from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     CTImageStorage,
@@ -42,7 +42,7 @@ from node.ul import (
     StoreResult,
 )
 from storage.ledger import InstanceRecord, Ledger
-from storage.spool import Spool, SpoolError, valid_uid
+from storage.spool import Spool, SpoolError, Staged, valid_uid
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class StoreSCP:
         self.budget = SeriesBudget(
             nc.max_series_instances, nc.max_series_mb * 2**20, ledger.series_totals
         )
-        self._assoc_keys: dict[int, int] = {}
+        # One staged write in flight per association at most.
+        self._stager = ThreadPoolExecutor(nc.max_associations, thread_name_prefix="spool-stage")
 
     def _contexts(self) -> dict[str, list[str]]:
         syntaxes = [str(ts) for ts in ALL_TRANSFER_SYNTAXES]
@@ -160,6 +161,7 @@ class StoreSCP:
             if server is not None:
                 server.stop()
         self.tls_server = self.server = None
+        self._stager.shutdown(wait=True)
 
     # -- association lifecycle (node.ul.Handlers) ------------------------------------------
 
@@ -210,27 +212,49 @@ class StoreSCP:
     def _store(self, info: AssociationInfo, req: StoreRequest) -> StoreResult:
         sop_class = req.sop_class_uid
         sop_uid = req.sop_instance_uid
-        calling = info.calling_ae
         if not valid_uid(sop_uid):
-            log.warning("refused instance with invalid SOP Instance UID from %s", calling)
+            log.warning("refused instance with invalid SOP Instance UID from %s", info.calling_ae)
             return BAD_UID, "invalid Affected SOP Instance UID"
-        ts = req.transfer_syntax
-        stream = req.dataset
+        meta = file_meta(sop_class, sop_uid, req.transfer_syntax, info.calling_ae)
+        incoming = len(meta) + len(req.dataset)
+        staging: Future[Staged] | None = None
+        if sop_class in CT_CLASSES and self.disk.ok(incoming):
+            # The write and its fsync run while the header is checked; only a valid instance
+            # gets its name (Spool.commit), and only then a ledger row and 0x0000.
+            staging = self._stager.submit(self.spool.stage, [meta, req.dataset])
         try:
-            header = parse_header(stream, ts)
+            status, staging = self._check_and_keep(info, req, incoming, staging)
+            return status
+        finally:
+            if staging is not None:
+                staging.add_done_callback(_discard_staged)
+
+    def _check_and_keep(
+        self,
+        info: AssociationInfo,
+        req: StoreRequest,
+        incoming: int,
+        staging: Future[Staged] | None,
+    ) -> tuple[StoreResult, Future[Staged] | None]:
+        """Everything after the UID check; returns the status and the staged write if it was
+        not used (to be discarded)."""
+        sop_class, sop_uid, calling = req.sop_class_uid, req.sop_instance_uid, info.calling_ae
+        ts = req.transfer_syntax
+        try:
+            header = parse_header(req.dataset, ts)
         except HeaderError as exc:
             log.warning("refused unparseable instance from %s: %s", calling, exc)
-            return CANNOT_UNDERSTAND, f"cannot parse dataset: {exc}"
+            return (CANNOT_UNDERSTAND, f"cannot parse dataset: {exc}"), staging
         ds = header.dataset
         ds_sop = str(ds.get("SOPInstanceUID", ""))
         if ds_sop and ds_sop != sop_uid:
             log.warning("refused instance whose SOP Instance UID differs from the request")
-            return SOP_MISMATCH, "SOP Instance UID differs from the C-STORE request"
+            return (SOP_MISMATCH, "SOP Instance UID differs from the C-STORE request"), staging
         study_uid = str(ds.get("StudyInstanceUID", ""))
         series_uid = str(ds.get("SeriesInstanceUID", ""))
         if not (valid_uid(study_uid) and valid_uid(series_uid)):
             log.warning("refused instance without valid Study/Series Instance UID from %s", calling)
-            return MISSING_ATTRIBUTE, "missing or invalid Study/Series Instance UID"
+            return (MISSING_ATTRIBUTE, "missing or invalid Study/Series Instance UID"), staging
         rec = InstanceRecord(
             sop_instance_uid=sop_uid,
             sop_class_uid=sop_class,
@@ -245,52 +269,89 @@ class StoreSCP:
         if own or (sop_class not in CT_CLASSES and self.ledger.is_own_result(sop_uid, series_uid)):
             self.ledger.record_ignored(rec, "object produced by this node (loop guard)")
             log.info("ignored an object this node produced (loop guard)")
-            return SUCCESS
+            return SUCCESS, staging
         if sop_class not in CT_CLASSES:
             name = UID(sop_class).name if sop_class else "unknown"
             self.ledger.record_ignored(rec, f"SOP class {name} is not CT; accepted and ignored")
             log.info("accepted and ignored a %s instance from %s", name, calling)
-            return SUCCESS
+            return SUCCESS, staging
         if self.ledger.has_instance(sop_uid):
             log.info("duplicate instance from %s acknowledged, not stored again", calling)
             self.tracker.touched(id(info), series_uid)
-            return SUCCESS
-        meta = file_meta(sop_class, sop_uid, ts, calling)
-        incoming = len(meta) + len(stream)
-        if not self.disk.ok(incoming):
+            return SUCCESS, staging
+        if staging is None:
             log.error("instance refused: free disk below node.min_free_disk_mb")
-            return OUT_OF_RESOURCES, "free disk below the node's floor"
+            return (OUT_OF_RESOURCES, "free disk below the node's floor"), None
         over = self.budget.admits(series_uid, incoming)
         if over is not None:
             log.warning("instance from %s refused: %s", calling, over)
-            return OUT_OF_RESOURCES, over
+            return (OUT_OF_RESOURCES, over), staging
+        # From here this association delivers the series: a release elsewhere must not
+        # complete it before this instance is in.
+        self.tracker.touched(id(info), series_uid)
         try:
-            path, size = self.spool.store(study_uid, series_uid, sop_uid, [meta, stream])
+            staged = staging.result()
+            path = self.spool.place(staged, study_uid, series_uid, sop_uid)
         except SpoolError as exc:
             log.error("spool write failed: %s", exc)
-            return OUT_OF_RESOURCES, "cannot write to the spool"
+            return (OUT_OF_RESOURCES, "cannot write to the spool"), None
+        # The folder's fsync (the rename's durability) and the ledger commit (its WAL fsync)
+        # run at the same time; 0x0000 goes back when both are done. A crash in between
+        # leaves at most a row whose file is missing, which start-up removes
+        # (Ledger.drop_unstored_instances): it was never acknowledged.
+        synced = self._stager.submit(self.spool.sync_folder, path)
         try:
-            self.ledger.record_instance(rec, path, size)
+            self.ledger.record_instance(rec, path, staged.size)
         except Exception as exc:
             log.error("ledger write failed: %s", exc)
-            return OUT_OF_RESOURCES, "cannot record the instance"
+            return (OUT_OF_RESOURCES, "cannot record the instance"), None
+        try:
+            synced.result()
+        except SpoolError as exc:
+            log.error("spool write failed: %s", exc)
+            self.ledger.forget_instance(sop_uid)
+            return (OUT_OF_RESOURCES, "cannot write to the spool"), None
+        size = staged.size
         self.budget.add(series_uid, size)
-        self.tracker.touched(id(info), series_uid)
         if self.on_stored is not None:
             self.on_stored(series_uid)
         if self.on_instance is not None:
             self.on_instance(Arrival(series_uid, sop_uid, path, calling, size))
-        return SUCCESS
+        return SUCCESS, None
+
+
+def _discard_staged(staging: Future[Staged]) -> None:
+    """Delete a staged file that was not kept (runs when its write has finished)."""
+    if not staging.cancelled() and staging.exception() is None:
+        Spool.discard(staging.result())
+
+
+def _meta_element(element: int, vr: bytes, value: bytes) -> bytes:
+    if len(value) % 2:
+        value += b"\x00" if vr in (b"UI", b"OB") else b" "
+    if vr == b"OB":
+        return struct.pack("<HH2s2xI", 0x0002, element, vr, len(value)) + value
+    return struct.pack("<HH2sH", 0x0002, element, vr, len(value)) + value
 
 
 def file_meta(sop_class: str, sop_uid: str, transfer_syntax: str, calling_ae: str) -> bytes:
-    """Preamble, prefix and File Meta Information (PS3.10 §7.1) for a received instance."""
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = UID(sop_class)
-    meta.MediaStorageSOPInstanceUID = UID(sop_uid)
-    meta.TransferSyntaxUID = UID(transfer_syntax)
-    meta.ImplementationClassUID = UID(IMPLEMENTATION_CLASS_UID)
-    meta.ImplementationVersionName = IMPLEMENTATION_VERSION
-    if calling_ae:
-        meta.SourceApplicationEntityTitle = calling_ae
-    return b"\x00" * 128 + b"DICM" + encode_file_meta(meta)
+    """Preamble, prefix and File Meta Information (PS3.10 §7.1) for a received instance.
+
+    Encoded by hand (explicit VR little endian, group 0002): the same bytes as pydicom's
+    ``encode_file_meta`` (tested), at a thirtieth of the cost on the C-STORE path.
+    """
+    body = b"".join(
+        [
+            _meta_element(0x0001, b"OB", b"\x00\x01"),
+            _meta_element(0x0002, b"UI", sop_class.encode("ascii")),
+            _meta_element(0x0003, b"UI", sop_uid.encode("ascii")),
+            _meta_element(0x0010, b"UI", transfer_syntax.encode("ascii")),
+            _meta_element(0x0012, b"UI", IMPLEMENTATION_CLASS_UID.encode("ascii")),
+            _meta_element(0x0013, b"SH", IMPLEMENTATION_VERSION.encode("ascii")),
+            _meta_element(0x0016, b"AE", calling_ae.encode("ascii", "replace"))
+            if calling_ae
+            else b"",
+        ]
+    )
+    length = struct.pack("<HH2sHI", 0x0002, 0x0000, b"UL", 4, len(body))
+    return b"\x00" * 128 + b"DICM" + length + body

@@ -185,6 +185,12 @@ class Node:
         n = self.ledger.recover(self.config.job_max_attempts)
         if n:
             log.info("resuming %d job(s) interrupted by a restart", n)
+        dropped = self.ledger.drop_unstored_instances()
+        if dropped:
+            log.warning("removed %d unacknowledged instance row(s) without a file", dropped)
+        staged = self.spool.clear_incoming()
+        if staged:
+            log.info("removed %d unacknowledged staged file(s) left by a restart", staged)
         self.streaming.start()
         if self.metrics is not None:
             mc = self.config.metrics

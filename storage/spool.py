@@ -7,9 +7,11 @@ characters), never from a raw string, so a hostile UID cannot escape the spool.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 #: Anything os.write accepts.
@@ -50,12 +52,7 @@ def write_atomic(path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o
     size = 0
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        for chunk in chunks:
-            view = memoryview(chunk)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-                size += n
+        size = _write_all(fd, chunks)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -63,12 +60,39 @@ def write_atomic(path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o
         raise
     os.close(fd)
     os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+    return size
+
+
+INCOMING = ".incoming"
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A written, fsynced file under ``.incoming/`` awaiting its instance path."""
+
+    path: Path
+    size: int
+
+
+def _write_all(fd: int, chunks: Sequence[Buffer]) -> int:
+    size = 0
+    for chunk in chunks:
+        view = memoryview(chunk)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+            size += n
+    return size
+
+
+def _fsync_dir(folder: Path) -> None:
+    dfd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
-    return size
 
 
 class Spool:
@@ -84,6 +108,76 @@ class Spool:
             if not valid_uid(uid):
                 raise ValueError(f"invalid UID {uid[:80]!r}")
         return self.root / study_uid / series_uid / f"{sop_uid}.dcm"
+
+    @property
+    def incoming_dir(self) -> Path:
+        """Where :meth:`stage` writes files whose UIDs are not checked yet."""
+        return self.root / INCOMING
+
+    def clear_incoming(self) -> int:
+        """Delete staged files left by a crash (none was acknowledged); return how many.
+
+        Call once at start-up, before the SCP listens.
+        """
+        n = 0
+        if self.incoming_dir.is_dir():
+            for entry in self.incoming_dir.iterdir():
+                entry.unlink(missing_ok=True)
+                n += 1
+        return n
+
+    def stage(self, chunks: Sequence[Buffer]) -> Staged:
+        """Write ``chunks`` to a new file under ``.incoming/`` and fsync it.
+
+        The C-STORE path calls this in a helper thread while it validates the header; the
+        durable name comes with :meth:`commit`. Raises :class:`SpoolError` on OS errors.
+        """
+        self.incoming_dir.mkdir(exist_ok=True, mode=0o700)
+        path = self.incoming_dir / f"{os.getpid()}-{next(_counter)}.tmp"
+        size = 0
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                size = _write_all(fd, chunks)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise SpoolError(f"cannot write to the spool: {exc.strerror or exc}") from exc
+        return Staged(path, size)
+
+    def place(self, staged: Staged, study_uid: str, series_uid: str, sop_uid: str) -> Path:
+        """Rename a staged file to the instance's path; durable after :meth:`sync_folder`."""
+        path = self.path_for(study_uid, series_uid, sop_uid)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.replace(staged.path, path)
+        except OSError as exc:
+            self.discard(staged)
+            raise SpoolError(f"cannot write {path.name}: {exc.strerror or exc}") from exc
+        return path
+
+    @staticmethod
+    def sync_folder(path: Path) -> None:
+        """fsync the folder holding ``path`` (makes its rename durable)."""
+        try:
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            raise SpoolError(f"cannot sync {path.parent.name}: {exc.strerror or exc}") from exc
+
+    def commit(
+        self, staged: Staged, study_uid: str, series_uid: str, sop_uid: str
+    ) -> tuple[Path, int]:
+        """Move a staged file to the instance's path and fsync the folder: it is durable."""
+        path = self.place(staged, study_uid, series_uid, sop_uid)
+        self.sync_folder(path)
+        return path, staged.size
+
+    @staticmethod
+    def discard(staged: Staged) -> None:
+        """Delete a staged file that will not be kept."""
+        staged.path.unlink(missing_ok=True)
 
     def store(
         self, study_uid: str, series_uid: str, sop_uid: str, chunks: Sequence[Buffer]

@@ -1,0 +1,276 @@
+"""The Upper Layer acceptor (node/ul.py) and the staged spool write, over real loopback sockets.
+
+Covers what the C-STORE path relies on beyond the SCP tests: the advertised maximum PDU
+length, datasets fragmented over many PDUs stored byte for byte, responses split to the
+peer's maximum PDU, Error Comment on failures, unrecognised DIMSE operations, rejection of a
+foreign application context, aborts on protocol violations and silence, the hand-encoded
+File Meta Information, and the crash clean-up of staged files and unacknowledged rows.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydicom import dcmread
+from pydicom.dataset import FileMetaDataset
+from pydicom.uid import UID, ExplicitVRLittleEndian
+from pynetdicom import AE
+from pynetdicom.dsutils import encode_file_meta
+from pynetdicom.pdu import A_ASSOCIATE_RQ
+from pynetdicom.pdu_primitives import A_ASSOCIATE, MaximumLengthNotification
+from pynetdicom.presentation import build_context
+from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[attr-defined]
+
+from node.header import parse_header
+from node.scp import file_meta
+from node.synthetic import write_synthetic_series
+from node.ul import (
+    IMPLEMENTATION_CLASS_UID,
+    IMPLEMENTATION_VERSION,
+    decode_command,
+    encode_command,
+    pdata_pdus,
+)
+from storage.ledger import InstanceRecord, Ledger
+from storage.spool import Spool
+from tests.conftest import LOOPBACK
+from tests.scp_harness import SCPHarness, store
+
+
+@pytest.fixture()
+def h(tmp_path: Path) -> Iterator[SCPHarness]:
+    harness = SCPHarness(tmp_path / "node", {"node": {"max_pdu": 4096}})
+    try:
+        yield harness
+    finally:
+        harness.close()
+
+
+@pytest.fixture(scope="module")
+def ct(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return write_synthetic_series(
+        tmp_path_factory.mktemp("ul"), rows=64, columns=64, slices=3, seed=7301
+    )
+
+
+def recv_pdu(s: socket.socket) -> tuple[int, bytes]:
+    head = b""
+    while len(head) < 6:
+        chunk = s.recv(6 - len(head))
+        if not chunk:
+            return -1, b""
+        head += chunk
+    kind, _, length = struct.unpack(">BBI", head)
+    body = b""
+    while len(body) < length:
+        chunk = s.recv(length - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return kind, body
+
+
+def associate_rq(
+    app_context: str = "1.2.840.10008.3.1.1.1", abstract: str = str(CTImageStorage)
+) -> bytes:
+    rq = A_ASSOCIATE()
+    rq.application_context_name = UID(app_context)
+    rq.calling_ae_title = "RAW"
+    rq.called_ae_title = "SEGNODE"
+    cx = build_context(abstract, ExplicitVRLittleEndian)
+    cx.context_id = 1
+    rq.presentation_context_definition_list = [cx]
+    ml = MaximumLengthNotification()
+    ml.maximum_length_received = 16384
+    rq.user_information = [ml]
+    pdu = A_ASSOCIATE_RQ()
+    pdu.from_primitive(rq)
+    return bytes(pdu.encode())
+
+
+def test_max_pdu_is_advertised_and_fragmented_datasets_are_stored_exactly(
+    h: SCPHarness, ct: list[Path]
+) -> None:
+    ae = AE(ae_title="MODALITY")
+    ae.maximum_pdu_size = 1024  # the node's responses must fit this
+    ae.add_requested_context(CTImageStorage, ExplicitVRLittleEndian)
+    a = ae.associate(LOOPBACK, h.port, ae_title="SEGNODE")
+    assert a.is_established
+    assert a.acceptor.maximum_length == 4096
+    assert a.acceptor.implementation_class_uid == IMPLEMENTATION_CLASS_UID
+    assert a.acceptor.implementation_version_name == IMPLEMENTATION_VERSION
+    for p in ct:
+        assert store(a, p) == 0  # 64x64x2 bytes of pixels: several 4 kB PDUs each
+    a.release()
+    assert a.is_released
+    for p in ct:
+        sent = dcmread(p)
+        (row,) = [r for r in h.spool.root.rglob(f"{sent.SOPInstanceUID}.dcm")]
+        kept = dcmread(row)
+        assert kept.PixelData == sent.PixelData
+        assert kept.file_meta.SourceApplicationEntityTitle == "MODALITY"
+        assert kept.file_meta.TransferSyntaxUID == ExplicitVRLittleEndian
+    assert not list(h.spool.incoming_dir.iterdir())
+
+
+def test_failure_status_carries_an_error_comment(h: SCPHarness, ct: list[Path]) -> None:
+    ds = dcmread(ct[0])
+    del ds.SeriesInstanceUID
+    ae = AE(ae_title="MODALITY")
+    ae.add_requested_context(CTImageStorage, ExplicitVRLittleEndian)
+    a = ae.associate(LOOPBACK, h.port, ae_title="SEGNODE")
+    status = a.send_c_store(ds)
+    a.release()
+    assert int(status.Status) == 0xC212
+    assert "Series Instance UID" in str(status.ErrorComment)
+    assert h.ledger.counts()["instances"] == 0
+    assert not list(h.spool.incoming_dir.iterdir())  # the staged write was discarded
+
+
+def test_unsupported_operation_gets_0211(h: SCPHarness) -> None:
+    with socket.create_connection((LOOPBACK, h.port), timeout=5) as s:
+        s.sendall(associate_rq(abstract=str(Verification)))
+        assert recv_pdu(s)[0] == 0x02
+        # A C-FIND-RQ (command field 0x0020) on the Verification context.
+        cmd = encode_command(
+            [
+                (0x0002, str(Verification).encode()),
+                (0x0100, struct.pack("<H", 0x0020)),
+                (0x0110, struct.pack("<H", 7)),
+                (0x0800, struct.pack("<H", 0x0101)),
+            ]
+        )
+        s.sendall(pdata_pdus(1, cmd, 0)[0])
+        kind, body = recv_pdu(s)
+        assert kind == 0x04
+        rsp = decode_command(body[6:])
+        s.sendall(struct.pack(">BBII", 0x05, 0, 4, 0))  # A-RELEASE-RQ
+        assert recv_pdu(s)[0] == 0x06
+    assert struct.unpack("<H", rsp[0x0100])[0] == 0x8020
+    assert struct.unpack("<H", rsp[0x0120])[0] == 7
+    assert struct.unpack("<H", rsp[0x0900])[0] == 0x0211
+
+
+def test_foreign_application_context_is_rejected(h: SCPHarness) -> None:
+    with socket.create_connection((LOOPBACK, h.port), timeout=5) as s:
+        s.sendall(associate_rq("1.2.3.4"))
+        kind, body = recv_pdu(s)
+    assert kind == 0x03  # A-ASSOCIATE-RJ
+    assert tuple(body[1:4]) == (0x01, 0x01, 0x02)  # permanent, user, context not supported
+
+
+def test_pdv_on_unaccepted_context_aborts_and_node_keeps_serving(
+    h: SCPHarness, ct: list[Path]
+) -> None:
+    with socket.create_connection((LOOPBACK, h.port), timeout=5) as s:
+        s.sendall(associate_rq())
+        kind, _ = recv_pdu(s)
+        assert kind == 0x02  # A-ASSOCIATE-AC
+        s.sendall(pdata_pdus(99, b"\x00" * 8, 0)[0])
+        kind, body = recv_pdu(s)
+    assert kind == 0x07 and body[2] == 0x02  # A-ABORT from the service provider
+    a = h.assoc()
+    assert store(a, ct[0]) == 0
+    a.release()
+
+
+def test_silence_after_association_is_aborted(tmp_path: Path) -> None:
+    h = SCPHarness(tmp_path / "n", {"node": {"network_timeout_s": 1}})
+    try:
+        with socket.create_connection((LOOPBACK, h.port), timeout=10) as s:
+            s.sendall(associate_rq())
+            assert recv_pdu(s)[0] == 0x02
+            t0 = time.monotonic()
+            kind, _ = recv_pdu(s)
+            waited = time.monotonic() - t0
+        assert kind == 0x07
+        assert 0.8 < waited < 5
+    finally:
+        h.close()
+
+
+def test_response_is_split_to_the_peers_maximum_pdu() -> None:
+    cmd = encode_command([(0x0100, struct.pack("<H", 0x8001)), (0x1000, b"1.2.3" * 20)])
+    pdus = pdata_pdus(3, cmd, 64)
+    assert len(pdus) > 1 and all(len(p) <= 64 + 6 for p in pdus)
+    payload = b""
+    for i, p in enumerate(pdus):
+        kind, _, length = struct.unpack(">BBI", p[:6])
+        pdv_len, cx, control = struct.unpack(">IBB", p[6:12])
+        assert (kind, cx, length) == (0x04, 3, len(p) - 6)
+        assert control == (0x03 if i == len(pdus) - 1 else 0x01)
+        payload += p[12 : 6 + 4 + pdv_len]
+    assert decode_command(payload)[0x0100] == struct.pack("<H", 0x8001)
+
+
+@pytest.mark.parametrize("calling", ["STORESCU", "ABC", ""])
+def test_file_meta_matches_pydicom(calling: str) -> None:
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = UID(str(CTImageStorage))
+    meta.MediaStorageSOPInstanceUID = UID("1.2.3.45")
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    meta.ImplementationClassUID = UID(IMPLEMENTATION_CLASS_UID)
+    meta.ImplementationVersionName = IMPLEMENTATION_VERSION
+    if calling:
+        meta.SourceApplicationEntityTitle = calling
+    expected = b"\x00" * 128 + b"DICM" + encode_file_meta(meta)
+    assert file_meta(str(CTImageStorage), "1.2.3.45", ExplicitVRLittleEndian, calling) == expected
+
+
+def test_parse_header_reads_a_memoryview_like_bytes(ct: list[Path]) -> None:
+    raw = ct[0].read_bytes()
+    ds = dcmread(ct[0])
+    offset = 132 + 12 + int(ds.file_meta.FileMetaInformationGroupLength)
+    data = raw[offset:]
+    a = parse_header(data, ExplicitVRLittleEndian)
+    b = parse_header(memoryview(bytearray(data)), ExplicitVRLittleEndian)
+    assert a.has_pixel_data and b.has_pixel_data
+    assert a.dataset.SOPInstanceUID == b.dataset.SOPInstanceUID == ds.SOPInstanceUID
+
+
+def test_restart_clears_staged_files_and_unacknowledged_rows(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    try:
+        staged = spool.stage([b"abc", memoryview(b"def")])
+        assert staged.path.read_bytes() == b"abcdef" and staged.size == 6
+        kept, size = spool.commit(spool.stage([b"kept"]), "1.2", "1.3", "1.4")
+        assert kept.read_bytes() == b"kept" and size == 4
+
+        def rec(sop: str) -> InstanceRecord:
+            return InstanceRecord(
+                sop, str(CTImageStorage), "1.3", "1.2", ExplicitVRLittleEndian, "CT", "MODALITY"
+            )
+
+        assert ledger.record_instance(rec("1.4"), kept, 4)
+        # A row committed whose rename never persisted (crash between the two fsyncs).
+        assert ledger.record_instance(rec("1.5"), spool.path_for("1.2", "1.3", "1.5"), 9)
+        assert ledger.counts()["instances"] == 2
+        assert ledger.drop_unstored_instances() == 1
+        assert ledger.has_instance("1.4") and not ledger.has_instance("1.5")
+        assert spool.clear_incoming() == 1
+        assert not staged.path.exists() and kept.exists()
+    finally:
+        ledger.close()
+
+
+def test_bigger_instances_than_a_pdu_fragment_round_trip(tmp_path: Path) -> None:
+    """A dataset split over dozens of PDVs reaches the handler whole (no-op check)."""
+    h = SCPHarness(tmp_path / "n", {"node": {"max_pdu": 16384}})
+    try:
+        (path,) = write_synthetic_series(
+            tmp_path / "big", rows=256, columns=256, slices=1, seed=7302
+        )
+        ds = dcmread(path)
+        a = h.assoc()
+        assert store(a, ds) == 0
+        a.release()
+        (kept,) = list(h.spool.root.rglob(f"{ds.SOPInstanceUID}.dcm"))
+        assert dcmread(kept).PixelData == ds.PixelData
+    finally:
+        h.close()
