@@ -67,6 +67,9 @@ class Header:
 
     dataset: Dataset
     has_pixel_data: bool
+    #: Where native (defined-length) Pixel Data's value starts in the stream, and its length;
+    #: None for encapsulated or absent pixel data, or a deflated stream.
+    pixel_span: tuple[int, int] | None = None
 
 
 def _stop_at_pixels(tag: BaseTag, _vr: str | None, _length: int) -> bool:
@@ -141,7 +144,7 @@ def parse_header(stream: bytes | memoryview, transfer_syntax: str) -> Header:
     except Exception as exc:  # pydicom raises many types on garbage  # noqa: BLE001
         raise HeaderError(f"dataset cannot be parsed: {type(exc).__name__}: {exc}") from exc
     pos = fp.tell()
-    length = _check_pixel_framing(data, pos, implicit, little)
+    length, start = _check_pixel_framing(data, pos, implicit, little)
     if length is not None and length != 0xFFFFFFFF:
         expected = _native_length(ds)
         if expected is not None and length < expected:
@@ -149,7 +152,14 @@ def parse_header(stream: bytes | memoryview, transfer_syntax: str) -> Header:
                 f"Pixel Data holds {length} bytes but Rows x Columns x frames needs {expected} "
                 "(truncated)"
             )
-    return Header(dataset=ds, has_pixel_data=length is not None)
+    native = (
+        length is not None
+        and length != 0xFFFFFFFF
+        and data is stream
+        and bytes(data[pos : pos + 4]) in (b"\xe0\x7f\x10\x00", b"\x7f\xe0\x00\x10")
+    )
+    span = (start, int(length)) if native and length is not None else None
+    return Header(dataset=ds, has_pixel_data=length is not None, pixel_span=span)
 
 
 def _native_length(ds: Dataset) -> int | None:
@@ -168,11 +178,12 @@ def _native_length(ds: Dataset) -> int | None:
 
 def _check_pixel_framing(
     data: bytes | memoryview, pos: int, implicit: bool, little: bool
-) -> int | None:
-    """Check the Pixel Data element's framing; return its declared length (None: absent)."""
+) -> tuple[int | None, int]:
+    """Check the Pixel Data element's framing; return its declared length (None: absent) and
+    where its value starts."""
     remaining = len(data) - pos
     if remaining == 0:
-        return None
+        return None, pos
     if remaining < 8:
         raise HeaderError("dataset ends inside an element header")
     end = "<" if little else ">"
@@ -198,12 +209,12 @@ def _check_pixel_framing(
         trailer = bytes(data[-8:])
         if trailer != SEQUENCE_DELIMITER and not _delimited_before_trailer(data, start):
             raise HeaderError("encapsulated Pixel Data has no sequence delimiter (truncated)")
-        return int(length)
+        return int(length), start
     if start + length > len(data):
         raise HeaderError(
             f"Pixel Data declares {length} bytes but only {len(data) - start} arrived (truncated)"
         )
-    return int(length)
+    return int(length), start
 
 
 def _delimited_before_trailer(data: bytes | memoryview, start: int) -> bool:

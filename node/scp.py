@@ -316,7 +316,19 @@ class StoreSCP:
         if self.on_stored is not None:
             self.on_stored(series_uid)
         if self.on_instance is not None:
-            self.on_instance(Arrival(series_uid, sop_uid, path, calling, size))
+            span = header.pixel_span
+            self.on_instance(
+                Arrival(
+                    series_uid,
+                    sop_uid,
+                    path,
+                    calling,
+                    size,
+                    header=ds,
+                    pixels=None if span is None else req.dataset[span[0] : span[0] + span[1]],
+                    transfer_syntax=ts,
+                )
+            )
         return SUCCESS, None
 
 

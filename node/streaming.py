@@ -34,7 +34,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import pydicom
-from pydicom.dataset import Dataset
+from pydicom.dataelem import DataElement
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.uid import UID
 
 from node.series import SeriesGeometry
 from node.volume import (
@@ -62,6 +64,10 @@ MAX_SLAB_SLICES = 4096
 MAX_SERIES = 256
 #: Series whose slice geometry is remembered (a few hundred bytes per slice each).
 MAX_GEOMETRIES = 1024
+#: Queued instances beyond this many are handed over without their bytes (read from the
+#: spool when their turn comes): at most this many received datasets are held.
+MAX_INLINE = 32
+PIXEL_DATA = 0x7FE00010
 
 OnGeometry = Callable[[str, str], object]
 
@@ -75,6 +81,12 @@ class Arrival:
     path: Path
     calling_ae: str
     size: int = 0
+    #: The elements before Pixel Data, as the SCP parsed them, and the native Pixel Data
+    #: value (a view of the received bytes): the pool then decodes without re-reading the
+    #: file. Dropped (None) when the queue is long, so that memory stays bounded.
+    header: Dataset | None = None
+    pixels: bytes | memoryview | None = None
+    transfer_syntax: str = ""
 
 
 @dataclass(eq=False)
@@ -185,6 +197,8 @@ class StreamingAssembler:
 
     def submit(self, arrival: Arrival) -> None:
         """Queue a stored instance for decoding; O(1), never blocks the SCP thread."""
+        if arrival.pixels is not None and self._queue.qsize() >= MAX_INLINE:
+            arrival = replace(arrival, header=None, pixels=None)
         with self._cond:
             state = self._series.get(arrival.series_uid)
             if state is None:
@@ -224,7 +238,7 @@ class StreamingAssembler:
         geometrically complete."""
         with self._cond:
             pixels = self.decode_pixels and not state.spilled and not state.broken
-        ds = pydicom.dcmread(arrival.path, stop_before_pixels=not pixels)
+        ds = _dataset_of(arrival, pixels)
         frames = int(ds.get("NumberOfFrames", 1) or 1)
         if frames > 1:
             return self._multiframe(state, arrival, ds, pixels)
@@ -480,3 +494,16 @@ def _int_or_none(value: object) -> int | None:
         return int(value) if value not in (None, "") else None  # type: ignore[call-overload]
     except (TypeError, ValueError):
         return None
+
+
+def _dataset_of(arrival: Arrival, pixels: bool) -> Dataset:
+    """The instance's dataset: from what the SCP handed over when it can, else the file."""
+    ds = arrival.header
+    if ds is None or (pixels and arrival.pixels is None):
+        return pydicom.dcmread(arrival.path, stop_before_pixels=not pixels)
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = UID(arrival.transfer_syntax)
+    if pixels and arrival.pixels is not None:
+        vr = "OB" if int(ds.get("BitsAllocated", 16) or 16) <= 8 else "OW"
+        ds[PIXEL_DATA] = DataElement(PIXEL_DATA, vr, bytes(arrival.pixels))
+    return ds
