@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from pydicom.uid import UID
@@ -29,7 +31,7 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 from node import tls
 from node.config import Config
 from node.guards import AccessPolicy, DiskGuard, SeriesBudget
-from node.header import HeaderError, parse_header
+from node.header import Header, HeaderError, parse_header
 from node.series import CompletionTracker
 from node.streaming import Arrival
 from node.ul import (
@@ -110,6 +112,8 @@ class StoreSCP:
         )
         # One staged write in flight per association at most.
         self._stager = ThreadPoolExecutor(nc.max_associations, thread_name_prefix="spool-stage")
+        self._claims: set[str] = set()
+        self._claims_lock = threading.Lock()
 
     def _contexts(self) -> dict[str, list[str]]:
         syntaxes = [str(ts) for ts in ALL_TRANSFER_SYNTAXES]
@@ -275,6 +279,42 @@ class StoreSCP:
             self.ledger.record_ignored(rec, f"SOP class {name} is not CT; accepted and ignored")
             log.info("accepted and ignored a %s instance from %s", name, calling)
             return SUCCESS, staging
+        with self._claim(sop_uid) as claimed:
+            if not claimed:
+                log.warning("instance from %s refused: another association stores it", calling)
+                return (OUT_OF_RESOURCES, "being stored by another association; retry"), staging
+            return self._keep(info, req, rec, header, incoming, staging)
+
+    @contextmanager
+    def _claim(self, sop_uid: str) -> Iterator[bool]:
+        """Hold ``sop_uid`` for one association at a time (False: another one holds it).
+
+        An instance's ledger row is committed while its file is being made durable; the
+        claim makes sure nobody acknowledges it as a duplicate in that window.
+        """
+        with self._claims_lock:
+            if sop_uid in self._claims:
+                yield False
+                return
+            self._claims.add(sop_uid)
+        try:
+            yield True
+        finally:
+            with self._claims_lock:
+                self._claims.discard(sop_uid)
+
+    def _keep(
+        self,
+        info: AssociationInfo,
+        req: StoreRequest,
+        rec: InstanceRecord,
+        header: Header,
+        incoming: int,
+        staging: Future[Staged] | None,
+    ) -> tuple[StoreResult, Future[Staged] | None]:
+        """Store a valid CT instance (under its claim): row and file, then the status."""
+        sop_uid, calling = rec.sop_instance_uid, info.calling_ae
+        study_uid, series_uid = rec.study_instance_uid, rec.series_instance_uid
         if self.ledger.has_instance(sop_uid):
             log.info("duplicate instance from %s acknowledged, not stored again", calling)
             self.tracker.touched(id(info), series_uid)
@@ -289,24 +329,20 @@ class StoreSCP:
         # From here this association delivers the series: a release elsewhere must not
         # complete it before this instance is in.
         self.tracker.touched(id(info), series_uid)
+        path = self.spool.path_for(study_uid, series_uid, sop_uid)
+        # The ledger row is committed (WAL fsync) while the staged file's fsync may still
+        # run; the file then gets its name and its folder is fsynced. 0x0000 goes back only
+        # when all of it is durable. A crash in between leaves at most a row whose file is
+        # missing, never acknowledged: start-up removes it (Ledger.drop_unstored_instances).
         try:
-            staged = staging.result()
-            path = self.spool.place(staged, study_uid, series_uid, sop_uid)
-        except SpoolError as exc:
-            log.error("spool write failed: %s", exc)
-            return (OUT_OF_RESOURCES, "cannot write to the spool"), None
-        # The folder's fsync (the rename's durability) and the ledger commit (its WAL fsync)
-        # run at the same time; 0x0000 goes back when both are done. A crash in between
-        # leaves at most a row whose file is missing, which start-up removes
-        # (Ledger.drop_unstored_instances): it was never acknowledged.
-        synced = self._stager.submit(self.spool.sync_folder, path)
-        try:
-            self.ledger.record_instance(rec, path, staged.size)
+            self.ledger.record_instance(rec, path, incoming)
         except Exception as exc:
             log.error("ledger write failed: %s", exc)
-            return (OUT_OF_RESOURCES, "cannot record the instance"), None
+            return (OUT_OF_RESOURCES, "cannot record the instance"), staging
         try:
-            synced.result()
+            staged = staging.result()
+            self.spool.place(staged, study_uid, series_uid, sop_uid)
+            self.spool.sync_folder(path)
         except SpoolError as exc:
             log.error("spool write failed: %s", exc)
             self.ledger.forget_instance(sop_uid)
@@ -324,9 +360,9 @@ class StoreSCP:
                     path,
                     calling,
                     size,
-                    header=ds,
+                    header=header.dataset,
                     pixels=None if span is None else req.dataset[span[0] : span[0] + span[1]],
-                    transfer_syntax=ts,
+                    transfer_syntax=req.transfer_syntax,
                 )
             )
         return SUCCESS, None

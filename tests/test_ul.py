@@ -274,3 +274,14 @@ def test_bigger_instances_than_a_pdu_fragment_round_trip(tmp_path: Path) -> None
         assert dcmread(kept).PixelData == ds.PixelData
     finally:
         h.close()
+
+
+def test_an_instance_in_flight_is_claimed_by_one_association(h: SCPHarness) -> None:
+    with h.scp._claim("1.2.3.4") as first:
+        assert first
+        with h.scp._claim("1.2.3.4") as second:
+            assert not second
+        with h.scp._claim("1.2.3.5") as other:
+            assert other
+    with h.scp._claim("1.2.3.4") as again:
+        assert again
