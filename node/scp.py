@@ -285,6 +285,11 @@ class StoreSCP:
                 return (OUT_OF_RESOURCES, "being stored by another association; retry"), staging
             return self._keep(info, req, rec, header, incoming, staging)
 
+    def _duplicate(self, info: AssociationInfo, series_uid: str) -> StoreResult:
+        log.info("duplicate instance from %s acknowledged, not stored again", info.calling_ae)
+        self.tracker.touched(id(info), series_uid)
+        return SUCCESS
+
     @contextmanager
     def _claim(self, sop_uid: str) -> Iterator[bool]:
         """Hold ``sop_uid`` for one association at a time (False: another one holds it).
@@ -315,17 +320,14 @@ class StoreSCP:
         """Store a valid CT instance (under its claim): row and file, then the status."""
         sop_uid, calling = rec.sop_instance_uid, info.calling_ae
         study_uid, series_uid = rec.study_instance_uid, rec.series_instance_uid
-        if self.ledger.has_instance(sop_uid):
-            log.info("duplicate instance from %s acknowledged, not stored again", calling)
-            self.tracker.touched(id(info), series_uid)
-            return SUCCESS, staging
-        if staging is None:
-            log.error("instance refused: free disk below node.min_free_disk_mb")
-            return (OUT_OF_RESOURCES, "free disk below the node's floor"), None
-        over = self.budget.admits(series_uid, incoming)
-        if over is not None:
+        if staging is None or (over := self.budget.admits(series_uid, incoming)) is not None:
+            if self.ledger.has_instance(sop_uid):
+                return self._duplicate(info, series_uid), staging
+            if staging is None:
+                log.error("instance refused: free disk below node.min_free_disk_mb")
+                return (OUT_OF_RESOURCES, "free disk below the node's floor"), None
             log.warning("instance from %s refused: %s", calling, over)
-            return (OUT_OF_RESOURCES, over), staging
+            return (OUT_OF_RESOURCES, str(over)), staging
         # From here this association delivers the series: a release elsewhere must not
         # complete it before this instance is in.
         self.tracker.touched(id(info), series_uid)
@@ -334,8 +336,11 @@ class StoreSCP:
         # run; the file then gets its name and its folder is fsynced. 0x0000 goes back only
         # when all of it is durable. A crash in between leaves at most a row whose file is
         # missing, never acknowledged: start-up removes it (Ledger.drop_unstored_instances).
+        # The row's unique SOP Instance UID is the duplicate check: under the claim, a row
+        # that exists is one whose file is durable.
         try:
-            self.ledger.record_instance(rec, path, incoming)
+            if not self.ledger.record_instance(rec, path, incoming):
+                return self._duplicate(info, series_uid), staging
         except Exception as exc:
             log.error("ledger write failed: %s", exc)
             return (OUT_OF_RESOURCES, "cannot record the instance"), staging

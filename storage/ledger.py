@@ -263,7 +263,9 @@ class Ledger:
             s.flush()
         return series
 
-    def record_instance(self, rec: InstanceRecord, path: Path, size: int) -> bool:
+    def record_instance(
+        self, rec: InstanceRecord, path: Path, size: int, *, _retry: bool = True
+    ) -> bool:
         """Record a stored instance; return False if it was already there (duplicate).
 
         The SCP's hot path: one short transaction of three plain SQL statements on the
@@ -312,7 +314,11 @@ class Ledger:
                     sa.exec_driver_sql(_SERIES_RECEIVED, (stamp, stamp, series_id))
                     return True
             except IntegrityError:
-                return False
+                # A duplicate SOP Instance UID, or the study/series row created meanwhile by
+                # another writer: only the first is a duplicate; the second is retried.
+                if self.has_instance(rec.sop_instance_uid) or not _retry:
+                    return False
+        return self.record_instance(rec, path, size, _retry=False)
 
     def forget_instance(self, sop_instance_uid: str) -> None:
         """Remove an instance row that was never acknowledged (its file did not persist)."""
