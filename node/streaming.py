@@ -251,7 +251,9 @@ class StreamingAssembler:
             sl = None
         if pixels and sl is not None:
             _check_instance(ds)
-            stored = _decode(ds, sl.label)
+            stored = native_pixels(ds, arrival)
+            if stored is None:
+                stored = _decode(ds, sl.label)
             if stored.shape != (sl.rows, sl.columns):
                 raise VolumeError(f"{sl.label}: decoded shape {stored.shape}")
             header = _header(ds, share=True)
@@ -507,3 +509,39 @@ def _dataset_of(arrival: Arrival, pixels: bool) -> Dataset:
         vr = "OB" if int(ds.get("BitsAllocated", 16) or 16) <= 8 else "OW"
         ds[PIXEL_DATA] = DataElement(PIXEL_DATA, vr, bytes(arrival.pixels))
     return ds
+
+
+NATIVE_LE = frozenset({"1.2.840.10008.1.2", "1.2.840.10008.1.2.1"})
+
+
+def native_pixels(ds: Dataset, arrival: Arrival) -> npt.NDArray[np.generic] | None:
+    """Stored values of a native little-endian 16-bit greyscale frame straight from the
+    received bytes, or None where pydicom's decoders must do it.
+
+    The same values as ``ds.pixel_array`` (tested): unsigned or signed 16-bit, the unused
+    high bits cleared or sign-extended as pydicom's ``correct_unused_bits`` does.
+    """
+    buf = arrival.pixels
+    if buf is None or arrival.transfer_syntax not in NATIVE_LE:
+        return None
+    try:
+        rows, cols = int(ds.Rows), int(ds.Columns)
+        bits, stored = int(ds.BitsAllocated), int(ds.BitsStored)
+        signed = int(ds.get("PixelRepresentation", 0) or 0)
+        samples = int(ds.get("SamplesPerPixel", 1) or 1)
+        frames = int(ds.get("NumberOfFrames", 1) or 1)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    n = rows * cols
+    if bits != 16 or samples != 1 or frames != 1 or signed not in (0, 1) or len(buf) < 2 * n:
+        return None
+    if not 1 <= stored <= 16 or n == 0:
+        return None
+    dtype = np.int16 if signed else np.uint16
+    arr = np.frombuffer(buf, dtype=np.dtype(dtype).newbyteorder("<"), count=n)
+    arr = arr.reshape(rows, cols).astype(dtype)  # a copy, in native byte order
+    if stored < 16:
+        shift = 16 - stored
+        np.left_shift(arr, shift, out=arr)
+        np.right_shift(arr, shift, out=arr)
+    return arr

@@ -285,3 +285,33 @@ def test_an_instance_in_flight_is_claimed_by_one_association(h: SCPHarness) -> N
             assert other
     with h.scp._claim("1.2.3.4") as again:
         assert again
+
+
+@pytest.mark.parametrize(("signed", "bits_stored"), [(0, 12), (1, 12), (0, 16), (1, 16), (1, 10)])
+def test_native_pixels_match_pydicom(tmp_path: Path, signed: int, bits_stored: int) -> None:
+    """The streaming decoder's shortcut gives pydicom's values, garbage in unused bits too."""
+    import numpy as np
+
+    from node.streaming import Arrival, native_pixels
+
+    (path,) = write_synthetic_series(tmp_path, rows=32, columns=24, slices=1, seed=7303)
+    ds = dcmread(path)
+    rng = np.random.default_rng(bits_stored + signed)
+    raw = rng.integers(0, 2**16, size=(32, 24), dtype=np.uint16)  # unused bits set at random
+    ds.PixelRepresentation = signed
+    ds.BitsStored = bits_stored
+    ds.HighBit = bits_stored - 1
+    ds.PixelData = raw.astype("<u2").tobytes()
+    arrival = Arrival(
+        "1.2",
+        "1.3",
+        path,
+        "X",
+        header=ds,
+        pixels=ds.PixelData,
+        transfer_syntax=ExplicitVRLittleEndian,
+    )
+    fast = native_pixels(ds, arrival)
+    assert fast is not None
+    ref = ds.pixel_array
+    assert fast.dtype == ref.dtype and np.array_equal(fast, ref)
