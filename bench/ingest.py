@@ -567,7 +567,7 @@ def plot(e2e: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=5)
     p.add_argument("--skip-memory", action="store_true", help="skip the 1000-slice series")
     p.add_argument(
         "--only",

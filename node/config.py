@@ -159,7 +159,7 @@ class StreamingConfig:
     """``[streaming]``: decoding instances into volumes while they arrive."""
 
     enabled: bool = True
-    workers: int = 2
+    workers: int = 1
     max_memory_mb: int = 2048
 
 
