@@ -198,12 +198,14 @@ class CrashHarness:
         quiet_period_s: float = 15.0,
         rng: random.Random | None = None,
         log: Any = print,
+        stages: tuple[str, ...] = STAGES,
     ) -> None:
         self.workdir = workdir
         self.rows = rows
         self.slices = slices
         self.rng = rng or random.Random()
         self.log = log
+        self.stages = stages
         self.scp = CountingSCP(delay=scp_delay).start()
         port = free_port()
         data = workdir / "data"
@@ -305,7 +307,7 @@ class CrashHarness:
 
     def trial(self, index: int, seed: int) -> Trial:
         """Run one trial (the node must be running); return its record."""
-        target = self.rng.choice(STAGES)
+        target = self.rng.choice(self.stages)
         lo, hi = self.windows[target]
         delay = self.rng.uniform(lo, max(lo, hi))
         t = Trial(index=index, seed=seed, target=target, delay=round(delay, 3))
@@ -417,12 +419,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slices", type=int, default=16)
     p.add_argument("--workdir", type=Path, help="keep the node's data here (default: temp)")
     p.add_argument("--out", type=Path, help="write the report as JSON")
+    p.add_argument(
+        "--stages",
+        default=",".join(STAGES),
+        help="comma-separated stages to aim kills at (default: all)",
+    )
     args = p.parse_args(argv)
+    stages = tuple(x for x in args.stages.split(",") if x)
+    if not stages or set(stages) - set(STAGES):
+        p.error(f"--stages: choose from {', '.join(STAGES)}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="segnode-crash-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"seed {seed}; work dir {work}")
-    h = CrashHarness(work, rows=args.rows, slices=args.slices, rng=random.Random(seed))
+    h = CrashHarness(
+        work, rows=args.rows, slices=args.slices, rng=random.Random(seed), stages=stages
+    )
     try:
         report = h.run(args.trials, base_seed=5000 + (seed % 100000) * 100)
     finally:
