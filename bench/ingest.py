@@ -42,6 +42,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from scripts.harness import orthanc_config
+
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -187,22 +189,7 @@ def orthanc(work: Path) -> Iterator[tuple[int, int, subprocess.Popen[bytes]]]:
         raise RuntimeError("Orthanc not installed (apt-get install orthanc)")
     dicom, http = free_port(), free_port()
     work.mkdir(parents=True, exist_ok=True)
-    cfg = {
-        "Name": "bench",
-        "StorageDirectory": str(work / "storage"),
-        "IndexDirectory": str(work / "storage"),
-        "DicomAet": "ORTHANC",
-        "DicomPort": dicom,
-        "HttpPort": http,
-        "RemoteAccessAllowed": False,
-        "AuthenticationEnabled": False,
-        "DicomCheckCalledAet": False,
-        "DicomAlwaysAllowStore": True,
-        "DicomAlwaysAllowEcho": True,
-        "Plugins": [],
-        "HttpBindAddress": LOOPBACK,
-        "DicomBindAddress": LOOPBACK,
-    }
+    cfg = orthanc_config(work, dicom, http, Name="bench")
     (work / "orthanc.json").write_text(json.dumps(cfg))
     log = (work / "orthanc.log").open("ab")
     proc = subprocess.Popen([exe, str(work / "orthanc.json")], stdout=log, stderr=log)

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from pydicom.uid import UID
@@ -142,8 +143,11 @@ class StoreSCP:
             )
 
     def _listen(self, port: int, context: Any) -> Acceptor:
-        options = AcceptorOptions(**{**vars(self.options), "tls_context": context})
-        options.handshake_timeout = self.config.tls.handshake_timeout_s
+        options = replace(
+            self.options,
+            tls_context=context,
+            handshake_timeout=self.config.tls.handshake_timeout_s,
+        )
         acceptor = Acceptor(options, self)
         acceptor.start((self.config.node.host, port))
         return acceptor

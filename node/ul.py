@@ -598,13 +598,6 @@ class _Association:
             self._send(pdu)
 
 
-def default_contexts(
-    abstract_syntaxes: Iterable[str], transfer_syntaxes: list[str]
-) -> dict[str, list[str]]:
-    """Map each abstract syntax to the same transfer syntaxes."""
-    return {str(a): list(transfer_syntaxes) for a in abstract_syntaxes}
-
-
 __all__: list[str] = [
     "Acceptor",
     "AcceptorOptions",
@@ -612,5 +605,4 @@ __all__: list[str] = [
     "Handlers",
     "StoreRequest",
     "StoreResult",
-    "default_contexts",
 ]

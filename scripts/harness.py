@@ -142,6 +142,28 @@ class CountingSCP:
         return Counter(r.sop_instance_uid for r in self.snapshot())
 
 
+def orthanc_config(base: Path, dicom_port: int, http_port: int, **extra: Any) -> dict[str, Any]:
+    """An Orthanc configuration on loopback with private storage under ``base``."""
+    return {
+        "Name": "segnode-test",
+        "StorageDirectory": str(base / "storage"),
+        "IndexDirectory": str(base / "storage"),
+        "DicomAet": "ORTHANC",
+        "DicomPort": dicom_port,
+        "HttpPort": http_port,
+        "RemoteAccessAllowed": False,
+        "AuthenticationEnabled": False,
+        "DicomCheckCalledAet": False,
+        "DicomAlwaysAllowStore": True,
+        "DicomAlwaysAllowEcho": True,
+        "Plugins": [],
+        "DicomModalities": {},
+        "HttpBindAddress": LOOPBACK,
+        "DicomBindAddress": LOOPBACK,
+        **extra,
+    }
+
+
 def write_config(path: Path, data_dir: Path, port: int, **sections: dict[str, Any]) -> Path:
     """A TOML config for a node on loopback (values JSON-encoded, valid TOML for scalars)."""
     top = {"data_dir": str(data_dir), "log_level": "INFO", **sections.pop("top", {})}

@@ -149,7 +149,11 @@ class Spool:
 
     def place(self, staged: Staged, study_uid: str, series_uid: str, sop_uid: str) -> Path:
         """Rename a staged file to the instance's path; durable after :meth:`sync_folder`."""
-        path = self.path_for(study_uid, series_uid, sop_uid)
+        try:
+            path = self.path_for(study_uid, series_uid, sop_uid)
+        except ValueError:
+            self.discard(staged)
+            raise
         try:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.replace(staged.path, path)
@@ -166,14 +170,6 @@ class Spool:
         except OSError as exc:
             raise SpoolError(f"cannot sync {path.parent.name}: {exc.strerror or exc}") from exc
 
-    def commit(
-        self, staged: Staged, study_uid: str, series_uid: str, sop_uid: str
-    ) -> tuple[Path, int]:
-        """Move a staged file to the instance's path and fsync the folder: it is durable."""
-        path = self.place(staged, study_uid, series_uid, sop_uid)
-        self.sync_folder(path)
-        return path, staged.size
-
     @staticmethod
     def discard(staged: Staged) -> None:
         """Delete a staged file that will not be kept."""
@@ -182,15 +178,16 @@ class Spool:
     def store(
         self, study_uid: str, series_uid: str, sop_uid: str, chunks: Sequence[Buffer]
     ) -> tuple[Path, int]:
-        """Write an instance atomically and return its path and size.
+        """Write an instance durably (:meth:`stage`, :meth:`place`, :meth:`sync_folder`) and
+        return its path and size.
 
         Raises
         ------
         SpoolError
             On any OS error (disk full, permissions).
         """
-        path = self.path_for(study_uid, series_uid, sop_uid)
-        try:
-            return path, write_atomic(path, chunks)
-        except OSError as exc:
-            raise SpoolError(f"cannot write {path.name}: {exc.strerror or exc}") from exc
+        self.path_for(study_uid, series_uid, sop_uid)  # refuse bad UIDs before writing
+        staged = self.stage(chunks)
+        path = self.place(staged, study_uid, series_uid, sop_uid)
+        self.sync_folder(path)
+        return path, staged.size

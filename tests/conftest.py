@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from scripts.harness import orthanc_config
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
 PHANTOM = SHARED_DATA / "ct-phantom-philips-28"
@@ -216,28 +218,6 @@ class Orthanc:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-
-
-def orthanc_config(base: Path, dicom_port: int, http_port: int, **extra: Any) -> dict[str, Any]:
-    """An Orthanc configuration on loopback with private storage under ``base``."""
-    return {
-        "Name": "segnode-test",
-        "StorageDirectory": str(base / "storage"),
-        "IndexDirectory": str(base / "storage"),
-        "DicomAet": "ORTHANC",
-        "DicomPort": dicom_port,
-        "HttpPort": http_port,
-        "RemoteAccessAllowed": False,
-        "AuthenticationEnabled": False,
-        "DicomCheckCalledAet": False,
-        "DicomAlwaysAllowStore": True,
-        "DicomAlwaysAllowEcho": True,
-        "Plugins": [],
-        "DicomModalities": {},
-        "HttpBindAddress": LOOPBACK,
-        "DicomBindAddress": LOOPBACK,
-        **extra,
-    }
 
 
 def start_orthanc(base: Path, dicom_port: int | None = None) -> Orthanc:

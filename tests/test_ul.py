@@ -239,7 +239,7 @@ def test_restart_clears_staged_files_and_unacknowledged_rows(tmp_path: Path) -> 
     try:
         staged = spool.stage([b"abc", memoryview(b"def")])
         assert staged.path.read_bytes() == b"abcdef" and staged.size == 6
-        kept, size = spool.commit(spool.stage([b"kept"]), "1.2", "1.3", "1.4")
+        kept, size = spool.store("1.2", "1.3", "1.4", [b"kept"])
         assert kept.read_bytes() == b"kept" and size == 4
 
         def rec(sop: str) -> InstanceRecord:
