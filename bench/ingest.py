@@ -326,6 +326,10 @@ def ingest(folder: Path, runs: int, tmp: Path) -> list[dict[str, Any]]:
         for name, start, called, folders in targets:
             work = tmp / f"{name.replace(' ', '_')}-{r}"
             work.mkdir(parents=True)
+            # Every target starts with no dirty pages left by the one before: storescp and
+            # Orthanc do not fsync, and their write-back would otherwise land in the next
+            # target's timing (on segnode's fsyncs in particular).
+            os.sync()
             with start(work) as handle:
                 port = handle[0]
                 proc = next(x for x in handle if isinstance(x, subprocess.Popen))

@@ -18,8 +18,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from pydicom import dcmread
+from pydicom.errors import InvalidDicomError
 from pydicom.uid import UID
 from pynetdicom import ALL_TRANSFER_SYNTAXES
 from pynetdicom.presentation import AllStoragePresentationContexts
@@ -375,6 +378,38 @@ class StoreSCP:
                 )
             )
         return SUCCESS, None
+
+
+def record_from_file(path: Path) -> InstanceRecord:
+    """The ledger record of a spooled instance, read back from its file (start-up recovery of
+    rows a power cut lost; see :meth:`storage.ledger.Ledger.missing_instances`).
+
+    Raises
+    ------
+    ValueError
+        If the file is not a readable instance with valid UIDs.
+    """
+    try:
+        ds = dcmread(path, stop_before_pixels=True, specific_tags=_RECORD_TAGS)
+    except (OSError, InvalidDicomError, ValueError) as exc:
+        raise ValueError(f"{path.name}: cannot read: {exc}") from exc
+    meta = ds.file_meta
+    rec = InstanceRecord(
+        sop_instance_uid=str(meta.get("MediaStorageSOPInstanceUID", "")),
+        sop_class_uid=str(meta.get("MediaStorageSOPClassUID", "")),
+        series_instance_uid=str(ds.get("SeriesInstanceUID", "")),
+        study_instance_uid=str(ds.get("StudyInstanceUID", "")),
+        transfer_syntax_uid=str(meta.get("TransferSyntaxUID", "")),
+        modality=str(ds.get("Modality", "")),
+        calling_ae=str(meta.get("SourceApplicationEntityTitle", "")).strip(),
+    )
+    uids = (rec.sop_instance_uid, rec.study_instance_uid, rec.series_instance_uid)
+    if not all(valid_uid(u) for u in uids):
+        raise ValueError(f"{path.name}: missing or invalid UIDs")
+    return rec
+
+
+_RECORD_TAGS = ["StudyInstanceUID", "SeriesInstanceUID", "Modality"]
 
 
 def _discard_staged(staging: Future[Staged]) -> None:

@@ -27,7 +27,7 @@ from node.rules import (
     read_facts,
     senders_from_peers,
 )
-from node.scp import StoreSCP
+from node.scp import StoreSCP, record_from_file
 from node.scu import Dispatcher
 from node.series import CompletionTracker
 from node.streaming import Arrival, StreamingAssembler
@@ -180,6 +180,33 @@ class Node:
             if not self.tracker.busy(uid):
                 self._series_complete(uid, "quiet-period")
 
+    def _record_lost_rows(self) -> None:
+        """Record spool files whose instance row a power cut lost (those rows are committed
+        without a WAL fsync; their files were fsynced before the instance was acknowledged).
+        The series is then pending again and completes by the quiet period."""
+        lost = self.ledger.missing_instances(self.spool.instance_files())
+        recorded = 0
+        for path in lost:
+            try:
+                rec = record_from_file(path)
+                if (
+                    self.spool.path_for(
+                        rec.study_instance_uid, rec.series_instance_uid, rec.sop_instance_uid
+                    )
+                    != path
+                ):
+                    raise ValueError(f"{path.name}: UIDs do not match its spool path")
+            except ValueError as exc:
+                log.error("spool file %s has no ledger row and cannot be recorded: %s", path, exc)
+                continue
+            if self.ledger.record_instance(rec, path, path.stat().st_size):
+                recorded += 1
+        if recorded:
+            log.warning(
+                "recorded %d spooled instance(s) whose ledger row was lost (power cut?)",
+                recorded,
+            )
+
     def start(self) -> None:
         """Recover interrupted work, then start listening and working."""
         n = self.ledger.recover(self.config.job_max_attempts)
@@ -191,6 +218,7 @@ class Node:
         staged = self.spool.clear_incoming()
         if staged:
             log.info("removed %d unacknowledged staged file(s) left by a restart", staged)
+        self._record_lost_rows()
         self.streaming.start()
         if self.metrics is not None:
             mc = self.config.metrics

@@ -251,7 +251,7 @@ class StreamingAssembler:
             sl = None
         if pixels and sl is not None:
             _check_instance(ds)
-            stored = native_pixels(ds, arrival)
+            stored = native_pixels(ds, arrival, reuse=True)
             if stored is None:
                 stored = _decode(ds, sl.label)
             if stored.shape != (sl.rows, sl.columns):
@@ -511,15 +511,30 @@ def _dataset_of(arrival: Arrival, pixels: bool) -> Dataset:
     return ds
 
 
+_local = threading.local()
+
+
+def _scratch(n: int, dtype: type[np.integer]) -> npt.NDArray[np.integer]:
+    """This thread's reusable buffer of at least ``n`` values of ``dtype``."""
+    buf: npt.NDArray[np.integer] | None = getattr(_local, "buf", None)
+    if buf is None or buf.size < n or buf.dtype != dtype:
+        buf = _local.buf = np.empty(n, dtype=dtype)
+    return buf
+
+
 NATIVE_LE = frozenset({"1.2.840.10008.1.2", "1.2.840.10008.1.2.1"})
 
 
-def native_pixels(ds: Dataset, arrival: Arrival) -> npt.NDArray[np.generic] | None:
+def native_pixels(
+    ds: Dataset, arrival: Arrival, *, reuse: bool = False
+) -> npt.NDArray[np.generic] | None:
     """Stored values of a native little-endian 16-bit greyscale frame straight from the
     received bytes, or None where pydicom's decoders must do it.
 
     The same values as ``ds.pixel_array`` (tested): unsigned or signed 16-bit, the unused
-    high bits cleared or sign-extended as pydicom's ``correct_unused_bits`` does.
+    high bits cleared or sign-extended as pydicom's ``correct_unused_bits`` does. With
+    ``reuse`` the result is the calling thread's scratch array, valid until its next call
+    (no fresh allocation, hence no page faults, per slice).
     """
     buf = arrival.pixels
     if buf is None or arrival.transfer_syntax not in NATIVE_LE:
@@ -538,8 +553,12 @@ def native_pixels(ds: Dataset, arrival: Arrival) -> npt.NDArray[np.generic] | No
     if not 1 <= stored <= 16 or n == 0:
         return None
     dtype = np.int16 if signed else np.uint16
-    arr = np.frombuffer(buf, dtype=np.dtype(dtype).newbyteorder("<"), count=n)
-    arr = arr.reshape(rows, cols).astype(dtype)  # a copy, in native byte order
+    received = np.frombuffer(buf, dtype=np.dtype(dtype).newbyteorder("<"), count=n)
+    if reuse:
+        arr = _scratch(n, dtype)[:n].reshape(rows, cols)
+        np.copyto(arr, received.reshape(rows, cols))  # in native byte order
+    else:
+        arr = received.reshape(rows, cols).astype(dtype)
     if stored < 16:
         shift = 16 - stored
         np.left_shift(arr, shift, out=arr)

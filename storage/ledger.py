@@ -1,7 +1,12 @@
 """The job ledger: every state change of the node is one short SQLite transaction.
 
-SQLite runs in WAL mode with ``synchronous=FULL`` so that a committed row survives power loss;
-an instance is acknowledged only after its row is committed. Writers are serialised with a
+SQLite runs in WAL mode with ``synchronous=FULL`` so that a committed row survives power loss,
+with one exception: the SCP's per-instance rows (:meth:`Ledger.record_instance`) are committed
+with ``synchronous=NORMAL`` - they survive a crash of the process, and the next ``FULL`` commit
+of any other transaction (a job, an event) makes them durable on disk too. The spool file of an
+acknowledged instance is always fsynced, so a power cut that loses the tail of those rows loses
+nothing acknowledged: :meth:`Ledger.missing_instances` lists spool files without a row and the
+node records them again at start-up (``Node.start``). Writers are serialised with a
 process-wide lock (SQLite allows one writer at a time anyway) so that concurrent associations
 never see ``database is locked``.
 """
@@ -194,6 +199,9 @@ class Ledger:
                 self.path, timeout=30, check_same_thread=False, isolation_level=None
             )
             _sqlite_pragmas(conn, None)
+            # Instance rows: no WAL fsync per commit (see the module docstring); the spool
+            # file is the durable record, and start-up re-records files without a row.
+            conn.execute("PRAGMA synchronous=NORMAL")
             self._hot = conn
         return self._hot
 
@@ -271,8 +279,10 @@ class Ledger:
         The SCP's hot path: one short transaction of three plain SQL statements on the
         hot-path connection: find the series, insert the instance (its unique SOP Instance UID
         refuses a duplicate), update the series' counters. The first instance of a series
-        creates the study and series rows through the ORM instead. Committed, WAL fsynced
-        (``synchronous=FULL``), before the caller answers success.
+        creates the study and series rows through the ORM instead. Committed before the caller
+        answers success, without a WAL fsync (``synchronous=NORMAL``): the instance's spool
+        file, fsynced before the answer, is what survives a power cut, and start-up records
+        again any file whose row was lost (:meth:`missing_instances`).
         """
         now = utcnow()
         stamp = self._stamp(now)
@@ -341,6 +351,16 @@ class Ledger:
         for sop_uid in missing:
             self.forget_instance(sop_uid)
         return len(missing)
+
+    def missing_instances(self, paths: Sequence[Path]) -> list[Path]:
+        """The spool files among ``paths`` that have no instance row.
+
+        A power cut can lose the last instance rows (committed with ``synchronous=NORMAL``)
+        while their fsynced files remain: start-up records those files again.
+        """
+        with self.engine.connect() as conn:
+            known = {r[0] for r in conn.exec_driver_sql("SELECT path FROM instances")}
+        return [p for p in paths if str(p) not in known]
 
     def record_ignored(self, rec: InstanceRecord, reason: str) -> None:
         """Record that an instance was accepted but not kept, and why (series level)."""

@@ -114,6 +114,22 @@ class Spool:
         """Where :meth:`stage` writes files whose UIDs are not checked yet."""
         return self.root / INCOMING
 
+    def instance_files(self) -> list[Path]:
+        """Every instance file in the spool (``<study>/<series>/<sop>.dcm``), staged files
+        excluded."""
+        files: list[Path] = []
+        for study in os.scandir(self.root):
+            if study.name == INCOMING or not study.is_dir(follow_symlinks=False):
+                continue
+            for series in os.scandir(study.path):
+                if series.is_dir(follow_symlinks=False):
+                    files.extend(
+                        Path(e.path)
+                        for e in os.scandir(series.path)
+                        if e.name.endswith(".dcm") and e.is_file(follow_symlinks=False)
+                    )
+        return files
+
     def clear_incoming(self) -> int:
         """Delete staged files left by a crash (none was acknowledged); return how many.
 
@@ -130,7 +146,7 @@ class Spool:
         """Write ``chunks`` to a new file under ``.incoming/`` and fsync it.
 
         The C-STORE path calls this in a helper thread while it validates the header; the
-        durable name comes with :meth:`commit`. Raises :class:`SpoolError` on OS errors.
+        durable name comes with :meth:`place`. Raises :class:`SpoolError` on OS errors.
         """
         self.incoming_dir.mkdir(exist_ok=True, mode=0o700)
         path = self.incoming_dir / f"{os.getpid()}-{next(_counter)}.tmp"

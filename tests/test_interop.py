@@ -4,6 +4,7 @@ dciodvfy as the validator, ``segnode serve`` as a subprocess on loopback.
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -260,6 +261,51 @@ def test_restart_after_sigkill_delivers_once(
         assert count_results(orthanc, study) == (1, 1)
     finally:
         orthanc.stop()
+
+
+def test_instance_rows_lost_by_a_power_cut_are_recorded_again(
+    make_node: Any, tmp_path: Path
+) -> None:
+    """Instance rows are committed without a WAL fsync; their spool files are fsynced. When a
+    power cut loses the last rows, start-up records the files again and the series' job
+    still uses every acknowledged instance."""
+    node = make_node(series={"complete_on_release": False, "quiet_period_s": 1.0})
+    files = write_synthetic_series(tmp_path / "s", rows=64, columns=64, slices=8, seed=15)
+    assert storescu(node, tmp_path / "s").returncode == 0
+    node.kill()
+    # What a power cut can leave: the files are there, the last rows are not.
+    db = sqlite3.connect(node.data_dir / "ledger.sqlite")
+    with db:
+        lost = db.execute(
+            "SELECT sop_instance_uid FROM instances ORDER BY id DESC LIMIT 3"
+        ).fetchall()
+        db.execute(
+            "DELETE FROM instances WHERE id IN (SELECT id FROM instances ORDER BY id DESC LIMIT 3)"
+        )
+        db.execute("UPDATE series SET instance_count = instance_count - 3")
+    db.close()
+    assert len(lost) == 3
+    node.start()
+    wait_for(
+        lambda: node.jobs()["jobs"] and node.jobs()["jobs"][0]["state"] == "done", 60, "job done"
+    )
+    job = node.jobs()["jobs"][0]
+    assert job["instances"] == len(files)
+    assert "recorded 3 spooled instance(s) whose ledger row was lost" in node.log()
+    db = sqlite3.connect(node.data_dir / "ledger.sqlite")
+    try:
+        kept = db.execute("SELECT transfer_syntax_uid FROM instances ORDER BY id LIMIT 1")
+        (syntax,) = kept.fetchone()
+        for (sop,) in lost:
+            row = db.execute(
+                "SELECT calling_ae, transfer_syntax_uid, size FROM instances "
+                "WHERE sop_instance_uid = ?",
+                (sop,),
+            ).fetchone()
+            assert row is not None and row[0] == "MODALITY" and row[2] > 0
+            assert row[1] == syntax
+    finally:
+        db.close()
 
 
 def test_sigkill_before_job_resumes_from_ledger(make_node: Any, tmp_path: Path) -> None:
