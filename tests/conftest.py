@@ -5,20 +5,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from scripts.harness import orthanc_config
+from scripts.harness import NodeRunner, orthanc_config, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -64,95 +62,16 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) 
         time.sleep(interval)
 
 
-@dataclass
-class NodeProcess:
-    """``segnode serve`` running as a subprocess, ready when it said READY=1."""
-
-    config_path: Path
-    data_dir: Path
-    port: int
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    env: dict[str, str] = field(default_factory=dict)
-
-    def start(self, timeout: float = 60.0) -> None:
-        """Start and wait for readiness through a real sd_notify socket."""
-        sock_path = self.data_dir.parent / f"notify-{self.port}.sock"
-        sock_path.unlink(missing_ok=True)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.bind(str(sock_path))
-        sock.settimeout(timeout)
-        env = {**os.environ, "NOTIFY_SOCKET": str(sock_path), "PYTHONUNBUFFERED": "1", **self.env}
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "node.cli", "serve", "--config", str(self.config_path)],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            while True:
-                try:
-                    msg = sock.recv(4096).decode()
-                except TimeoutError as exc:
-                    raise AssertionError(f"node not ready; log:\n{self.log()}") from exc
-                if "READY=1" in msg.split("\n"):
-                    return
-        finally:
-            sock.close()
-            sock_path.unlink(missing_ok=True)
-
-    def log(self) -> str:
-        """The node's output so far."""
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def kill(self) -> None:
-        """SIGKILL (crash)."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
-
-    def stop(self) -> None:
-        """SIGTERM and wait."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """Run another ``segnode`` subcommand against the same config."""
-        return subprocess.run(
-            [sys.executable, "-m", "node.cli", *args, "--config", str(self.config_path)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+class NodeProcess(NodeRunner):
+    """``segnode serve`` running as a subprocess, ready when it said READY=1 through a real
+    sd_notify socket (:class:`scripts.harness.NodeRunner`, shared with the bench and the
+    crash harness), plus the tests' view of its ledger."""
 
     def jobs(self) -> dict[str, Any]:
         """``segnode jobs --json``."""
         out = self.cli("jobs", "--json", "--limit", "100")
         assert out.returncode == 0, out.stderr
         return dict(json.loads(out.stdout))
-
-
-def write_config(path: Path, data_dir: Path, port: int, **sections: dict[str, Any]) -> Path:
-    """Write a TOML config for a test node."""
-    lines = [f'data_dir = "{data_dir}"', 'log_level = "INFO"']
-    node = {"ae_title": "SEGNODE", "host": LOOPBACK, "port": port, **sections.pop("node", {})}
-    sections = {"node": node, **sections}
-    for name, values in sections.items():
-        lines.append(f"[{name}]")
-        for k, v in values.items():
-            lines.append(f"{k} = {json.dumps(v)}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture
