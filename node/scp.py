@@ -361,23 +361,28 @@ class StoreSCP:
             return (OUT_OF_RESOURCES, "cannot write to the spool"), None
         size = staged.size
         self.budget.add(series_uid, size)
-        if self.on_stored is not None:
-            self.on_stored(series_uid)
-        if self.on_instance is not None:
-            span = header.pixel_span
-            self.on_instance(
-                Arrival(
-                    series_uid,
-                    sop_uid,
-                    path,
-                    calling,
-                    size,
-                    header=header.dataset,
-                    pixels=None if span is None else req.dataset[span[0] : span[0] + span[1]],
-                    transfer_syntax=req.transfer_syntax,
-                )
-            )
+        span = header.pixel_span
+        arrival = Arrival(
+            series_uid,
+            sop_uid,
+            path,
+            calling,
+            size,
+            header=header.dataset,
+            pixels=None if span is None else req.dataset[span[0] : span[0] + span[1]],
+            transfer_syntax=req.transfer_syntax,
+        )
+        # Metrics and the streaming decoder hear of it once the response is on its way: a
+        # decoding thread woken now would hold the GIL while this thread wants to send.
+        info.after_reply.append(lambda: self._stored(arrival))
         return SUCCESS, None
+
+    def _stored(self, arrival: Arrival) -> None:
+        """After the response: tell metrics and the streaming decoder."""
+        if self.on_stored is not None:
+            self.on_stored(arrival.series_uid)
+        if self.on_instance is not None:
+            self.on_instance(arrival)
 
 
 def record_from_file(path: Path) -> InstanceRecord:

@@ -28,7 +28,7 @@ import socket
 import ssl
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -95,6 +95,10 @@ class AssociationInfo:
     contexts: dict[int, tuple[str, str]] = field(default_factory=dict)
     #: The peer's maximum PDU length (0 = unlimited).
     max_send_pdu: int = 0
+    #: Work a handler queued for after the current response is sent (run in order by the
+    #: association's thread, then cleared): what must follow a stored instance but must not
+    #: delay its response.
+    after_reply: list[Callable[[], object]] = field(default_factory=list)
 
 
 @dataclass
@@ -594,8 +598,19 @@ class _Association:
         reply.append((0x0900, _us(status)))
         if comment and status != 0x0000:
             reply.append((0x0902, comment[:64].encode("ascii", "replace")))
-        for pdu in pdata_pdus(cx_id, encode_command(reply), self.info.max_send_pdu):
-            self._send(pdu)
+        try:
+            for pdu in pdata_pdus(cx_id, encode_command(reply), self.info.max_send_pdu):
+                self._send(pdu)
+        finally:
+            self._after_reply()
+
+    def _after_reply(self) -> None:
+        actions, self.info.after_reply = self.info.after_reply, []
+        for action in actions:
+            try:
+                action()
+            except Exception:
+                log.exception("error after a C-STORE response")
 
 
 __all__: list[str] = [

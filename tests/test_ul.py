@@ -28,10 +28,12 @@ from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[at
 
 from node.header import parse_header
 from node.scp import file_meta
+from node.streaming import Arrival
 from node.synthetic import write_synthetic_series
 from node.ul import (
     IMPLEMENTATION_CLASS_UID,
     IMPLEMENTATION_VERSION,
+    _Association,
     decode_command,
     encode_command,
     pdata_pdus,
@@ -315,3 +317,38 @@ def test_native_pixels_match_pydicom(tmp_path: Path, signed: int, bits_stored: i
     assert fast is not None
     ref = ds.pixel_array
     assert fast.dtype == ref.dtype and np.array_equal(fast, ref)
+
+
+def test_streaming_hand_off_follows_the_response_and_cannot_break_it(
+    h: SCPHarness, ct: list[Path]
+) -> None:
+    """The decoder hears of a stored instance after its response was sent; an error there
+    is logged and neither the status nor the association suffers."""
+    seen: list[str] = []
+    sent_before: list[bool] = []
+    original_send = _Association._send
+
+    def on_instance(arrival: Arrival) -> None:
+        seen.append(arrival.sop_uid)
+        sent_before.append(bool(sends))
+        raise RuntimeError("decoder broke")
+
+    sends: list[bytes] = []
+
+    def send(self: _Association, data: bytes) -> None:
+        sends.append(data)
+        original_send(self, data)
+
+    h.scp.on_instance = on_instance
+    _Association._send = send  # type: ignore[method-assign]
+    try:
+        a = h.assoc()
+        for p in ct:
+            sends.clear()
+            assert store(a, p) == 0
+        a.release()
+    finally:
+        _Association._send = original_send  # type: ignore[method-assign]
+    assert seen == [str(dcmread(p, stop_before_pixels=True).SOPInstanceUID) for p in ct]
+    assert all(sent_before)  # each response was on the wire before the hand-off
+    assert h.ledger.counts()["instances"] == len(ct)
