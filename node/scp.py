@@ -15,7 +15,7 @@ import logging
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -114,7 +114,7 @@ class StoreSCP:
         self.budget = SeriesBudget(
             nc.max_series_instances, nc.max_series_mb * 2**20, ledger.series_totals
         )
-        # One staged write in flight per association at most.
+        # Header parses beside the staged write: one in flight per association at most.
         self._stager = ThreadPoolExecutor(nc.max_associations, thread_name_prefix="spool-stage")
         self._claims: set[str] = set()
         self._claims_lock = threading.Lock()
@@ -229,16 +229,43 @@ class StoreSCP:
         meta = file_meta(sop_class, sop_uid, req.transfer_syntax, info.calling_ae)
         incoming = len(meta) + len(req.dataset)
         staging: Future[Staged] | None = None
+        parsing: Future[Header] | None = None
         if sop_class in CT_CLASSES and self.disk.ok(incoming):
-            # The write and its fsync run while the header is checked; only a valid instance
-            # gets its name (Spool.commit), and only then a ledger row and 0x0000.
-            staging = self._stager.submit(self.spool.stage, [meta, req.dataset])
+            # The file is written and synced while the header is parsed; only a valid
+            # instance gets its name (Spool.place), and only then a ledger row and 0x0000.
+            staging, parsing = self._stage_while_parsing(req, meta)
         try:
-            status, staging = self._check_and_keep(info, req, incoming, staging)
+            status, staging = self._check_and_keep(info, req, incoming, staging, parsing)
             return status
         finally:
             if staging is not None:
                 staging.add_done_callback(_discard_staged)
+
+    def _stage_while_parsing(
+        self, req: StoreRequest, meta: bytes
+    ) -> tuple[Future[Staged], Future[Header] | None]:
+        """Write and sync the staged file in this thread while a helper parses the header.
+
+        The write and its sync are one system call (``O_DSYNC``) during which this thread
+        does not hold the GIL, so the parse (pure Python) runs beside it. The file is opened
+        before the helper is started: a second system call after that would wait for the
+        parse to let go of the GIL. Returns the staged file and the parsed header as
+        completed futures (their exceptions: :class:`SpoolError`, :class:`HeaderError`);
+        no parse (None) when the file could not even be created.
+        """
+        staging: Future[Staged] = Future()
+        try:
+            staged_file = self.spool.open_staged()
+        except SpoolError as exc:
+            staging.set_exception(exc)
+            return staging, None
+        parsing = self._stager.submit(parse_header, req.dataset, req.transfer_syntax)
+        try:
+            staging.set_result(staged_file.write_synced([meta, req.dataset]))
+        except SpoolError as exc:
+            staging.set_exception(exc)
+        wait([parsing])
+        return staging, parsing
 
     def _check_and_keep(
         self,
@@ -246,13 +273,14 @@ class StoreSCP:
         req: StoreRequest,
         incoming: int,
         staging: Future[Staged] | None,
+        parsing: Future[Header] | None = None,
     ) -> tuple[StoreResult, Future[Staged] | None]:
         """Everything after the UID check; returns the status and the staged write if it was
         not used (to be discarded)."""
         sop_class, sop_uid, calling = req.sop_class_uid, req.sop_instance_uid, info.calling_ae
         ts = req.transfer_syntax
         try:
-            header = parse_header(req.dataset, ts)
+            header = parse_header(req.dataset, ts) if parsing is None else parsing.result()
         except HeaderError as exc:
             log.warning("refused unparseable instance from %s: %s", calling, exc)
             return (CANNOT_UNDERSTAND, f"cannot parse dataset: {exc}"), staging
@@ -339,12 +367,13 @@ class StoreSCP:
         # complete it before this instance is in.
         self.tracker.touched(id(info), series_uid)
         path = self.spool.path_for(study_uid, series_uid, sop_uid)
-        # The ledger row is committed (WAL fsync) while the staged file's fsync may still
-        # run; the file then gets its name and its folder is fsynced. 0x0000 goes back only
-        # when all of it is durable. A crash in between leaves at most a row whose file is
-        # missing, never acknowledged: start-up removes it (Ledger.drop_unstored_instances).
-        # The row's unique SOP Instance UID is the duplicate check: under the claim, a row
-        # that exists is one whose file is durable.
+        # The staged file is synced already; the ledger row is committed (no WAL fsync: the
+        # file is the durable record, see Ledger.record_instance), then the file gets its
+        # name and its folder is fsynced. 0x0000 goes back only when all of it is durable.
+        # A crash in between leaves at most a row whose file is missing, never
+        # acknowledged: start-up removes it (Ledger.drop_unstored_instances). The row's
+        # unique SOP Instance UID is the duplicate check: under the claim, a row that exists
+        # is one whose file is durable.
         try:
             if not self.ledger.record_instance(rec, path, incoming):
                 return self._duplicate(info, series_uid), staging

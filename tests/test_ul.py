@@ -9,6 +9,8 @@ File Meta Information, and the crash clean-up of staged files and unacknowledged
 
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
 import struct
 import time
@@ -39,7 +41,7 @@ from node.ul import (
     pdata_pdus,
 )
 from storage.ledger import InstanceRecord, Ledger
-from storage.spool import Spool
+from storage.spool import Spool, SpoolError, _after
 from tests.conftest import LOOPBACK
 from tests.scp_harness import SCPHarness, store
 
@@ -352,3 +354,26 @@ def test_streaming_hand_off_follows_the_response_and_cannot_break_it(
     assert seen == [str(dcmread(p, stop_before_pixels=True).SOPInstanceUID) for p in ct]
     assert all(sent_before)  # each response was on the wire before the hand-off
     assert h.ledger.counts()["instances"] == len(ct)
+
+
+def test_staged_file_is_written_and_synced_in_one_call(tmp_path: Path) -> None:
+    """The C-STORE path's staged file: opened with O_DSYNC (the write returns only when the
+    data is on disk), all chunks in one writev, removed when the write fails."""
+    spool = Spool(tmp_path / "spool")
+    staging = spool.open_staged()
+    assert fcntl.fcntl(staging._fd, fcntl.F_GETFL) & os.O_DSYNC
+    staged = staging.write_synced([b"DICM", memoryview(bytearray(b"-data-"))[1:5]])
+    assert staged.path.read_bytes() == b"DICMdata" and staged.size == 8
+    failing = spool.open_staged()
+    os.close(failing._fd)  # the write then fails with EBADF
+    with pytest.raises(SpoolError, match="cannot write to the spool"):
+        failing.write_synced([b"x"])
+    assert not failing.path.exists()
+
+
+def test_short_write_remainder() -> None:
+    views = [memoryview(b"abc"), memoryview(b"defg"), memoryview(b"h")]
+    assert [bytes(v) for v in _after(views, 0)] == [b"abc", b"defg", b"h"]
+    assert [bytes(v) for v in _after(views, 4)] == [b"efg", b"h"]
+    assert [bytes(v) for v in _after(views, 7)] == [b"h"]
+    assert _after(views, 8) == []
