@@ -358,9 +358,20 @@ class Ledger:
         A power cut can lose the last instance rows (committed with ``synchronous=NORMAL``)
         while their fsynced files remain: start-up records those files again.
         """
+        # Spool files are named <SOP Instance UID>.dcm: look them up by that unique index,
+        # a chunk at a time (a ledger may hold far more rows than the spool has files).
+        known: set[str] = set()
+        names = [p.name.removesuffix(".dcm") for p in paths]
         with self.engine.connect() as conn:
-            known = {r[0] for r in conn.exec_driver_sql("SELECT path FROM instances")}
-        return [p for p in paths if str(p) not in known]
+            for i in range(0, len(names), 500):
+                chunk = names[i : i + 500]
+                marks = ", ".join("?" * len(chunk))
+                rows = conn.exec_driver_sql(
+                    f"SELECT sop_instance_uid FROM instances WHERE sop_instance_uid IN ({marks})",
+                    tuple(chunk),
+                )
+                known.update(r[0] for r in rows)
+        return [p for p, name in zip(paths, names, strict=True) if name not in known]
 
     def record_ignored(self, rec: InstanceRecord, reason: str) -> None:
         """Record that an instance was accepted but not kept, and why (series level)."""

@@ -155,3 +155,20 @@ def test_spool_error_is_clear(tmp_path: Path) -> None:
     with pytest.raises(SpoolError, match="cannot write"):
         spool.store("1.2", "1.3", "1.4", [b"x"])
     write_atomic(tmp_path / "ok.bin", b"1")
+
+
+def test_missing_instances_finds_spool_files_without_a_row(ledger: Ledger, tmp_path: Path) -> None:
+    """Start-up recovery after a power cut: which spool files lost their row (looked up by
+    SOP Instance UID, in chunks, so more files than one SQL statement takes)."""
+    spool = Spool(tmp_path / "spool")
+    paths = []
+    for k in range(1, 1201):
+        path, _ = spool.store("1.2.3", "1.2.3.1", f"1.2.3.1.{k}", [b"x"])
+        paths.append(path)
+        if k % 3:
+            assert ledger.record_instance(rec(f"1.2.3.1.{k}"), path, 1)
+    found = sorted(spool.instance_files())
+    assert found == sorted(paths)
+    missing = ledger.missing_instances(found)
+    assert sorted(missing) == sorted(p for k, p in enumerate(paths, 1) if k % 3 == 0)
+    assert len(missing) == 400
