@@ -15,7 +15,7 @@ import logging
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -115,7 +115,7 @@ class StoreSCP:
             nc.max_series_instances, nc.max_series_mb * 2**20, ledger.series_totals
         )
         # Header parses beside the staged write: one in flight per association at most.
-        self._stager = ThreadPoolExecutor(nc.max_associations, thread_name_prefix="spool-stage")
+        self._parser = ThreadPoolExecutor(nc.max_associations, thread_name_prefix="header-parse")
         self._claims: set[str] = set()
         self._claims_lock = threading.Lock()
 
@@ -172,7 +172,7 @@ class StoreSCP:
             if server is not None:
                 server.stop()
         self.tls_server = self.server = None
-        self._stager.shutdown(wait=True)
+        self._parser.shutdown(wait=True)
 
     # -- association lifecycle (node.ul.Handlers) ------------------------------------------
 
@@ -249,9 +249,9 @@ class StoreSCP:
         The write and its sync are one system call (``O_DSYNC``) during which this thread
         does not hold the GIL, so the parse (pure Python) runs beside it. The file is opened
         before the helper is started: a second system call after that would wait for the
-        parse to let go of the GIL. Returns the staged file and the parsed header as
-        completed futures (their exceptions: :class:`SpoolError`, :class:`HeaderError`);
-        no parse (None) when the file could not even be created.
+        parse to let go of the GIL. Returns the staged file (a completed future; its
+        exception: :class:`SpoolError`) and the header parse (its exception:
+        :class:`HeaderError`); no parse (None) when the file could not even be created.
         """
         staging: Future[Staged] = Future()
         try:
@@ -259,12 +259,11 @@ class StoreSCP:
         except SpoolError as exc:
             staging.set_exception(exc)
             return staging, None
-        parsing = self._stager.submit(parse_header, req.dataset, req.transfer_syntax)
+        parsing = self._parser.submit(parse_header, req.dataset, req.transfer_syntax)
         try:
             staging.set_result(staged_file.write_synced([meta, req.dataset]))
         except SpoolError as exc:
             staging.set_exception(exc)
-        wait([parsing])
         return staging, parsing
 
     def _check_and_keep(
