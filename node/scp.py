@@ -15,9 +15,9 @@ import logging
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from node.ul import (
     StoreResult,
 )
 from storage.ledger import InstanceRecord, Ledger
-from storage.spool import Spool, SpoolError, Staged, valid_uid
+from storage.spool import Spool, SpoolError, Staged, StagingFile, valid_uid
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,15 @@ CANNOT_UNDERSTAND = 0xC210
 BAD_UID = 0xC211
 MISSING_ATTRIBUTE = 0xC212
 SOP_MISMATCH = 0xA900
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A CT instance to keep: its ledger row is committed and its SOP Instance UID claimed."""
+
+    rec: InstanceRecord
+    header: Header
+    path: Path
 
 
 class StoreSCP:
@@ -114,8 +123,11 @@ class StoreSCP:
         self.budget = SeriesBudget(
             nc.max_series_instances, nc.max_series_mb * 2**20, ledger.series_totals
         )
-        # Header parses beside the staged write: one in flight per association at most.
-        self._parser = ThreadPoolExecutor(nc.max_associations, thread_name_prefix="header-parse")
+        # Each C-STORE's header check and ledger row run here, beside its staged write: one
+        # in flight per association at most.
+        self._helper = ThreadPoolExecutor(nc.max_associations, thread_name_prefix="store-admit")
+        # The next staged file of each association, created after its last response.
+        self._ready: dict[int, StagingFile] = {}
         self._claims: set[str] = set()
         self._claims_lock = threading.Lock()
 
@@ -172,7 +184,10 @@ class StoreSCP:
             if server is not None:
                 server.stop()
         self.tls_server = self.server = None
-        self._parser.shutdown(wait=True)
+        self._helper.shutdown(wait=True)
+        for staging in list(self._ready.values()):
+            staging.abandon()
+        self._ready.clear()
 
     # -- association lifecycle (node.ul.Handlers) ------------------------------------------
 
@@ -206,6 +221,9 @@ class StoreSCP:
     def closed(self, info: AssociationInfo, released: bool) -> None:
         """A normal release completes the series this association delivered; an abort or a
         dropped connection leaves them to the quiet-period rule."""
+        staging = self._ready.pop(id(info), None)
+        if staging is not None:
+            staging.abandon()
         done = self.tracker.closed(id(info), released=released)
         if released:
             log.info("association released; %d series complete", len(done))
@@ -228,71 +246,107 @@ class StoreSCP:
             return BAD_UID, "invalid Affected SOP Instance UID"
         meta = file_meta(sop_class, sop_uid, req.transfer_syntax, info.calling_ae)
         incoming = len(meta) + len(req.dataset)
-        staging: Future[Staged] | None = None
-        parsing: Future[Header] | None = None
         if sop_class in CT_CLASSES and self.disk.ok(incoming):
-            # The file is written and synced while the header is parsed; only a valid
-            # instance gets its name (Spool.place), and only then a ledger row and 0x0000.
-            staging, parsing = self._stage_while_parsing(req, meta)
-        try:
-            status, staging = self._check_and_keep(info, req, incoming, staging, parsing)
-            return status
-        finally:
-            if staging is not None:
-                staging.add_done_callback(_discard_staged)
+            try:
+                return self._store_ct(info, req, meta, incoming)
+            finally:
+                # The next instance's file is created while its sender is still sending it.
+                info.after_reply.insert(0, lambda: self._preopen(info))
+        # Nothing to write: another SOP class (accepted and ignored) or no room on disk.
+        outcome = self._admit(info, req, incoming, room=False)
+        assert not isinstance(outcome, _Admitted)  # (only with room)
+        return outcome
 
-    def _stage_while_parsing(
-        self, req: StoreRequest, meta: bytes
-    ) -> tuple[Future[Staged], Future[Header] | None]:
-        """Write and sync the staged file in this thread while a helper parses the header.
+    def _store_ct(
+        self, info: AssociationInfo, req: StoreRequest, meta: bytes, incoming: int
+    ) -> StoreResult:
+        """A CT instance: its file is written and synced in this thread while a helper parses
+        and checks its header and commits its ledger row (:meth:`_admit`); then the file gets
+        its name, and 0x0000 goes back only when all of it is durable.
 
         The write and its sync are one system call (``O_DSYNC``) during which this thread
-        does not hold the GIL, so the parse (pure Python) runs beside it. The file is opened
-        before the helper is started: a second system call after that would wait for the
-        parse to let go of the GIL. Returns the staged file (a completed future; its
-        exception: :class:`SpoolError`) and the header parse (its exception:
-        :class:`HeaderError`); no parse (None) when the file could not even be created.
+        holds no GIL, so the helper's pure-Python work runs beside it. A crash after the row
+        and before the rename leaves a row whose file is missing, never acknowledged:
+        start-up removes it (:meth:`Ledger.drop_unstored_instances`).
         """
-        staging: Future[Staged] = Future()
         try:
-            staged_file = self.spool.open_staged()
+            staging = self._ready.pop(id(info), None) or self.spool.open_staged()
         except SpoolError as exc:
-            staging.set_exception(exc)
-            return staging, None
-        parsing = self._parser.submit(parse_header, req.dataset, req.transfer_syntax)
+            log.error("spool write failed: %s", exc)
+            return OUT_OF_RESOURCES, "cannot write to the spool"
+        admitting = self._helper.submit(self._admit, info, req, incoming, room=True)
+        staged: Staged | None = None
         try:
-            staging.set_result(staged_file.write_synced([meta, req.dataset]))
+            staged = staging.write_synced([meta, req.dataset])
         except SpoolError as exc:
-            staging.set_exception(exc)
-        return staging, parsing
+            log.error("spool write failed: %s", exc)
+        try:
+            outcome = admitting.result()
+        except BaseException:
+            if staged is not None:
+                Spool.discard(staged)
+            raise
+        if not isinstance(outcome, _Admitted):
+            if staged is not None:
+                Spool.discard(staged)
+            return outcome
+        rec = outcome.rec
+        try:
+            if staged is None:
+                self.ledger.forget_instance(rec.sop_instance_uid)
+                return OUT_OF_RESOURCES, "cannot write to the spool"
+            try:
+                self.spool.place(
+                    staged, rec.study_instance_uid, rec.series_instance_uid, rec.sop_instance_uid
+                )
+                self.spool.sync_folder(outcome.path)
+            except SpoolError as exc:
+                log.error("spool write failed: %s", exc)
+                self.ledger.forget_instance(rec.sop_instance_uid)
+                return OUT_OF_RESOURCES, "cannot write to the spool"
+        finally:
+            self._release(rec.sop_instance_uid)
+        series_uid = rec.series_instance_uid
+        self.budget.add(series_uid, staged.size)
+        span = outcome.header.pixel_span
+        arrival = Arrival(
+            series_uid,
+            rec.sop_instance_uid,
+            outcome.path,
+            rec.calling_ae,
+            staged.size,
+            header=outcome.header.dataset,
+            pixels=None if span is None else req.dataset[span[0] : span[0] + span[1]],
+            transfer_syntax=req.transfer_syntax,
+        )
+        # Metrics and the streaming decoder hear of it once the response is on its way: a
+        # decoding thread woken now would hold the GIL while this thread wants to send.
+        info.after_reply.append(lambda: self._stored(arrival))
+        return SUCCESS
 
-    def _check_and_keep(
-        self,
-        info: AssociationInfo,
-        req: StoreRequest,
-        incoming: int,
-        staging: Future[Staged] | None,
-        parsing: Future[Header] | None = None,
-    ) -> tuple[StoreResult, Future[Staged] | None]:
-        """Everything after the UID check; returns the status and the staged write if it was
-        not used (to be discarded)."""
+    def _admit(
+        self, info: AssociationInfo, req: StoreRequest, incoming: int, *, room: bool
+    ) -> StoreResult | _Admitted:
+        """Parse and check an instance and, for a CT instance to be kept, commit its ledger
+        row under a claim on its SOP Instance UID (released by the caller once the file is
+        durable or discarded). Returns the status to answer when nothing is to be kept."""
         sop_class, sop_uid, calling = req.sop_class_uid, req.sop_instance_uid, info.calling_ae
         ts = req.transfer_syntax
         try:
-            header = parse_header(req.dataset, ts) if parsing is None else parsing.result()
+            header = parse_header(req.dataset, ts)
         except HeaderError as exc:
             log.warning("refused unparseable instance from %s: %s", calling, exc)
-            return (CANNOT_UNDERSTAND, f"cannot parse dataset: {exc}"), staging
+            return CANNOT_UNDERSTAND, f"cannot parse dataset: {exc}"
         ds = header.dataset
         ds_sop = str(ds.get("SOPInstanceUID", ""))
         if ds_sop and ds_sop != sop_uid:
             log.warning("refused instance whose SOP Instance UID differs from the request")
-            return (SOP_MISMATCH, "SOP Instance UID differs from the C-STORE request"), staging
+            return SOP_MISMATCH, "SOP Instance UID differs from the C-STORE request"
         study_uid = str(ds.get("StudyInstanceUID", ""))
         series_uid = str(ds.get("SeriesInstanceUID", ""))
         if not (valid_uid(study_uid) and valid_uid(series_uid)):
             log.warning("refused instance without valid Study/Series Instance UID from %s", calling)
-            return (MISSING_ATTRIBUTE, "missing or invalid Study/Series Instance UID"), staging
+            return MISSING_ATTRIBUTE, "missing or invalid Study/Series Instance UID"
         rec = InstanceRecord(
             sop_instance_uid=sop_uid,
             sop_class_uid=sop_class,
@@ -307,25 +361,64 @@ class StoreSCP:
         if own or (sop_class not in CT_CLASSES and self.ledger.is_own_result(sop_uid, series_uid)):
             self.ledger.record_ignored(rec, "object produced by this node (loop guard)")
             log.info("ignored an object this node produced (loop guard)")
-            return SUCCESS, staging
+            return SUCCESS
         if sop_class not in CT_CLASSES:
             name = UID(sop_class).name if sop_class else "unknown"
             self.ledger.record_ignored(rec, f"SOP class {name} is not CT; accepted and ignored")
             log.info("accepted and ignored a %s instance from %s", name, calling)
-            return SUCCESS, staging
-        with self._claim(sop_uid) as claimed:
-            if not claimed:
-                log.warning("instance from %s refused: another association stores it", calling)
-                return (OUT_OF_RESOURCES, "being stored by another association; retry"), staging
-            return self._keep(info, req, rec, header, incoming, staging)
+            return SUCCESS
+        if not self._try_claim(sop_uid):
+            log.warning("instance from %s refused: another association stores it", calling)
+            return OUT_OF_RESOURCES, "being stored by another association; retry"
+        admitted: _Admitted | None = None
+        try:
+            outcome = self._record(info, rec, header, incoming, room)
+            if isinstance(outcome, _Admitted):
+                admitted = outcome
+            return outcome
+        finally:
+            if admitted is None:
+                self._release(sop_uid)
+
+    def _record(
+        self,
+        info: AssociationInfo,
+        rec: InstanceRecord,
+        header: Header,
+        incoming: int,
+        room: bool,
+    ) -> StoreResult | _Admitted:
+        """Under the claim: refuse what must not be kept, else commit the instance's row."""
+        sop_uid, series_uid = rec.sop_instance_uid, rec.series_instance_uid
+        if not room or (over := self.budget.admits(series_uid, incoming)) is not None:
+            if self.ledger.has_instance(sop_uid):
+                return self._duplicate(info, series_uid)
+            if not room:
+                log.error("instance refused: free disk below node.min_free_disk_mb")
+                return OUT_OF_RESOURCES, "free disk below the node's floor"
+            log.warning("instance from %s refused: %s", info.calling_ae, over)
+            return OUT_OF_RESOURCES, str(over)
+        # From here this association delivers the series: a release elsewhere must not
+        # complete it before this instance is in.
+        self.tracker.touched(id(info), series_uid)
+        path = self.spool.path_for(rec.study_instance_uid, series_uid, sop_uid)
+        # Committed without a WAL fsync (see Ledger.record_instance): the file, synced before
+        # the answer, is the durable record. The row's unique SOP Instance UID is the
+        # duplicate check: under the claim, a row that exists is one whose file is durable.
+        try:
+            if not self.ledger.record_instance(rec, path, incoming):
+                return self._duplicate(info, series_uid)
+        except Exception as exc:
+            log.error("ledger write failed: %s", exc)
+            return OUT_OF_RESOURCES, "cannot record the instance"
+        return _Admitted(rec, header, path)
 
     def _duplicate(self, info: AssociationInfo, series_uid: str) -> StoreResult:
         log.info("duplicate instance from %s acknowledged, not stored again", info.calling_ae)
         self.tracker.touched(id(info), series_uid)
         return SUCCESS
 
-    @contextmanager
-    def _claim(self, sop_uid: str) -> Iterator[bool]:
+    def _try_claim(self, sop_uid: str) -> bool:
         """Hold ``sop_uid`` for one association at a time (False: another one holds it).
 
         An instance's ledger row is committed while its file is being made durable; the
@@ -333,77 +426,31 @@ class StoreSCP:
         """
         with self._claims_lock:
             if sop_uid in self._claims:
-                yield False
-                return
+                return False
             self._claims.add(sop_uid)
-        try:
-            yield True
-        finally:
-            with self._claims_lock:
-                self._claims.discard(sop_uid)
+            return True
 
-    def _keep(
-        self,
-        info: AssociationInfo,
-        req: StoreRequest,
-        rec: InstanceRecord,
-        header: Header,
-        incoming: int,
-        staging: Future[Staged] | None,
-    ) -> tuple[StoreResult, Future[Staged] | None]:
-        """Store a valid CT instance (under its claim): row and file, then the status."""
-        sop_uid, calling = rec.sop_instance_uid, info.calling_ae
-        study_uid, series_uid = rec.study_instance_uid, rec.series_instance_uid
-        if staging is None or (over := self.budget.admits(series_uid, incoming)) is not None:
-            if self.ledger.has_instance(sop_uid):
-                return self._duplicate(info, series_uid), staging
-            if staging is None:
-                log.error("instance refused: free disk below node.min_free_disk_mb")
-                return (OUT_OF_RESOURCES, "free disk below the node's floor"), None
-            log.warning("instance from %s refused: %s", calling, over)
-            return (OUT_OF_RESOURCES, str(over)), staging
-        # From here this association delivers the series: a release elsewhere must not
-        # complete it before this instance is in.
-        self.tracker.touched(id(info), series_uid)
-        path = self.spool.path_for(study_uid, series_uid, sop_uid)
-        # The staged file is synced already; the ledger row is committed (no WAL fsync: the
-        # file is the durable record, see Ledger.record_instance), then the file gets its
-        # name and its folder is fsynced. 0x0000 goes back only when all of it is durable.
-        # A crash in between leaves at most a row whose file is missing, never
-        # acknowledged: start-up removes it (Ledger.drop_unstored_instances). The row's
-        # unique SOP Instance UID is the duplicate check: under the claim, a row that exists
-        # is one whose file is durable.
+    def _release(self, sop_uid: str) -> None:
+        with self._claims_lock:
+            self._claims.discard(sop_uid)
+
+    @contextmanager
+    def _claim(self, sop_uid: str) -> Iterator[bool]:
+        """:meth:`_try_claim` for the span of a ``with`` block."""
+        claimed = self._try_claim(sop_uid)
         try:
-            if not self.ledger.record_instance(rec, path, incoming):
-                return self._duplicate(info, series_uid), staging
-        except Exception as exc:
-            log.error("ledger write failed: %s", exc)
-            return (OUT_OF_RESOURCES, "cannot record the instance"), staging
-        try:
-            staged = staging.result()
-            self.spool.place(staged, study_uid, series_uid, sop_uid)
-            self.spool.sync_folder(path)
-        except SpoolError as exc:
-            log.error("spool write failed: %s", exc)
-            self.ledger.forget_instance(sop_uid)
-            return (OUT_OF_RESOURCES, "cannot write to the spool"), None
-        size = staged.size
-        self.budget.add(series_uid, size)
-        span = header.pixel_span
-        arrival = Arrival(
-            series_uid,
-            sop_uid,
-            path,
-            calling,
-            size,
-            header=header.dataset,
-            pixels=None if span is None else req.dataset[span[0] : span[0] + span[1]],
-            transfer_syntax=req.transfer_syntax,
-        )
-        # Metrics and the streaming decoder hear of it once the response is on its way: a
-        # decoding thread woken now would hold the GIL while this thread wants to send.
-        info.after_reply.append(lambda: self._stored(arrival))
-        return SUCCESS, None
+            yield claimed
+        finally:
+            if claimed:
+                self._release(sop_uid)
+
+    def _preopen(self, info: AssociationInfo) -> None:
+        """After a response: create the association's next staged file (no error here: the
+        next C-STORE creates its own and reports a failure)."""
+        if id(info) in self._ready:
+            return
+        with suppress(SpoolError):
+            self._ready[id(info)] = self.spool.open_staged()
 
     def _stored(self, arrival: Arrival) -> None:
         """After the response: tell metrics and the streaming decoder."""
@@ -443,12 +490,6 @@ def record_from_file(path: Path) -> InstanceRecord:
 
 
 _RECORD_TAGS = ["StudyInstanceUID", "SeriesInstanceUID", "Modality"]
-
-
-def _discard_staged(staging: Future[Staged]) -> None:
-    """Delete a staged file that was not kept (runs when its write has finished)."""
-    if not staging.cancelled() and staging.exception() is None:
-        Spool.discard(staging.result())
 
 
 def _meta_element(element: int, vr: bytes, value: bytes) -> bytes:

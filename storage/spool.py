@@ -7,6 +7,7 @@ characters), never from a raw string, so a hostile UID cannot escape the spool.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -118,6 +119,12 @@ class StagingFile:
             self.path.unlink(missing_ok=True)
             raise SpoolError(f"cannot write to the spool: {exc.strerror or exc}") from exc
         return Staged(self.path, size)
+
+    def abandon(self) -> None:
+        """Close and remove a staged file that will not be written."""
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self.path.unlink(missing_ok=True)
 
 
 def _after(views: Sequence[memoryview], skip: int) -> list[memoryview]:

@@ -327,32 +327,33 @@ def test_streaming_hand_off_follows_the_response_and_cannot_break_it(
     """The decoder hears of a stored instance after its response was sent; an error there
     is logged and neither the status nor the association suffers."""
     seen: list[str] = []
-    sent_before: list[bool] = []
+    events: list[str] = []
     original_send = _Association._send
 
     def on_instance(arrival: Arrival) -> None:
         seen.append(arrival.sop_uid)
-        sent_before.append(bool(sends))
+        events.append("hand-off")
         raise RuntimeError("decoder broke")
 
-    sends: list[bytes] = []
-
     def send(self: _Association, data: bytes) -> None:
-        sends.append(data)
         original_send(self, data)
+        events.append("send")
 
     h.scp.on_instance = on_instance
     _Association._send = send  # type: ignore[method-assign]
     try:
         a = h.assoc()
         for p in ct:
-            sends.clear()
             assert store(a, p) == 0
         a.release()
     finally:
         _Association._send = original_send  # type: ignore[method-assign]
     assert seen == [str(dcmread(p, stop_before_pixels=True).SOPInstanceUID) for p in ct]
-    assert all(sent_before)  # each response was on the wire before the hand-off
+    # The k-th hand-off comes after the k-th C-STORE response (sends: A-ASSOCIATE-AC, then
+    # one response per instance, then A-RELEASE-RP).
+    handoffs = [i for i, e in enumerate(events) if e == "hand-off"]
+    for k, at in enumerate(handoffs, start=1):
+        assert events[:at].count("send") >= 1 + k
     assert h.ledger.counts()["instances"] == len(ct)
 
 
@@ -377,3 +378,31 @@ def test_short_write_remainder() -> None:
     assert [bytes(v) for v in _after(views, 4)] == [b"efg", b"h"]
     assert [bytes(v) for v in _after(views, 7)] == [b"h"]
     assert _after(views, 8) == []
+
+
+def _incoming(h: SCPHarness, want: int) -> list[Path]:
+    deadline = time.monotonic() + 5
+    while True:
+        files = sorted((h.spool.root / ".incoming").iterdir())
+        if len(files) == want or time.monotonic() > deadline:
+            return files
+        time.sleep(0.01)
+
+
+def test_next_staged_file_is_created_after_the_response(h: SCPHarness, ct: list[Path]) -> None:
+    """After each CT response the association's next staged file is opened (off the next
+    instance's path); the next instance is written into it, and the release removes the
+    one left over."""
+    a = h.assoc()
+    assert store(a, ct[0]) == 0
+    (ready,) = _incoming(h, 1)
+    assert ready.stat().st_size == 0
+    assert store(a, ct[1]) == 0
+    (again,) = _incoming(h, 1)
+    assert again != ready and not ready.exists()  # the first was used (and renamed)
+    sop = str(dcmread(ct[1], stop_before_pixels=True).SOPInstanceUID)
+    (kept,) = h.spool.root.rglob(f"{sop}.dcm")
+    assert dcmread(kept).PixelData == dcmread(ct[1]).PixelData
+    a.release()
+    assert _incoming(h, 0) == []
+    assert h.ledger.counts()["instances"] == 2
