@@ -250,13 +250,15 @@ class StreamingAssembler:
         except VolumeError:
             sl = None
         if pixels and sl is not None:
-            _check_instance(ds)
+            # Received pixels stay out of the dataset unless pydicom must decode them.
+            _check_instance(ds, pixel_data=arrival.pixels is not None or PIXEL_DATA in ds)
             stored = native_pixels(ds, arrival, reuse=True)
             if stored is None:
+                _attach_pixels(ds, arrival)
                 stored = _decode(ds, sl.label)
             if stored.shape != (sl.rows, sl.columns):
                 raise VolumeError(f"{sl.label}: decoded shape {stored.shape}")
-            header = _header(ds, share=True)
+            header = _header(ds, share=True) if PIXEL_DATA in ds else ds
             del ds
             slot = self._slot(state, sl.rows, sl.columns, _int_or_none(expected))
             with self._cond:
@@ -505,10 +507,14 @@ def _dataset_of(arrival: Arrival, pixels: bool) -> Dataset:
         return pydicom.dcmread(arrival.path, stop_before_pixels=not pixels)
     ds.file_meta = FileMetaDataset()
     ds.file_meta.TransferSyntaxUID = UID(arrival.transfer_syntax)
-    if pixels and arrival.pixels is not None:
+    return ds
+
+
+def _attach_pixels(ds: Dataset, arrival: Arrival) -> None:
+    """Put the received Pixel Data on the header dataset (for pydicom's decoders)."""
+    if arrival.pixels is not None and PIXEL_DATA not in ds:
         vr = "OB" if int(ds.get("BitsAllocated", 16) or 16) <= 8 else "OW"
         ds[PIXEL_DATA] = DataElement(PIXEL_DATA, vr, bytes(arrival.pixels))
-    return ds
 
 
 _local = threading.local()

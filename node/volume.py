@@ -280,14 +280,16 @@ def assemble_from_datasets(datasets: Sequence[Dataset], *, min_slices: int = MIN
 # --------------------------------------------------------------------------- checks
 
 
-def _check_instance(ds: Dataset) -> None:
+def _check_instance(ds: Dataset, *, pixel_data: bool | None = None) -> None:
+    """Refuse an instance that cannot be a slice of a CT volume (``pixel_data``: whether it
+    has Pixel Data, where that is known without the element being in ``ds``)."""
     modality = str(ds.get("Modality", ""))
     if modality != "CT":
         raise VolumeError(
             f"instance {ds.get('SOPInstanceUID', '?')} has modality {modality or '(none)'!r}; "
             "only CT series can be segmented"
         )
-    if not any(tag in ds for tag in (0x7FE00010,)):
+    if not (0x7FE00010 in ds if pixel_data is None else pixel_data):
         raise VolumeError(
             f"instance {ds.get('SOPInstanceUID', '?')} has no Pixel Data (7FE0,0010); "
             "send the images, not only their headers"
