@@ -406,3 +406,30 @@ def test_next_staged_file_is_created_after_the_response(h: SCPHarness, ct: list[
     a.release()
     assert _incoming(h, 0) == []
     assert h.ledger.counts()["instances"] == 2
+
+
+def test_a_failed_write_takes_back_the_row_committed_beside_it(
+    h: SCPHarness, ct: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger row is committed while the file is written: when the write fails, the
+    answer is 0xA700, the row is gone, no file is kept, and the retry is stored."""
+    from storage import spool as spool_module
+
+    real = spool_module.StagingFile.write_synced
+    calls: list[int] = []
+
+    def failing(self: spool_module.StagingFile, chunks: list[bytes]) -> spool_module.Staged:
+        calls.append(1)
+        if len(calls) == 1:
+            os.close(self._fd)  # the write then fails with EBADF and the file is removed
+        return real(self, chunks)
+
+    monkeypatch.setattr(spool_module.StagingFile, "write_synced", failing)
+    a = h.assoc()
+    assert store(a, ct[0]) == 0xA700
+    assert h.ledger.counts()["instances"] == 0
+    assert not list(h.spool.root.rglob("*.dcm"))
+    assert store(a, ct[0]) == 0  # the sender's retry
+    a.release()
+    assert h.ledger.counts()["instances"] == 1
+    assert len(list(h.spool.root.rglob("*.dcm"))) == 1
