@@ -118,14 +118,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def segnode(work: Path, extra: str = "") -> Iterator[tuple[int, subprocess.Popen[bytes], Path]]:
-    """A fresh ``segnode serve`` on loopback; yields (port, process, data dir)."""
+def segnode(
+    work: Path, extra: str = "", node: str = ""
+) -> Iterator[tuple[int, subprocess.Popen[bytes], Path]]:
+    """A fresh ``segnode serve`` on loopback; yields (port, process, data dir). ``extra``:
+    TOML before the ``[node]`` table (top-level keys, other tables); ``node``: lines in it."""
     port = free_port()
     data = work / "data"
     cfg = work / "config.toml"
     cfg.write_text(
         f'data_dir = "{data}"\nlog_level = "INFO"\n{extra}\n'
-        f'[node]\nae_title = "SEGNODE"\nhost = "{LOOPBACK}"\nport = {port}\n'
+        f'[node]\nae_title = "SEGNODE"\nhost = "{LOOPBACK}"\nport = {port}\n{node}\n'
     )
     log = (work / "node.log").open("ab")
     proc = subprocess.Popen(

@@ -70,6 +70,7 @@ class NodeConfig:
     max_associations: int = 16
     network_timeout_s: float = 60.0
     min_free_disk_mb: int = 1024
+    staging_pool_mb: int = 192
     max_series_instances: int = 10000
     max_series_mb: int = 20480
     peers: tuple[PeerRule, ...] = ()
@@ -161,6 +162,7 @@ class StreamingConfig:
     enabled: bool = True
     workers: int = 1
     max_memory_mb: int = 2048
+    warm_mb: int = 256
 
 
 @dataclass(frozen=True)
@@ -349,6 +351,9 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         ),
         min_free_disk_mb=_int(
             n.get("min_free_disk_mb", d.node.min_free_disk_mb), "node.min_free_disk_mb", 0
+        ),
+        staging_pool_mb=_int(
+            n.get("staging_pool_mb", d.node.staging_pool_mb), "node.staging_pool_mb", 0, 65536
         ),
         max_series_instances=_int(
             n.get("max_series_instances", d.node.max_series_instances),
@@ -579,6 +584,7 @@ def _streaming(t: dict[str, Any]) -> StreamingConfig:
         enabled=_bool(t.get("enabled", d.enabled), "streaming.enabled"),
         workers=_int(t.get("workers", d.workers), "streaming.workers", 1, 64),
         max_memory_mb=_int(t.get("max_memory_mb", d.max_memory_mb), "streaming.max_memory_mb", 0),
+        warm_mb=_int(t.get("warm_mb", d.warm_mb), "streaming.warm_mb", 0),
     )
 
 

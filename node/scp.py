@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
@@ -62,6 +63,9 @@ CANNOT_UNDERSTAND = 0xC210
 BAD_UID = 0xC211
 MISSING_ATTRIBUTE = 0xC212
 SOP_MISMATCH = 0xA900
+
+#: Seconds after an association ends before the staging pool is refilled.
+REFILL_DELAY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,12 @@ class StoreSCP:
         self._ready: dict[int, StagingFile] = {}
         self._claims: set[str] = set()
         self._claims_lock = threading.Lock()
+        # Staging-pool refill, only while no association is active (see fill_staging_pool).
+        self._refill = threading.Event()
+        self._stopping = False
+        self._refiller = threading.Thread(
+            target=self._refill_loop, name="staging-refill", daemon=True
+        )
 
     def _contexts(self) -> dict[str, list[str]]:
         syntaxes = [str(ts) for ts in ALL_TRANSFER_SYNTAXES]
@@ -148,6 +158,8 @@ class StoreSCP:
         self.server = self._listen(nc.port, ctx if tls_only else None)
         if ctx is not None and not tls_only:
             self.tls_server = self._listen(tc.port, ctx)
+        if self.spool.pool.target and not self._refiller.is_alive():
+            self._refiller.start()
         if ctx is not None:
             log.info(
                 "DICOM TLS (min %s, client certificate %s) on %s:%d",
@@ -155,6 +167,45 @@ class StoreSCP:
                 "required" if tc.require_client_cert else "optional",
                 nc.host,
                 self.tls_port or self.port,
+            )
+
+    def fill_staging_pool(self) -> int:
+        """Write the staging pool up to its size (start-up, before listening); return how
+        many files were written. Stops at the free-disk floor."""
+        pool = self.spool.pool
+        if not pool.target:
+            return 0
+        t0 = time.perf_counter()
+        made = pool.fill(should_stop=lambda: not self.disk.ok(pool.file_bytes))
+        if made:
+            log.info(
+                "staging pool: %d file(s) written in %.2f s (%d ready)",
+                made,
+                time.perf_counter() - t0,
+                len(pool),
+            )
+        return made
+
+    def _busy(self) -> bool:
+        return any(
+            s is not None and s.active_associations > 0 for s in (self.server, self.tls_server)
+        )
+
+    def _refill_loop(self) -> None:
+        """Refill the staging pool after associations end, while none is active (a refill
+        competing with a transfer for the disk would slow it down)."""
+        pool = self.spool.pool
+        while not self._stopping:
+            self._refill.wait()
+            self._refill.clear()
+            # Let a sender that opens its next association at once get in first.
+            time.sleep(REFILL_DELAY_S)
+            if self._stopping:
+                return
+            pool.fill(
+                should_stop=lambda: (
+                    self._stopping or self._busy() or not self.disk.ok(pool.file_bytes)
+                )
             )
 
     def _listen(self, port: int, context: Any) -> Acceptor:
@@ -184,6 +235,10 @@ class StoreSCP:
             if server is not None:
                 server.stop()
         self.tls_server = self.server = None
+        self._stopping = True
+        self._refill.set()
+        if self._refiller.is_alive():
+            self._refiller.join(10)
         self._helper.shutdown(wait=True)
         for staging in list(self._ready.values()):
             staging.abandon()
@@ -224,6 +279,7 @@ class StoreSCP:
         staging = self._ready.pop(id(info), None)
         if staging is not None:
             staging.abandon()
+        self._refill.set()
         done = self.tracker.closed(id(info), released=released)
         if released:
             log.info("association released; %d series complete", len(done))
@@ -299,7 +355,7 @@ class StoreSCP:
                 self.spool.place(
                     staged, rec.study_instance_uid, rec.series_instance_uid, rec.sop_instance_uid
                 )
-                self.spool.sync_folder(outcome.path)
+                self.spool.sync_folder(outcome.path, staged)
             except SpoolError as exc:
                 log.error("spool write failed: %s", exc)
                 self.ledger.forget_instance(rec.sop_instance_uid)

@@ -33,7 +33,7 @@ from node.series import CompletionTracker
 from node.streaming import Arrival, StreamingAssembler
 from node.worker import Worker
 from storage.ledger import Ledger, NewJob, utcnow
-from storage.spool import Spool
+from storage.spool import POOL_FILE_BYTES, Spool
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ def engine_options(config: Config) -> dict[str, Any]:
 def open_state(config: Config) -> tuple[Ledger, Spool]:
     """Open (creating with private permissions) the ledger and spool under the data dir."""
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return Ledger(config.data_dir / "ledger.sqlite"), Spool(config.data_dir / "spool")
+    pool_files = config.node.staging_pool_mb * 2**20 // POOL_FILE_BYTES
+    return Ledger(config.data_dir / "ledger.sqlite"), Spool(config.data_dir / "spool", pool_files)
 
 
 class Node:
@@ -100,6 +101,7 @@ class Node:
             min_slices=config.series.min_slices,
             on_geometry=self.tracker.geometry_complete,
             decode_pixels=sc.enabled,
+            warm_bytes=sc.warm_mb * 2**20,
         )
         self.scp.on_instance = self._instance_stored
         self.worker.volumes = self.streaming  # (geometry-only when disabled: take() is None)
@@ -219,6 +221,7 @@ class Node:
         if staged:
             log.info("removed %d unacknowledged staged file(s) left by a restart", staged)
         self._record_lost_rows()
+        self.scp.fill_staging_pool()
         self.streaming.start()
         if self.metrics is not None:
             mc = self.config.metrics

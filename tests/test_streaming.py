@@ -17,9 +17,9 @@ from pydicom.uid import (
 )
 
 from node.series import SeriesGeometry, uniform_stack
-from node.streaming import Arrival, StreamingAssembler, _permute_in_place
+from node.streaming import Arrival, SlabPool, StreamingAssembler, _permute_in_place, _rescale_into
 from node.synthetic import SAGITTAL, write_enhanced_ct, write_synthetic_series
-from node.volume import Volume, assemble_volume
+from node.volume import Volume, _rescale_in_place, assemble_volume
 
 
 def assert_same_volume(a: Volume, b: Volume) -> None:
@@ -248,3 +248,74 @@ def test_geometry_survives_a_job_taking_the_series(tmp_path: Path) -> None:
         assert asm.take(uid, paths) is None  # v2 has all eight: assembled from the spool
     finally:
         asm.stop()
+
+
+def test_slab_pool_reuses_blocks_and_frees_them_on_a_miss() -> None:
+    pool = SlabPool()
+    a = pool.take((4, 8, 8))
+    assert a.shape == (4, 8, 8) and a.dtype == np.float32 and a.flags.c_contiguous
+    pool.give(a)
+    assert pool.idle_bytes == a.nbytes
+    b = pool.take((3, 8, 8))  # smaller, within twice the size: the same memory
+    assert np.shares_memory(a, b) and pool.idle_bytes == 0 and pool.reused == 1
+    pool.give(b)
+    pool.give(b)  # given twice: kept once
+    assert pool.idle_bytes == a.nbytes
+    c = pool.take((1, 8, 8))  # under half of it: not worth holding 4x the memory
+    assert not np.shares_memory(a, c) and pool.idle_bytes == 0  # the miss freed the idle block
+    pool.give(np.zeros((2, 2), np.float64))  # not one of ours: ignored
+    pool.give(None)
+    assert pool.idle_bytes == 0
+    assert pool.warm(3 * 8 * 8 * 4 * 2, (3, 8, 8)) == 2 and pool.idle_bytes == 2 * 3 * 8 * 8 * 4
+    pool.trim(3 * 8 * 8 * 4)
+    assert pool.idle_bytes == 3 * 8 * 8 * 4
+    pool.trim(0)
+    assert pool.idle_bytes == 0
+
+
+def test_slabs_are_reused_by_the_next_series(tmp_path: Path) -> None:
+    """Slabs drained into one series' volume decode the next series; volumes stay exact."""
+    asm = StreamingAssembler(workers=1, max_bytes=64 * 2**20)
+    asm.start()
+    try:
+        for k, seed in enumerate((61, 62)):
+            paths = write_synthetic_series(
+                tmp_path / str(k), rows=32, columns=32, slices=70, seed=seed
+            )  # no count hint: two slabs of 64 slices
+            uid = series_uid_of(paths[0])
+            feed(asm, paths, uid, list(range(len(paths))))
+            got = asm.take(uid, paths)
+            assert got is not None
+            assert_same_volume(got, assemble_volume(paths))
+            assert asm.memory_bytes == 0
+        assert asm.pool.reused == 2
+        assert asm.pool.idle_bytes == 2 * 64 * 32 * 32 * 4
+    finally:
+        asm.stop()
+    assert asm.pool.idle_bytes == 0
+
+
+def test_warm_slabs_count_against_the_memory_cap() -> None:
+    asm = StreamingAssembler(workers=1, max_bytes=200 * 2**20, warm_bytes=1 << 40)
+    assert asm.warm_bytes == 200 * 2**20  # never more than the cap
+    asm.start()
+    try:
+        assert asm.pool.idle_bytes == 3 * 64 * 2**20  # three 64-slice 512x512 slabs
+    finally:
+        asm.stop()
+    off = StreamingAssembler(workers=1, decode_pixels=False, warm_bytes=1 << 30)
+    assert off.warm_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.uint16, np.int32, np.uint8])
+@pytest.mark.parametrize(("slope", "intercept"), [(1.0, 0.0), (1.0, -1024.0), (2.5, -1024.0)])
+def test_rescale_into_matches_cast_then_rescale(
+    dtype: type[np.integer], slope: float, intercept: float
+) -> None:
+    info = np.iinfo(dtype)
+    stored = np.random.default_rng(5).integers(info.min, info.max, (16, 16), dtype=dtype)
+    expected = stored.astype(np.float32)
+    _rescale_in_place(expected, slope, intercept)
+    out = np.empty((16, 16), np.float32)
+    _rescale_into(out, stored, slope, intercept)
+    np.testing.assert_array_equal(out, expected)
