@@ -68,8 +68,10 @@ def write_atomic(path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o
 
 INCOMING = ".incoming"
 _counter = itertools.count()
-#: Size of a recycled staging file: a 512x512 16-bit slice (512 KiB) and a 64 KiB header.
-POOL_FILE_BYTES = 576 << 10
+#: Size of a recycled staging file: the pixel data of a 512x512 16-bit slice. An instance
+#: of such a slice (its header on top) extends the file by a block or so, which its
+#: ``O_DSYNC`` write commits; a smaller instance cuts it (see :meth:`Spool.sync_folder`).
+POOL_FILE_BYTES = 512 << 10
 POOL_SUFFIX = ".pool"
 
 
@@ -77,8 +79,9 @@ POOL_SUFFIX = ".pool"
 class Staged:
     """A written, fsynced file under ``.incoming/`` awaiting its instance path.
 
-    ``recycled``: it was a staging-pool file cut to ``size`` after the write; that cut is
-    made durable by :meth:`Spool.sync_folder` together with the rename (one journal commit).
+    ``recycled``: it was a staging-pool file cut to ``size`` after the write (the instance
+    was smaller); that cut is made durable by :meth:`Spool.sync_folder` together with the
+    rename (one journal commit).
     """
 
     path: Path
@@ -138,7 +141,7 @@ class StagingFile:
         except OSError as exc:
             self.path.unlink(missing_ok=True)
             raise SpoolError(f"cannot write to the spool: {exc.strerror or exc}") from exc
-        return Staged(self.path, size, recycled=self.capacity > 0)
+        return Staged(self.path, size, recycled=size < self.capacity)
 
     def abandon(self) -> None:
         """Close a staged file that will not be written: a pool file goes back to the pool,

@@ -125,11 +125,11 @@ def test_the_node_refills_its_pool_after_an_association(tmp_path: Path) -> None:
     once the association ends the pool is written back to its size."""
     from tests.scp_harness import SCPHarness
 
-    h = SCPHarness(tmp_path / "n", {"node": {"staging_pool_mb": 2}})  # 3 files of 576 KiB
+    h = SCPHarness(tmp_path / "n", {"node": {"staging_pool_mb": 2}})  # 4 files of 512 KiB
     try:
         pool = h.spool.pool
-        assert pool.target == 3
-        assert h.scp.fill_staging_pool() == 3
+        assert pool.target == 4
+        assert h.scp.fill_staging_pool() == 4
         paths = write_synthetic_series(tmp_path / "ct", rows=64, columns=64, slices=6, seed=81)
         a = h.assoc()
         for p in paths:
@@ -137,7 +137,7 @@ def test_the_node_refills_its_pool_after_an_association(tmp_path: Path) -> None:
             assert status.Status == 0
         assert len(pool) == 0 or len(pool) == 1  # the next file pre-opened after a response
         a.release()
-        wait_for(lambda: len(pool) == 3, 10, "pool refilled")
+        wait_for(lambda: len(pool) == 4, 10, "pool refilled")
         stored = sorted(h.spool.instance_files())
         assert len(stored) == 6
         for p in paths:
