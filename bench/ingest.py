@@ -316,6 +316,12 @@ def ingest(folder: Path, runs: int, tmp: Path) -> list[dict[str, Any]]:
         quarters.append(d)
     targets: list[tuple[str, Callable[[Path], Any], str, list[Path] | None]] = [
         ("segnode", segnode, "SEGNODE", None),
+        (
+            "segnode, nothing warm (staging_pool_mb = 0, warm_mb = 0)",
+            lambda w: segnode(w, "[streaming]\nwarm_mb = 0", "staging_pool_mb = 0"),
+            "SEGNODE",
+            None,
+        ),
         ("pynetdicom storescp (defaults)", storescp, "STORESCP", None),
         ("pynetdicom storescp -pdu 0", lambda w: storescp(w, "-pdu", "0"), "STORESCP", None),
         ("orthanc", orthanc, "ORTHANC", None),
@@ -501,6 +507,9 @@ def markdown(res: dict[str, Any]) -> str:
         if f"segnode{suffix}" in by and f"{ref}{suffix}" in by:
             ratio = by[f"segnode{suffix}"] / by[f"{ref}{suffix}"]
             lines.append(f"segnode / {ref}{suffix}: **{ratio:.2f}x**  ")
+    cold = next((t for t in by if t.startswith("segnode, nothing warm")), None)
+    if cold and ref in by:
+        lines.append(f"{cold} / {ref}: {by[cold] / by[ref]:.2f}x  ")
     lines.append("")
     lines += [
         "| completion latency (last C-STORE response -> job queued) | median (ms) | runs (ms) "
