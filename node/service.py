@@ -104,6 +104,7 @@ class Node:
             warm_bytes=sc.warm_mb * 2**20,
         )
         self.scp.on_instance = self._instance_stored
+        self.scp.busy_elsewhere = lambda: self.worker.current_job is not None
         self.worker.volumes = self.streaming  # (geometry-only when disabled: take() is None)
         self.worker.on_encoded = lambda _job_id: self.dispatcher.wake.set()
         self.metrics: Metrics | None = None

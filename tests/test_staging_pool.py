@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from pathlib import Path
 
 from pydicom import dcmread
@@ -122,7 +123,7 @@ def test_start_up_drops_a_row_whose_file_has_another_size(tmp_path: Path) -> Non
 
 def test_the_node_refills_its_pool_after_an_association(tmp_path: Path) -> None:
     """A series longer than the pool is stored whole (pool files first, then new files);
-    once the association ends the pool is written back to its size."""
+    once the association has ended and no job runs, the pool is written back to its size."""
     from tests.scp_harness import SCPHarness
 
     h = SCPHarness(tmp_path / "n", {"node": {"staging_pool_mb": 2}})  # 4 files of 512 KiB
@@ -136,7 +137,12 @@ def test_the_node_refills_its_pool_after_an_association(tmp_path: Path) -> None:
             status = a.send_c_store(dcmread(p))
             assert status.Status == 0
         assert len(pool) == 0 or len(pool) == 1  # the next file pre-opened after a response
+        job_running = True
+        h.scp.busy_elsewhere = lambda: job_running
         a.release()
+        time.sleep(1.5)  # three refill delays: nothing written while a job runs
+        assert len(pool) <= 1
+        job_running = False
         wait_for(lambda: len(pool) == 4, 10, "pool refilled")
         stored = sorted(h.spool.instance_files())
         assert len(stored) == 6
