@@ -196,6 +196,7 @@ class CrashHarness:
         slices: int = 16,
         scp_delay: float = 0.25,
         quiet_period_s: float = 15.0,
+        staging_pool_mb: int = 8,
         rng: random.Random | None = None,
         log: Any = print,
         stages: tuple[str, ...] = STAGES,
@@ -213,6 +214,7 @@ class CrashHarness:
             workdir / "config.toml",
             data,
             port,
+            node={"staging_pool_mb": staging_pool_mb},
             series={"quiet_period_s": quiet_period_s},
             dispatch={
                 "destinations": [self.scp.peer],
@@ -424,6 +426,12 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(STAGES),
         help="comma-separated stages to aim kills at (default: all)",
     )
+    p.add_argument(
+        "--staging-pool-mb",
+        type=int,
+        default=192,
+        help="node.staging_pool_mb (default: the node's default, 192)",
+    )
     args = p.parse_args(argv)
     stages = tuple(x for x in args.stages.split(",") if x)
     if not stages or set(stages) - set(STAGES):
@@ -433,7 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"seed {seed}; work dir {work}")
     h = CrashHarness(
-        work, rows=args.rows, slices=args.slices, rng=random.Random(seed), stages=stages
+        work,
+        rows=args.rows,
+        slices=args.slices,
+        rng=random.Random(seed),
+        stages=stages,
+        staging_pool_mb=args.staging_pool_mb,
     )
     try:
         report = h.run(args.trials, base_seed=5000 + (seed % 100000) * 100)
