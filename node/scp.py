@@ -15,9 +15,9 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -345,15 +345,14 @@ class StoreSCP:
             staged = staging.write_synced([meta, req.dataset])
         except SpoolError as exc:
             log.error("spool write failed: %s", exc)
+        admitted = False
         try:
             outcome = admitting.result()
-        except BaseException:
-            if staged is not None:
-                Spool.discard(staged)
-            raise
+            admitted = isinstance(outcome, _Admitted)
+        finally:
+            if not admitted and staged is not None:
+                Spool.discard(staged)  # refused, or the helper failed: nothing to keep
         if not isinstance(outcome, _Admitted):
-            if staged is not None:
-                Spool.discard(staged)
             return outcome
         rec = outcome.rec
         try:
@@ -498,16 +497,6 @@ class StoreSCP:
     def _release(self, sop_uid: str) -> None:
         with self._claims_lock:
             self._claims.discard(sop_uid)
-
-    @contextmanager
-    def _claim(self, sop_uid: str) -> Iterator[bool]:
-        """:meth:`_try_claim` for the span of a ``with`` block."""
-        claimed = self._try_claim(sop_uid)
-        try:
-            yield claimed
-        finally:
-            if claimed:
-                self._release(sop_uid)
 
     def _preopen(self, info: AssociationInfo) -> None:
         """After a response: create the association's next staged file (no error here: the

@@ -281,14 +281,13 @@ def test_bigger_instances_than_a_pdu_fragment_round_trip(tmp_path: Path) -> None
 
 
 def test_an_instance_in_flight_is_claimed_by_one_association(h: SCPHarness) -> None:
-    with h.scp._claim("1.2.3.4") as first:
-        assert first
-        with h.scp._claim("1.2.3.4") as second:
-            assert not second
-        with h.scp._claim("1.2.3.5") as other:
-            assert other
-    with h.scp._claim("1.2.3.4") as again:
-        assert again
+    assert h.scp._try_claim("1.2.3.4")
+    assert not h.scp._try_claim("1.2.3.4")  # held: another association is refused
+    assert h.scp._try_claim("1.2.3.5")
+    h.scp._release("1.2.3.4")
+    assert h.scp._try_claim("1.2.3.4")  # free again once released
+    h.scp._release("1.2.3.4")
+    h.scp._release("1.2.3.5")
 
 
 @pytest.mark.parametrize(("signed", "bits_stored"), [(0, 12), (1, 12), (0, 16), (1, 16), (1, 10)])
