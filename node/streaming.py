@@ -53,6 +53,7 @@ from node.volume import (
     _check_instance,
     _decode,
     _header,
+    _rescale_into,
     _same_uid,
     _single_frame_slice,
     _Slice,
@@ -592,21 +593,6 @@ def _permute_in_place(a: npt.NDArray[np.float32], perm: list[int]) -> None:
                 break
             a[k] = a[src]
             k = src
-
-
-def _rescale_into(
-    out: npt.NDArray[np.float32], stored: npt.NDArray[np.generic], slope: float, intercept: float
-) -> None:
-    """``out = float32(stored) * slope + intercept`` in float32: the values of casting and then
-    :func:`node.volume._rescale_in_place`, with the cast folded into the first pass."""
-    if slope != 1.0:
-        np.multiply(stored, np.float32(slope), out=out, dtype=np.float32, casting="unsafe")
-        if intercept != 0.0:
-            out += np.float32(intercept)
-    elif intercept != 0.0:
-        np.add(stored, np.float32(intercept), out=out, dtype=np.float32, casting="unsafe")
-    else:
-        np.copyto(out, stored, casting="unsafe")
 
 
 def _int_or_none(value: object) -> int | None:

@@ -567,18 +567,25 @@ def _to_hu(
     stored: npt.NDArray[np.generic], slope: float, intercept: float
 ) -> npt.NDArray[np.float32]:
     """Apply the Modality LUT (PS3.3 C.11.1.1.2): HU = stored * slope + intercept."""
-    out = stored.astype(np.float32)
-    _rescale_in_place(out, slope, intercept)
+    out = np.empty(stored.shape, dtype=np.float32)
+    _rescale_into(out, stored, slope, intercept)
     return out
 
 
-def _rescale_in_place(out: npt.NDArray[np.float32], slope: float, intercept: float) -> None:
-    """``out = out * slope + intercept`` in float32, in place (the arithmetic of
-    :func:`_to_hu`, shared with streaming assembly so both give identical values)."""
+def _rescale_into(
+    out: npt.NDArray[np.float32], stored: npt.NDArray[np.generic], slope: float, intercept: float
+) -> None:
+    """``out = float32(stored) * slope + intercept``, computed in float32 with the cast folded
+    into the first pass (the arithmetic of :func:`_to_hu`, shared with streaming assembly so
+    both give identical values)."""
     if slope != 1.0:
-        out *= np.float32(slope)
-    if intercept != 0.0:
-        out += np.float32(intercept)
+        np.multiply(stored, np.float32(slope), out=out, dtype=np.float32, casting="unsafe")
+        if intercept != 0.0:
+            out += np.float32(intercept)
+    elif intercept != 0.0:
+        np.add(stored, np.float32(intercept), out=out, dtype=np.float32, casting="unsafe")
+    else:
+        np.copyto(out, stored, casting="unsafe")
 
 
 def _number(value: object, default: float) -> float:
