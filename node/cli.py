@@ -108,12 +108,8 @@ def _setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stdout,
     )
+    # pynetdicom (the outbox's SCU) logs every PDU at INFO/DEBUG: keep its warnings only.
     logging.getLogger("pynetdicom").setLevel(logging.WARNING)
-    # pynetdicom's "standard" PDU/DIMSE handlers only format DEBUG dumps (datasets included)
-    # that we never show; without them every association does less work.
-    from pynetdicom import _config as pynetdicom_config
-
-    pynetdicom_config.LOG_HANDLER_LEVEL = "none"
     logging.getLogger("highdicom").setLevel(logging.WARNING)
 
 

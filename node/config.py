@@ -64,11 +64,18 @@ class NodeConfig:
     ae_title: str = "SEGNODE"
     host: str = "127.0.0.1"
     port: int = 11112
-    max_pdu: int = 0
+    max_pdu: int = 1 << 20
     allowed_calling_aes: tuple[str, ...] = ()
     other_sop_classes: str = "ignore"
     max_associations: int = 16
+    max_pending: int = 64
+    max_pending_per_host: int = 16
+    association_request_timeout_s: float = 10.0
     network_timeout_s: float = 60.0
+    min_transfer_rate_kib_s: float = 16.0
+    max_instance_mb: int = 1024
+    check_called_ae: bool = False
+    stop_grace_s: float = 5.0
     min_free_disk_mb: int = 1024
     staging_pool_mb: int = 192
     max_series_instances: int = 10000
@@ -260,6 +267,22 @@ def _num(value: Any, key: str, lo: float, hi: float = float("inf")) -> float:
     return float(value)
 
 
+#: The range of ``node.max_pdu`` (PS3.8 allows any length; below 4 KiB costs speed, above
+#: 16 MiB memory per association).
+MAX_PDU_RANGE = (4096, 1 << 24)
+
+
+def _max_pdu(value: Any) -> int:
+    """``node.max_pdu``; 0 ("unlimited", the old default) is read as the default, because a
+    peer could otherwise make the node buffer gigabytes (the node logs a warning)."""
+    n = _int(value, "node.max_pdu", 0, MAX_PDU_RANGE[1])
+    if n and n < MAX_PDU_RANGE[0]:
+        raise ConfigError(
+            f"node.max_pdu: must be between {MAX_PDU_RANGE[0]} and {MAX_PDU_RANGE[1]} bytes"
+        )
+    return n
+
+
 def _int(value: Any, key: str, lo: int, hi: int = 2**31) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise ConfigError(f"{key}: must be an integer in [{lo}, {hi}], got {value!r}")
@@ -336,7 +359,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         ae_title=_ae(n.get("ae_title", d.node.ae_title), "node.ae_title"),
         host=_str(n.get("host", d.node.host), "node.host"),
         port=_port(n.get("port", d.node.port), "node.port"),
-        max_pdu=_int(n.get("max_pdu", d.node.max_pdu), "node.max_pdu", 0),
+        max_pdu=_max_pdu(n.get("max_pdu", d.node.max_pdu)),
         allowed_calling_aes=tuple(_ae(a, "node.allowed_calling_aes") for a in allowed),
         other_sop_classes=_str(
             n.get("other_sop_classes", d.node.other_sop_classes),
@@ -346,9 +369,34 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         max_associations=_int(
             n.get("max_associations", d.node.max_associations), "node.max_associations", 1, 1000
         ),
+        max_pending=_int(n.get("max_pending", d.node.max_pending), "node.max_pending", 1, 10000),
+        max_pending_per_host=_int(
+            n.get("max_pending_per_host", d.node.max_pending_per_host),
+            "node.max_pending_per_host",
+            1,
+            10000,
+        ),
+        association_request_timeout_s=_num(
+            n.get("association_request_timeout_s", d.node.association_request_timeout_s),
+            "node.association_request_timeout_s",
+            0.1,
+            600,
+        ),
         network_timeout_s=_num(
             n.get("network_timeout_s", d.node.network_timeout_s), "node.network_timeout_s", 1
         ),
+        min_transfer_rate_kib_s=_num(
+            n.get("min_transfer_rate_kib_s", d.node.min_transfer_rate_kib_s),
+            "node.min_transfer_rate_kib_s",
+            0,
+        ),
+        max_instance_mb=_int(
+            n.get("max_instance_mb", d.node.max_instance_mb), "node.max_instance_mb", 1, 65536
+        ),
+        check_called_ae=_bool(
+            n.get("check_called_ae", d.node.check_called_ae), "node.check_called_ae"
+        ),
+        stop_grace_s=_num(n.get("stop_grace_s", d.node.stop_grace_s), "node.stop_grace_s", 0, 600),
         min_free_disk_mb=_int(
             n.get("min_free_disk_mb", d.node.min_free_disk_mb), "node.min_free_disk_mb", 0
         ),

@@ -18,6 +18,7 @@ from pydicom.dataset import Dataset
 from pydicom.filereader import read_dataset
 from pydicom.tag import BaseTag
 from pydicom.uid import (
+    UID,
     DeflatedExplicitVRLittleEndian,
     ExplicitVRBigEndian,
     ImplicitVRLittleEndian,
@@ -128,6 +129,7 @@ def parse_header(stream: bytes | memoryview, transfer_syntax: str) -> Header:
     implicit = transfer_syntax == ImplicitVRLittleEndian
     little = transfer_syntax != ExplicitVRBigEndian
     data = stream
+    _check_vr_encoding(stream, transfer_syntax, implicit)
     if transfer_syntax == DeflatedExplicitVRLittleEndian:
         try:
             data = zlib.decompress(stream, -zlib.MAX_WBITS)
@@ -145,6 +147,13 @@ def parse_header(stream: bytes | memoryview, transfer_syntax: str) -> Header:
         raise HeaderError(f"dataset cannot be parsed: {type(exc).__name__}: {exc}") from exc
     pos = fp.tell()
     length, start = _check_pixel_framing(data, pos, implicit, little)
+    if length is not None:
+        encapsulated = UID(transfer_syntax).is_encapsulated
+        if encapsulated != (length == 0xFFFFFFFF):
+            raise HeaderError(
+                f"{'native' if encapsulated else 'encapsulated'} Pixel Data on a presentation "
+                f"context negotiated for {UID(transfer_syntax).name}"
+            )
     if length is not None and length != 0xFFFFFFFF:
         expected = _native_length(ds)
         if expected is not None and length < expected:
@@ -160,6 +169,29 @@ def parse_header(stream: bytes | memoryview, transfer_syntax: str) -> Header:
     )
     span = (start, int(length)) if native and length is not None else None
     return Header(dataset=ds, has_pixel_data=length is not None, pixel_span=span)
+
+
+#: Value Representations (PS3.5 §6.2), to tell explicit from implicit VR encoding.
+_VRS = frozenset(
+    b"AE AS AT CS DA DS DT FD FL IS LO LT OB OD OF OL OV OW PN SH SL SQ SS ST SV TM UC UI UL UN "
+    b"UR US UT UV".split()
+)
+
+
+def _check_vr_encoding(stream: bytes | memoryview, transfer_syntax: str, implicit: bool) -> None:
+    """The first element's encoding must be the negotiated transfer syntax's (explicit VR
+    has a VR where implicit VR has the low bytes of a length)."""
+    if len(stream) < 8 or transfer_syntax in (DeflatedExplicitVRLittleEndian, ExplicitVRBigEndian):
+        return
+    if bytes(stream[0:2]) != b"\x08\x00":
+        return  # judged only on the usual first group (0008), where the two encodings differ
+    has_vr = bytes(stream[4:6]) in _VRS
+    if implicit and has_vr:
+        raise HeaderError(
+            "dataset is in explicit VR on a context negotiated for Implicit VR Little Endian"
+        )
+    if not implicit and not has_vr:
+        raise HeaderError(f"dataset is not in explicit VR as {UID(transfer_syntax).name} requires")
 
 
 def _native_length(ds: Dataset) -> int | None:

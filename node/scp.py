@@ -34,7 +34,7 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 )
 
 from node import tls
-from node.config import Config
+from node.config import Config, NodeConfig
 from node.guards import AccessPolicy, DiskGuard, SeriesBudget
 from node.header import Header, HeaderError, parse_header
 from node.series import CompletionTracker
@@ -63,6 +63,9 @@ CANNOT_UNDERSTAND = 0xC210
 BAD_UID = 0xC211
 MISSING_ATTRIBUTE = 0xC212
 SOP_MISMATCH = 0xA900
+
+#: The maximum PDU length announced when ``node.max_pdu`` is 0 (the old "unlimited").
+DEFAULT_MAX_PDU = NodeConfig.max_pdu
 
 #: Seconds after an association ends before the staging pool is refilled.
 REFILL_DELAY_S = 0.5
@@ -108,17 +111,27 @@ class StoreSCP:
         #: Called with every stored (durable, recorded) CT instance: streaming assembly.
         self.on_instance: Callable[[Arrival], None] | None = None
         nc = config.node
+        max_pdu = nc.max_pdu or DEFAULT_MAX_PDU
+        if not nc.max_pdu:
+            log.warning(
+                "node.max_pdu = 0 (unlimited) is no longer honoured: a peer could make the node "
+                "buffer gigabytes; announcing and enforcing %d bytes",
+                max_pdu,
+            )
         self.options = AcceptorOptions(
             ae_title=nc.ae_title,
             contexts=self._contexts(),
-            max_pdu=nc.max_pdu,
-            # A connection that never sends its A-ASSOCIATE-RQ (a port scan, garbage) holds an
-            # association slot until the ACSE timeout: keep that short.
-            acse_timeout=min(nc.network_timeout_s, 10.0),
+            max_pdu=max_pdu,
+            acse_timeout=nc.association_request_timeout_s,
             network_timeout=nc.network_timeout_s,
+            min_rate=nc.min_transfer_rate_kib_s * 1024,
             max_associations=nc.max_associations,
+            max_pending=nc.max_pending,
+            max_pending_per_host=nc.max_pending_per_host,
             # An instance larger than a whole series may be is refused while it streams in.
-            max_dataset_bytes=nc.max_series_mb * 2**20,
+            max_dataset_bytes=min(nc.max_instance_mb, nc.max_series_mb or nc.max_instance_mb)
+            * 2**20,
+            check_called_ae=nc.check_called_ae,
         )
         self.server: Acceptor | None = None
         self.tls_server: Acceptor | None = None
@@ -239,10 +252,20 @@ class StoreSCP:
         return None if self.tls_server is None else self.tls_server.server_address[1]
 
     def stop(self) -> None:
-        """Stop accepting; associations in flight finish first."""
-        for server in (self.tls_server, self.server):
-            if server is not None:
-                server.stop()
+        """Stop accepting; idle associations are aborted at once, C-STOREs in flight get
+        ``node.stop_grace_s`` to finish, then the rest are aborted (their instances were not
+        acknowledged, so their senders send them again)."""
+        servers = [s for s in (self.tls_server, self.server) if s is not None]
+        stoppers = [
+            threading.Thread(
+                target=s.stop, args=(self.config.node.stop_grace_s,), name="acceptor-stop"
+            )
+            for s in servers
+        ]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
         self.tls_server = self.server = None
         self._stopping = True
         self._refill.set()
