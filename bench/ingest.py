@@ -330,6 +330,12 @@ def ingest(folder: Path, runs: int, tmp: Path) -> list[dict[str, Any]]:
             "SEGNODE",
             None,
         ),
+        (
+            "segnode, max_pdu = 16 MiB (the largest allowed)",
+            lambda w: segnode(w, "", "max_pdu = 16777216"),
+            "SEGNODE",
+            None,
+        ),
         ("pynetdicom storescp (defaults)", storescp, "STORESCP", None),
         ("pynetdicom storescp -pdu 0", lambda w: storescp(w, "-pdu", "0"), "STORESCP", None),
         ("orthanc", orthanc, "ORTHANC", None),
