@@ -353,9 +353,13 @@ def test_idle_and_trickling_connections_do_not_block_legitimate_peers(
             time.sleep(0.1)
         assert attacker.running(), attacker.error
 
+        t0 = time.monotonic()
         echo = echoscu(node)
+        t_echo = time.monotonic() - t0
         assert echo.returncode == 0, f"echoscu failed under attack:\n{echo.stdout}{echo.stderr}"
+        t0 = time.monotonic()
         sent = storescu(node, tmp_path / "s")
+        t_store = time.monotonic() - t0
         assert sent.returncode == 0, f"storescu failed under attack:\n{sent.stdout}{sent.stderr}"
         wait_for(
             lambda: [j["state"] for j in series_jobs()] == ["done"], 60, "the series' job done"
@@ -369,6 +373,10 @@ def test_idle_and_trickling_connections_do_not_block_legitimate_peers(
             f"by the node, {open_now} open at the end, {attacker.connect_errors} refused"
         )
 
+    print(
+        f"under attack: echoscu {t_echo:.2f} s, storescu of 16 slices {t_store:.2f} s; "
+        f"threads idle {idle}, peak {peak}"
+    )
     assert peak <= idle + 4, f"threads rose from {idle} to {peak} while connections pended"
     (job,) = series_jobs()
     assert job["instances"] == 16
@@ -553,6 +561,7 @@ def test_sigterm_stops_promptly_with_associations_open(make_node: Any, tmp_path:
         t0 = time.monotonic()
         code = node.stop(timeout=grace + 5)
         elapsed = time.monotonic() - t0
+        print(f"SIGTERM to exit: {elapsed:.2f} s (stop_grace_s {grace})")
         assert code == 0, f"exit code {code} after {elapsed:.1f} s"
         assert elapsed <= grace + 5
 
