@@ -6,6 +6,7 @@ Every subcommand accepts ``--config FILE`` and ``--data-dir DIR``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 from node import __version__
 from node.config import Config, load_config, parse_peer
 from node.errors import ConfigError, SegnodeError
+from node.senders import SenderPattern
 
 log = logging.getLogger("segnode")
 
@@ -227,6 +229,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     try:
         jobs = ledger.jobs(args.limit)
         ignored = ledger.ignored_series(args.limit)
+        waiting = ledger.held_series(args.limit)
     finally:
         ledger.close()
     if args.json:
@@ -269,7 +272,11 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             for j in jobs
         ]
         ign = [{"series": s, "calling_ae": ae, "reason": r} for s, ae, r in ignored]
-        print(json.dumps({"jobs": out, "ignored": ign}, indent=2))
+        pend = [
+            {"series": s, "instances": n, "held": r or None, "pending_since": t.isoformat()}
+            for s, n, r, t in waiting
+        ]
+        print(json.dumps({"jobs": out, "ignored": ign, "waiting": pend}, indent=2))
         return 0
     print(
         f"{'JOB':>5} {'STATE':<10} {'VER':>3} {'N':>5} {'TRIGGER':<20} "
@@ -298,6 +305,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             last = f"; last error: {err}" if err and status != "sent" else ""
             acked = f", acked +{(ack - last_in).total_seconds():.2f}s" if ack and last_in else ""
             print(f"{'':>47}{kind} -> {dest}: {status} ({attempts} attempt(s)){acked}{last}")
+    if waiting:
+        print("\nSERIES WAITING FOR MORE INSTANCES (no job yet)")
+        for uid, n, reason, _since in waiting:
+            print(f"  {uid}: {n} instance(s)" + (f"; {reason}" if reason else ""))
     if ignored:
         print("\nIGNORED SERIES")
         for uid, ae, reason in ignored:
@@ -313,9 +324,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     ledger, _ = open_state(cfg)
     try:
         counts = ledger.counts()
+        senders = [
+            SenderPattern(ae, n, k, recent, None if gap is None else gap / 1000)
+            for ae, n, k, recent, gap in ledger.senders()
+        ]
     finally:
         ledger.close()
-    print(json.dumps({"data_dir": str(cfg.data_dir), **counts}, indent=2))
+    learnt = {
+        p.calling_ae: {
+            "pattern": p.describe(),
+            "associations": p.associations,
+            "instances": p.instances,
+            "splits_series": p.splits_series,
+            "gap_ms": None if p.gap_s is None else round(p.gap_s * 1000, 1),
+            "wait_after_release_s": round(p.wait_s(), 2) if p.splits_series else 0.0,
+        }
+        for p in senders
+    }
+    print(json.dumps({"data_dir": str(cfg.data_dir), **counts, "senders": learnt}, indent=2))
     return 0
 
 
@@ -416,6 +442,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``segnode`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        code = _run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (``segnode jobs | head``): exit quietly, as Unix tools do.
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command in COMMANDS:
             return COMMANDS[args.command](args)

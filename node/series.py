@@ -10,7 +10,11 @@ Signals, in order of speed:
    before the association is released.
 2. **Association release.** When an association that delivered instances of a series is
    released normally and no other open association has delivered instances of the same
-   series, the series is complete.
+   series, the series is complete - unless the association may have carried only part of
+   it: its sender is known to split series over associations (learnt per calling AE title,
+   :mod:`node.senders`), or it delivered fewer than three instances. Then the series is held
+   for the sender's usual gap between associations (0.5-3 s) and completes (``sender-gap``)
+   when nothing more came, unless its headers say instances are missing.
 3. **Quiet period** (fallback). A series with instances not yet taken by a job, no open
    association touching it, and nothing received for ``quiet_period_s`` seconds is complete.
    This also covers aborted associations and series left pending by a restart.
@@ -26,14 +30,17 @@ nothing: the quiet-period rule picks the series up after restart.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from collections import defaultdict
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
+from node.senders import CONTINUE_WINDOW_S, FEW_INSTANCES, SenderBook, SenderPattern
 from node.volume import (
     DUPLICATE_TOLERANCE_MM,
     GAP_TOLERANCE_FRACTION,
@@ -45,8 +52,15 @@ log = logging.getLogger(__name__)
 
 OnComplete = Callable[[str, str], None]
 PolicyFn = Callable[[str], str]
+#: ``hints(series_uid)``: what the headers received so far say about the series' extent.
+HintsFn = Callable[[str], "SeriesHints | None"]
+#: ``on_hold(series_uid, reason)``: a release did not complete the series; why.
+OnHold = Callable[[str, str], None]
 
 RELEASE = "association-release"
+#: A release whose series waited for the sender's usual gap (the sender splits series over
+#: associations) and saw nothing more.
+SENDER_GAP = "sender-gap"
 GEOMETRY = "geometry"
 QUIET = "quiet-period"
 
@@ -57,10 +71,57 @@ MODE_SIGNALS: dict[str, frozenset[str]] = {
     "geometry": frozenset({GEOMETRY}),
     "quiet": frozenset(),
 }
+#: Series whose last association's end is remembered (to see the next one continue it).
+MAX_REMEMBERED = 4096
+
+
+@dataclass(frozen=True)
+class SeriesHints:
+    """The series' extent as its headers tell it (from the streaming decoder)."""
+
+    #: Instances decoded so far.
+    received: int
+    #: Images in Acquisition (0020,1002), when every instance agrees on it.
+    expected: int | None = None
+    #: Whether the stack is geometrically complete (uniform, no gap, as many as expected).
+    complete: bool = False
+    #: Instance Numbers missing between the lowest and highest received (a hole).
+    missing_numbers: int = 0
+
+    def incomplete_reason(self) -> str | None:
+        """Why the headers say more instances will come, or None."""
+        if self.complete:
+            return None
+        if self.expected is not None and self.received < self.expected:
+            return f"{self.received} of {self.expected} instances received (Images in Acquisition)"
+        if self.missing_numbers:
+            return f"{self.missing_numbers} Instance Number(s) missing between those received"
+        return None
+
+
+@dataclass
+class _Association:
+    calling_ae: str
+    opened_at: float
+    #: Series delivered -> instances of it delivered.
+    series: dict[str, int] = field(default_factory=dict)
+    #: Series this association continues (an earlier association of the same AE delivered
+    #: them shortly before) -> the gap between the two, in seconds.
+    continues: dict[str, float] = field(default_factory=dict)
 
 
 class CompletionTracker:
-    """Which open associations touched which series, and the per-sender policy.
+    """Which open associations touched which series, the per-sender policy, the learnt
+    sender patterns, and the series held after a release.
+
+    A normal release completes the series the association delivered (when no other open
+    association is still delivering them) unless the association may have carried only
+    part of it: the sender is known to split series over associations
+    (:class:`~node.senders.SenderBook`), or the association delivered fewer than
+    :data:`~node.senders.FEW_INSTANCES` instances of it. Such a series is *held* for the
+    sender's usual gap (0.5-3 s); when that passes with nothing more, it completes
+    (``sender-gap``), unless its headers say instances are missing (Images in Acquisition
+    not reached, a hole in the Instance Numbers): then the quiet period decides.
 
     Parameters
     ----------
@@ -72,6 +133,12 @@ class CompletionTracker:
     policy
         Completion mode of a calling AE title (``auto``, ``release``, ``geometry``,
         ``quiet``); ``auto`` for every sender when None.
+    senders
+        The learnt sender patterns (in memory only when None).
+    hints
+        The series' extent from its headers (none when None).
+    on_hold
+        Told once per series when a release holds it, with the reason.
     """
 
     def __init__(
@@ -80,14 +147,26 @@ class CompletionTracker:
         *,
         complete_on_release: bool = True,
         policy: PolicyFn | None = None,
+        senders: SenderBook | None = None,
+        hints: HintsFn | None = None,
+        on_hold: OnHold | None = None,
     ) -> None:
         self._on_complete = on_complete
         self._release = complete_on_release
         self._policy = policy or (lambda _ae: "auto")
+        self.senders = senders or SenderBook()
+        self._hints = hints
+        self._on_hold = on_hold
         self._lock = threading.Lock()
-        self._by_assoc: dict[int, set[str]] = defaultdict(set)
-        self._open: set[int] = set()
-        self._calling: dict[int, str] = {}
+        self._assocs: dict[int, _Association] = {}
+        self._last_end: dict[str, tuple[str, float]] = {}
+        # Held series -> (due, token); a token that no longer matches is a stale timer.
+        self._holds: dict[str, tuple[float, int]] = {}
+        self._told: set[str] = set()
+        self._tokens = itertools.count()
+        self._timer_wake = threading.Condition(self._lock)
+        self._timer: threading.Thread | None = None
+        self._stopping = False
 
     def signals(self, calling_ae: str) -> frozenset[str]:
         """The completion signals that count for ``calling_ae``."""
@@ -97,21 +176,40 @@ class CompletionTracker:
     def opened(self, assoc_id: int, calling_ae: str = "") -> None:
         """An association was accepted."""
         with self._lock:
-            self._open.add(assoc_id)
-            self._calling[assoc_id] = calling_ae.strip()
+            self._assocs[assoc_id] = _Association(calling_ae.strip(), time.monotonic())
 
     def touched(self, assoc_id: int, series_uid: str) -> None:
         """An association delivered an instance of ``series_uid``."""
         with self._lock:
-            self._by_assoc[assoc_id].add(series_uid)
+            a = self._assocs.get(assoc_id)
+            if a is None:
+                a = self._assocs[assoc_id] = _Association("", time.monotonic())
+            n = a.series.get(series_uid, 0)
+            if n == 0:
+                prev = self._last_end.get(series_uid)
+                if prev is not None and prev[0] == a.calling_ae:
+                    gap = a.opened_at - prev[1]
+                    if gap <= CONTINUE_WINDOW_S:
+                        a.continues[series_uid] = max(0.0, gap)
+            a.series[series_uid] = n + 1
+            self._holds.pop(series_uid, None)  # more came: a wait for it is moot
 
     def busy(self, series_uid: str) -> bool:
         """Whether an open association has delivered instances of ``series_uid``."""
         with self._lock:
-            return any(series_uid in s for a, s in self._by_assoc.items() if a in self._open)
+            return self._busy(series_uid)
+
+    def _busy(self, series_uid: str) -> bool:
+        return any(series_uid in a.series for a in self._assocs.values())
+
+    def held(self) -> dict[str, float]:
+        """Series held after a release -> seconds until their wait ends."""
+        now = time.monotonic()
+        with self._lock:
+            return {s: max(0.0, due - now) for s, (due, _) in self._holds.items()}
 
     def closed(self, assoc_id: int, *, released: bool) -> list[str]:
-        """An association ended; return (and report) the series it completed.
+        """An association ended; return (and report) the series it completed now.
 
         Parameters
         ----------
@@ -120,17 +218,113 @@ class CompletionTracker:
             release completes series (an aborted transfer waits for the quiet period), and
             only for senders whose policy counts the release.
         """
+        now = time.monotonic()
         with self._lock:
-            self._open.discard(assoc_id)
-            calling = self._calling.pop(assoc_id, "")
-            touched = self._by_assoc.pop(assoc_id, set())
-            if not released or RELEASE not in self.signals(calling):
+            a = self._assocs.pop(assoc_id, None)
+            if a is None or not a.series:
                 return []
-            still_busy = set().union(*self._by_assoc.values()) if self._by_assoc else set()
-            done = sorted(touched - still_busy)
+            for uid in a.series:
+                self._last_end.pop(uid, None)
+                self._last_end[uid] = (a.calling_ae, now)
+            while len(self._last_end) > MAX_REMEMBERED:
+                del self._last_end[next(iter(self._last_end))]
+            still_busy = {uid for uid in a.series if self._busy(uid)}
+        gap = max(a.continues.values()) if a.continues else None
+        pattern = self.senders.learn(a.calling_ae, sum(a.series.values()), bool(a.continues), gap)
+        if not released or RELEASE not in self.signals(a.calling_ae):
+            return []
+        done: list[str] = []
+        for uid in sorted(set(a.series) - still_busy):
+            reason = self._hold_reason(uid, a, pattern)
+            if reason is None:
+                done.append(uid)
+            else:
+                self._hold(uid, pattern.wait_s(), reason)
         for uid in done:
             self._complete(uid, RELEASE)
         return done
+
+    def _hold_reason(self, uid: str, a: _Association, pattern: SenderPattern) -> str | None:
+        """Why this release must not complete ``uid`` at once (None: it completes)."""
+        hints = self._hints(uid) if self._hints is not None else None
+        if hints is not None and hints.complete:
+            return None
+        wait = pattern.wait_s()
+        if pattern.splits_series:
+            return (
+                f"waiting {wait:.1f} s for more instances from {a.calling_ae or '(no AE)'}, "
+                f"which {pattern.describe()}"
+            )
+        n = a.series[uid]
+        if n < FEW_INSTANCES:
+            return (
+                f"waiting {wait:.1f} s for more instances from {a.calling_ae or '(no AE)'}: "
+                f"its association carried only {n} instance(s) of the series"
+            )
+        return None
+
+    def _hold(self, uid: str, wait: float, reason: str) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            token = next(self._tokens)
+            self._holds[uid] = (time.monotonic() + wait, token)
+            tell = uid not in self._told
+            self._told.add(uid)
+            if self._timer is None:
+                self._timer = threading.Thread(
+                    target=self._timer_loop, name="completion-holds", daemon=True
+                )
+                self._timer.start()
+            self._timer_wake.notify()
+        log.info("series held: %s", reason)
+        if tell and self._on_hold is not None:
+            try:
+                self._on_hold(uid, reason)
+            except Exception:
+                log.exception("recording a held series failed")
+
+    def _timer_loop(self) -> None:
+        with self._lock:
+            while not self._stopping:
+                now = time.monotonic()
+                due = [uid for uid, (at, _) in self._holds.items() if at <= now]
+                if not due:
+                    nxt = min((at for at, _ in self._holds.values()), default=None)
+                    self._timer_wake.wait(None if nxt is None else nxt - now)
+                    continue
+                for uid in due:
+                    del self._holds[uid]
+                ready = [uid for uid in due if not self._busy(uid)]
+                self._lock.release()
+                try:
+                    for uid in ready:
+                        self._wait_ended(uid)
+                finally:
+                    self._lock.acquire()
+
+    def _wait_ended(self, uid: str) -> None:
+        """A held series' wait passed with no new instance: complete it, unless its headers
+        say instances are missing (then the quiet period decides)."""
+        hints = self._hints(uid) if self._hints is not None else None
+        reason = hints.incomplete_reason() if hints is not None else None
+        if reason is not None:
+            log.info("series still held after the sender's gap: %s", reason)
+            if self._on_hold is not None:
+                try:
+                    self._on_hold(uid, f"{reason}; waiting for the rest or the quiet period")
+                except Exception:
+                    log.exception("recording a held series failed")
+            return
+        self._complete(uid, SENDER_GAP)
+
+    def stop(self) -> None:
+        """End the hold timer (pending holds are left to the quiet period after a restart)."""
+        with self._lock:
+            self._stopping = True
+            self._timer_wake.notify()
+        if self._timer is not None:
+            self._timer.join(5)
 
     def geometry_complete(self, series_uid: str, calling_ae: str) -> bool:
         """The series is geometrically complete; complete it if the sender's policy agrees."""
@@ -140,6 +334,9 @@ class CompletionTracker:
         return True
 
     def _complete(self, series_uid: str, trigger: str) -> None:
+        with self._lock:
+            self._holds.pop(series_uid, None)
+            self._told.discard(series_uid)
         try:
             self._on_complete(series_uid, trigger)
         except Exception:  # a job-creation failure must not kill the calling thread
@@ -159,6 +356,7 @@ class SeriesGeometry:
         self.expected: int | None = None
         self.mixed = False
         self.fired = False
+        self.numbers: set[int] = set()
 
     def add(
         self,
@@ -166,6 +364,7 @@ class SeriesGeometry:
         position: npt.NDArray[np.float64] | None,
         orientation: npt.NDArray[np.float64] | None,
         expected: int | None,
+        number: int | None = None,
     ) -> bool:
         """Record one slice; True exactly once, when the stack first becomes complete.
 
@@ -177,6 +376,8 @@ class SeriesGeometry:
         expected
             The instance's Images in Acquisition, if present.
         """
+        if number is not None:
+            self.numbers.add(number)
         if position is None or orientation is None:
             self.mixed = True
         elif self.orientation is None:
@@ -195,6 +396,18 @@ class SeriesGeometry:
             return False
         self.fired = uniform_stack(list(self.positions.values()), self.orientation)
         return self.fired
+
+    def hints(self) -> SeriesHints:
+        """What the slices recorded so far say about the series' extent."""
+        missing = 0
+        if len(self.numbers) >= 2:
+            missing = max(self.numbers) - min(self.numbers) + 1 - len(self.numbers)
+        return SeriesHints(
+            received=len(self.positions),
+            expected=None if self.mixed else self.expected,
+            complete=self.fired,
+            missing_numbers=missing,
+        )
 
 
 def uniform_stack(

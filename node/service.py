@@ -29,6 +29,7 @@ from node.rules import (
 )
 from node.scp import StoreSCP, record_from_file
 from node.scu import Dispatcher
+from node.senders import SenderBook, SenderPattern
 from node.series import CompletionTracker
 from node.streaming import Arrival, StreamingAssembler
 from node.worker import Worker
@@ -85,10 +86,26 @@ class Node:
             senders_from_peers(config.node.peers),
             lambda ae: config.series.policy_for(ae).priority,
         )
+        self.senders = SenderBook(
+            [
+                SenderPattern(ae, n, k, recent, None if gap is None else gap / 1000)
+                for ae, n, k, recent, gap in self.ledger.senders()
+            ],
+            save=lambda p: self.ledger.save_sender(
+                p.calling_ae,
+                p.associations,
+                p.instances,
+                p.recent,
+                None if p.gap_s is None else p.gap_s * 1000,
+            ),
+        )
         self.tracker = CompletionTracker(
             self._series_complete,
             complete_on_release=config.series.complete_on_release,
             policy=lambda ae: config.series.policy_for(ae).completion,
+            senders=self.senders,
+            hints=lambda uid: self.streaming.hints(uid),
+            on_hold=self.ledger.record_hold,
         )
         self.scp = StoreSCP(config, self.ledger, self.spool, self.tracker)
         self.worker = Worker(config, self.ledger, engine, self.manifest, self.pool)
@@ -306,6 +323,7 @@ class Node:
         """Stop accepting, let the association and job in flight finish, close the ledger."""
         self.notifier.send("STOPPING=1")
         self.scp.stop()
+        self.tracker.stop()
         self.worker.stop()
         self.dispatcher.stop()
         self.streaming.stop()

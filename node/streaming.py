@@ -45,7 +45,7 @@ from pydicom.dataelem import DataElement
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import UID
 
-from node.series import SeriesGeometry
+from node.series import SeriesGeometry, SeriesHints
 from node.volume import (
     MIN_SLICES,
     Volume,
@@ -355,9 +355,10 @@ class StreamingAssembler:
                     state.slots[str(arrival.path)] = slot
                     state.headers[slot] = header
                     state.slices[slot] = sl
+        number = _int_or_none(ds.get("InstanceNumber"))
         with self._cond:
             return self._geometry_of(state.uid).add(
-                arrival.sop_uid, position, orientation, _int_or_none(expected)
+                arrival.sop_uid, position, orientation, _int_or_none(expected), number
             )
 
     def _multiframe(self, state: _Series, arrival: Arrival, ds: Dataset, pixels: bool) -> bool:
@@ -468,6 +469,16 @@ class StreamingAssembler:
                     return False
                 self._cond.wait(left)
         return True
+
+    def hints(self, series_uid: str) -> SeriesHints | None:
+        """What the decoded headers of a series say about its extent (None: none decoded
+        yet, or decoding is still behind the instances received)."""
+        with self._cond:
+            state = self._series.get(series_uid)
+            if state is not None and state.pending:
+                return None  # decoding is behind: the hints would under-count
+            g = self._geometry.get(series_uid)
+            return None if g is None else g.hints()
 
     # -- the worker side ------------------------------------------------------------------
 

@@ -184,7 +184,7 @@ class Worker:
         sr_path = out / f"sr-{uids.sr_sop_uid}.dcm"
         write_atomic(seg_path, seg_bytes)
         write_atomic(sr_path, encode(sr))
-        self.ledger.save_results(
+        kept = self.ledger.save_results(
             job.id,
             [
                 ("SEG", str(seg.SOPClassUID), uids.seg_sop_uid, uids.seg_series_uid, seg_path),
@@ -192,6 +192,13 @@ class Worker:
             ],
             list(job.destinations),
         )
+        if not kept:
+            log.info(
+                "job %d: superseded while it ran (a newer version, or more instances of the "
+                "series arrived); its results are kept on disk and not sent",
+                job.id,
+            )
+            return
         if self.on_encoded is not None:
             self.on_encoded(job.id)
 

@@ -41,6 +41,7 @@ from storage.models import (
     Job,
     Meta,
     Result,
+    Sender,
     Series,
     SpoolPurge,
     Study,
@@ -467,11 +468,39 @@ class Ledger:
             version = (
                 s.scalar(select(func.max(Job.version)).where(Job.series_id == series.id)) or 0
             ) + 1
-            s.execute(
-                update(Job)
-                .where(Job.series_id == series.id, Job.state == "queued")
-                .values(state="superseded", finished_at=now, reason=f"superseded by v{version}")
+            # Older versions whose results have not left the node never will: queued and
+            # running jobs, and encoded jobs with nothing delivered yet (their deliveries are
+            # cancelled). A job that delivered something keeps going (its results are
+            # replaced, and withdrawn where the destination takes rejection notes).
+            sent_any = (
+                select(Delivery.id)
+                .where(Delivery.job_id == Job.id, Delivery.status == "sent")
+                .exists()
             )
+            undelivered = s.scalars(
+                select(Job.id).where(
+                    Job.series_id == series.id,
+                    or_(
+                        Job.state.in_(("queued", "running")),
+                        (Job.state == "encoded") & ~sent_any,
+                    ),
+                )
+            ).all()
+            if undelivered:
+                s.execute(
+                    update(Job)
+                    .where(Job.id.in_(undelivered))
+                    .values(
+                        state="superseded",
+                        finished_at=now,
+                        reason=f"superseded by v{version} before its results were sent",
+                    )
+                )
+                s.execute(
+                    update(Delivery)
+                    .where(Delivery.job_id.in_(undelivered), Delivery.status == "pending")
+                    .values(status="cancelled", last_error=f"superseded by v{version}")
+                )
             older = s.scalars(
                 select(Job.id).where(
                     Job.series_id == series.id, Job.state.in_(("encoded", "sent", "done"))
@@ -530,6 +559,70 @@ class Ledger:
                     )
                 )
             return ids
+
+    # -- sender patterns and held series -------------------------------------------------
+
+    def senders(self) -> list[tuple[str, int, int, str, float | None]]:
+        """Learnt sender patterns: (calling AE, associations, instances, recent, gap in ms)."""
+        with self._read() as s:
+            return [
+                (r.calling_ae, r.associations, r.instances, r.recent, r.gap_ms)
+                for r in s.scalars(select(Sender).order_by(Sender.calling_ae))
+            ]
+
+    def save_sender(
+        self, calling_ae: str, associations: int, instances: int, recent: str, gap_ms: float | None
+    ) -> None:
+        """Store a sender's learnt pattern."""
+        with self._tx() as s:
+            row = s.get(Sender, calling_ae[:16])
+            if row is None:
+                row = Sender(calling_ae=calling_ae[:16])
+                s.add(row)
+            row.associations, row.instances = associations, instances
+            row.recent, row.gap_ms, row.updated_at = recent[-32:], gap_ms, utcnow()
+
+    def record_hold(self, series_instance_uid: str, reason: str) -> None:
+        """Note why a release did not complete a series (shown by ``segnode jobs``)."""
+        with self._tx() as s:
+            series = s.scalar(
+                select(Series).where(Series.series_instance_uid == series_instance_uid)
+            )
+            if series is not None:
+                s.add(Event(at=utcnow(), kind="held", series_id=series.id, message=reason[:2048]))
+
+    def held_series(self, limit: int = 50) -> list[tuple[str, int, str, datetime]]:
+        """Series with instances no job has taken yet, with the last hold reason noted since
+        then (or "" ): (series UID, instances, reason, pending since)."""
+        with self._read() as s:
+            rows = s.execute(
+                select(Series)
+                .where(Series.pending_since.is_not(None))
+                .order_by(Series.pending_since.desc())
+                .limit(limit)
+            ).scalars()
+            out = []
+            for series in rows:
+                assert series.pending_since is not None
+                msg = s.scalar(
+                    select(Event.message)
+                    .where(
+                        Event.series_id == series.id,
+                        Event.kind == "held",
+                        Event.at >= series.pending_since,
+                    )
+                    .order_by(Event.id.desc())
+                    .limit(1)
+                )
+                out.append(
+                    (
+                        series.series_instance_uid,
+                        series.instance_count,
+                        msg or "",
+                        series.pending_since,
+                    )
+                )
+            return out
 
     def series_summary(self, series_instance_uid: str) -> SeriesSummary | None:
         """Calling AE, instance count and first instance of a series with pending instances
@@ -614,8 +707,8 @@ class Ledger:
         now = utcnow()
         with self._tx() as s:
             job = s.get(Job, job_id)
-            if job is None:
-                return
+            if job is None or job.state != "running":
+                return  # superseded (or cancelled) while it ran: that state stands
             job.state = "failed"
             job.reason = reason[:2048]
             job.finished_at = now
@@ -639,8 +732,12 @@ class Ledger:
         job_id: int,
         results: Sequence[tuple[str, str, str, str, Path]],
         destinations: Sequence[str],
-    ) -> None:
+    ) -> bool:
         """Record encoded result files and their outbox rows; the job becomes ``encoded``.
+
+        Returns False, recording nothing to send, when the job is no longer running (a newer
+        version superseded it) or its series received more instances while it ran (it is
+        then superseded: partial results never leave the node).
 
         Parameters
         ----------
@@ -653,7 +750,20 @@ class Ledger:
         with self._tx() as s:
             job = s.get(Job, job_id)
             if job is None or job.state != "running":
-                return
+                return False
+            series = s.get(Series, job.series_id)
+            if series is not None and series.pending_since is not None:
+                # Instances arrived while the job ran: its results cover part of the series
+                # and must not leave; the next version (the new instances complete it) will.
+                reason = (
+                    f"the series received more instances while this job ran "
+                    f"({job.instance_count} -> {series.instance_count}); not sent"
+                )
+                job.state = "superseded"
+                job.reason = reason
+                job.encoded_at = job.finished_at = now
+                s.add(Event(at=now, kind="job-superseded", job_id=job_id, message=reason))
+                return False
             for order, (kind, cls, sop, series_uid, path) in enumerate(results):
                 res = s.scalar(select(Result).where(Result.sop_instance_uid == sop))
                 if res is None:
@@ -694,6 +804,7 @@ class Ledger:
             s.add(
                 Event(at=now, kind="job-encoded", job_id=job_id, message=f"{len(results)} objects")
             )
+            return True
 
     # -- outbox --------------------------------------------------------------------------
 
@@ -705,8 +816,12 @@ class Ledger:
                 select(Delivery, Result)
                 .join(Result, Result.id == Delivery.result_id)
                 .join(Job, Job.id == Delivery.job_id)
+                .join(Series, Series.id == Job.series_id)
                 .where(Delivery.status == "pending", Delivery.next_attempt_at <= now)
                 .where(Job.state == "encoded")
+                # Not while newer instances of the series wait for their job: that job will
+                # supersede this one (a series that grows after encoding is not sent).
+                .where(Series.pending_since.is_(None))
                 .order_by(Job.priority.desc(), Delivery.job_id, Result.order)
                 .limit(limit)
             ).all()

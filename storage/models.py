@@ -174,3 +174,15 @@ class SpoolPurge(Base):
     purged_at: Mapped[datetime]
     files: Mapped[int] = mapped_column(default=0)
     size_bytes: Mapped[int] = mapped_column(default=0)
+
+
+class Sender(Base):
+    """A calling AE title's learnt association pattern (see :mod:`node.senders`)."""
+
+    __tablename__ = "senders"
+    calling_ae: Mapped[str] = mapped_column(String(16), primary_key=True)
+    associations: Mapped[int] = mapped_column(default=0)
+    instances: Mapped[int] = mapped_column(default=0)
+    recent: Mapped[str] = mapped_column(String(32), default="")
+    gap_ms: Mapped[float | None]
+    updated_at: Mapped[datetime]

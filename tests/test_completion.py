@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from node.config import from_dict
 from node.errors import ConfigError
-from node.series import GEOMETRY, RELEASE, CompletionTracker
+from node.senders import SenderBook, SenderPattern
+from node.series import GEOMETRY, RELEASE, SENDER_GAP, CompletionTracker, SeriesHints
 
 Done = list[tuple[str, str]]
 
@@ -25,7 +28,8 @@ def test_release_counts_only_for_release_policies() -> None:
     t, done = tracker({"SPLIT": "geometry", "SLOW": "quiet", "REL": "release"})
     for n, ae in enumerate(["SPLIT", "SLOW", "REL", "ANY"]):
         t.opened(n, ae)
-        t.touched(n, f"s-{ae}")
+        for _ in range(3):  # a whole (small) series on one association
+            t.touched(n, f"s-{ae}")
         t.closed(n, released=True)
     assert done == [("s-REL", RELEASE), ("s-ANY", RELEASE)]
 
@@ -56,7 +60,8 @@ def test_a_failing_callback_does_not_escape() -> None:
 
     t = CompletionTracker(boom)
     t.opened(1, "X")
-    t.touched(1, "s")
+    for _ in range(3):
+        t.touched(1, "s")
     assert t.closed(1, released=True) == ["s"]
 
 
@@ -100,3 +105,139 @@ def test_sender_config(tmp_path: Path) -> None:
         from_dict({**base, "streaming": {"workers": 0}})
     with pytest.raises(ConfigError, match="metrics.port"):
         from_dict({**base, "metrics": {"port": 70000}})
+
+
+# -- senders that split a series over associations --------------------------------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.done: list[tuple[str, str, float]] = []
+        self.held: list[tuple[str, str]] = []
+        self.event = threading.Event()
+
+    def complete(self, series: str, trigger: str) -> None:
+        self.done.append((series, trigger, time.monotonic()))
+        self.event.set()
+
+    def hold(self, series: str, reason: str) -> None:
+        self.held.append((series, reason))
+
+
+def _assoc(t: CompletionTracker, n: int, ae: str, series: str, instances: int) -> list[str]:
+    t.opened(n, ae)
+    for _ in range(instances):
+        t.touched(n, series)
+    return t.closed(n, released=True)
+
+
+def test_one_instance_per_association_completes_once_after_the_senders_gap() -> None:
+    r = Recorder()
+    book = SenderBook()
+    t = CompletionTracker(r.complete, senders=book, on_hold=r.hold)
+    try:
+        for n in range(20):
+            assert _assoc(t, n, "STORESCU", "s", 1) == []  # never at a release
+            time.sleep(0.02)
+        last = time.monotonic()
+        assert r.event.wait(5)
+        time.sleep(1.0)  # and nothing else later
+        assert [(s, trig) for s, trig, _ in r.done] == [("s", SENDER_GAP)]
+        waited = r.done[0][2] - last
+        assert 0.4 < waited < 1.5, waited  # the learnt gap: 4 x ~20 ms, at least 0.5 s
+        p = book.get("STORESCU")
+        assert p.splits_series and p.associations == 20 and p.instances == 20
+        assert p.gap_s is not None and p.gap_s < 0.2
+        assert "one instance per association" in p.describe()
+        assert len(r.held) == 1 and "STORESCU" in r.held[0][1]  # told once per series
+    finally:
+        t.stop()
+
+
+def test_whole_series_senders_keep_completing_at_the_release() -> None:
+    r = Recorder()
+    t = CompletionTracker(r.complete)
+    try:
+        t0 = time.monotonic()
+        assert _assoc(t, 1, "CT1", "a", 40) == ["a"]
+        assert _assoc(t, 2, "CT1", "b", 12) == ["b"]
+        assert [(s, trig) for s, trig, _ in r.done] == [("a", RELEASE), ("b", RELEASE)]
+        assert r.done[-1][2] - t0 < 0.1
+        assert not t.senders.get("CT1").splits_series
+    finally:
+        t.stop()
+
+
+def test_a_learnt_splitter_is_held_even_for_a_larger_association() -> None:
+    """Patterns come from the ledger at start: a sender known to split series is held after
+    an association of 10 instances, which alone would look like a whole series."""
+    r = Recorder()
+    known = SenderPattern("ROUTER", associations=30, instances=300, recent="nccc", gap_s=0.2)
+    t = CompletionTracker(r.complete, senders=SenderBook([known]))
+    try:
+        assert _assoc(t, 1, "ROUTER", "s", 10) == []
+        assert t.held() and known.wait_s() == 0.8
+        assert r.event.wait(3)
+        assert [(s, trig) for s, trig, _ in r.done] == [("s", SENDER_GAP)]
+    finally:
+        t.stop()
+
+
+def test_headers_decide_where_they_can() -> None:
+    r = Recorder()
+    hints: dict[str, SeriesHints] = {
+        "full": SeriesHints(received=5, expected=5, complete=True),
+        "short": SeriesHints(received=3, expected=5),
+        "hole": SeriesHints(received=4, missing_numbers=1),
+    }
+    known = SenderPattern("PI", associations=5, instances=5, recent="cccc", gap_s=0.01)
+    t = CompletionTracker(r.complete, senders=SenderBook([known]), hints=hints.get, on_hold=r.hold)
+    try:
+        assert _assoc(t, 1, "PI", "full", 1) == ["full"]  # all there: no wait at all
+        assert _assoc(t, 2, "PI", "short", 1) == []
+        assert _assoc(t, 3, "PI", "hole", 1) == []
+        time.sleep(1.2)  # the gap passes: the headers say more will come; the quiet period
+        assert [s for s, _, _ in r.done] == ["full"]
+        reasons = dict(r.held[-2:])
+        assert "3 of 5 instances received" in reasons["short"]
+        assert "Instance Number(s) missing" in reasons["hole"]
+    finally:
+        t.stop()
+
+
+def test_interleaved_senders_each_by_their_own_pattern() -> None:
+    """Two scanners at once: one instance per association from PI on "p", whole series from
+    CT on "c"; "c" completes at its release, "p" once after its last association."""
+    r = Recorder()
+    t = CompletionTracker(r.complete)
+    try:
+        for n in range(10):
+            _assoc(t, 100 + n, "PI", "p", 1)
+            if n == 5:
+                t.opened(1, "CT")
+                for _ in range(30):
+                    t.touched(1, "c")
+            time.sleep(0.02)
+        assert t.closed(1, released=True) == ["c"]
+        assert r.event.wait(5)
+        time.sleep(0.8)
+        assert [(s, trig) for s, trig, _ in r.done] == [("c", RELEASE), ("p", SENDER_GAP)]
+    finally:
+        t.stop()
+
+
+def test_a_new_association_during_the_wait_cancels_it() -> None:
+    r = Recorder()
+    t = CompletionTracker(r.complete)
+    try:
+        assert _assoc(t, 1, "X", "s", 1) == []  # held 1 s (unknown sender, one instance)
+        time.sleep(0.5)
+        t.opened(2, "X")
+        t.touched(2, "s")  # more of the series: the first wait is moot
+        time.sleep(0.8)
+        assert r.done == []  # nothing at the first wait's end, the association is open
+        t.closed(2, released=True)
+        assert r.event.wait(3)
+        assert len(r.done) == 1
+    finally:
+        t.stop()

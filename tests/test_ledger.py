@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.ledger import InstanceRecord, Ledger, utcnow
+from storage.ledger import InstanceRecord, JobView, Ledger, utcnow
 from storage.spool import Spool, SpoolError, valid_uid, write_atomic
 
 
@@ -172,3 +172,59 @@ def test_missing_instances_finds_spool_files_without_a_row(ledger: Ledger, tmp_p
     missing = ledger.missing_instances(found)
     assert sorted(missing) == sorted(p for k, p in enumerate(paths, 1) if k % 3 == 0)
     assert len(missing) == 400
+
+
+def _results(job: JobView, tmp_path: Path) -> list[tuple[str, str, str, str, Path]]:
+    seg, sr = "1.2.840.10008.5.1.4.1.1.66.4", "1.2.840.10008.5.1.4.1.1.88.34"
+    return [
+        ("SEG", seg, job.seg_sop_uid, job.seg_series_uid, tmp_path / "s"),
+        ("SR", sr, job.sr_sop_uid, job.sr_series_uid, tmp_path / "r"),
+    ]
+
+
+def test_no_partial_result_leaves(ledger: Ledger, tmp_path: Path) -> None:
+    """A series that grows while its job runs, or after it is encoded but before delivery,
+    never has that job's results sent; the next version supersedes it."""
+    for i in range(3):
+        ledger.record_instance(rec(f"6.{i}"), tmp_path / str(i), 1)
+    j1 = ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
+    running = ledger.claim_next_job()
+    assert running is not None and running.id == j1
+    # An instance arrives while v1 runs: its results are not kept for sending.
+    ledger.record_instance(rec("6.9"), tmp_path / "9", 1)
+    assert ledger.save_results(running.id, _results(running, tmp_path), ["A@h:1"]) is False
+    v1 = ledger.job(running.id)
+    assert v1 is not None and v1.state == "superseded" and "while this job ran" in (v1.reason or "")
+    assert ledger.due_deliveries() == []
+    ledger.fail_job(running.id, "late failure")  # a superseded job stays superseded
+    assert ledger.job_state(running.id) == "superseded"
+
+    # v2 is encoded; an instance arrives before its delivery: nothing is due while it waits,
+    # and v3 cancels v2's deliveries.
+    j2 = ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
+    job2 = ledger.claim_next_job()
+    assert job2 is not None and job2.id == j2
+    assert ledger.save_results(job2.id, _results(job2, tmp_path), ["A@h:1"]) is True
+    assert len(ledger.due_deliveries()) == 2
+    ledger.record_instance(rec("6.10"), tmp_path / "10", 1)
+    assert ledger.due_deliveries() == []  # the series grew: hold v2's results
+    j3 = ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
+    assert j3 is not None
+    assert ledger.job_state(job2.id) == "superseded"
+    assert ledger.due_deliveries() == []
+    job3 = ledger.claim_next_job()
+    assert job3 is not None and job3.instance_count == 5
+    assert ledger.save_results(job3.id, _results(job3, tmp_path), ["A@h:1"]) is True
+    assert {d.job_id for d in ledger.due_deliveries()} == {job3.id}
+
+
+def test_sender_patterns_and_holds_are_kept(ledger: Ledger, tmp_path: Path) -> None:
+    ledger.save_sender("SCANNER1", 40, 40, "nccc", 42.0)
+    ledger.save_sender("SCANNER1", 41, 41, "ncccc", 40.0)
+    assert ledger.senders() == [("SCANNER1", 41, 41, "ncccc", 40.0)]
+    ledger.record_instance(rec("7.1"), tmp_path / "1", 1)
+    ledger.record_hold("1.2.3.1", "waiting 0.5 s for more instances from SCANNER1")
+    ((uid, n, reason, _since),) = ledger.held_series()
+    assert (uid, n) == ("1.2.3.1", 1) and reason.startswith("waiting 0.5 s")
+    ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
+    assert ledger.held_series() == []
