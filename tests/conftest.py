@@ -139,13 +139,14 @@ class Orthanc:
                 self.proc.kill()
 
 
-def start_orthanc(base: Path, dicom_port: int | None = None) -> Orthanc:
-    """Start Orthanc with a private storage folder; wait until its REST API answers."""
+def start_orthanc(base: Path, dicom_port: int | None = None, **extra: Any) -> Orthanc:
+    """Start Orthanc with a private storage folder; wait until its REST API answers.
+    ``extra``: more configuration options (Lua scripts, modalities, ...)."""
     exe = require_tool("Orthanc")
     base.mkdir(parents=True, exist_ok=True)
     dicom_port = dicom_port or free_port()
     http_port = free_port()
-    cfg = orthanc_config(base, dicom_port, http_port)
+    cfg = orthanc_config(base, dicom_port, http_port, **extra)
     (base / "orthanc.json").write_text(json.dumps(cfg))
     log = (base / "orthanc.log").open("ab")
     proc = subprocess.Popen([exe, str(base / "orthanc.json")], stdout=log, stderr=subprocess.STDOUT)

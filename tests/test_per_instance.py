@@ -1,0 +1,155 @@
+"""Senders that open one association per instance (issue: partial results in the PACS).
+
+Real peers on loopback: DCMTK ``storescu`` called once per file, and Orthanc forwarding each
+stored instance to the node from its ``OnStoredInstance`` Lua callback (the common routing
+recipe). The node must put exactly one SEG and one SR per series into Orthanc, covering every
+slice, and nothing else, ever.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydicom import dcmread
+from pydicom.filebase import DicomBytesIO
+
+from node.synthetic import write_synthetic_series
+from tests.conftest import LOOPBACK, NodeProcess, free_port, require_tool, start_orthanc, wait_for
+from tests.test_interop import count_results, orthanc_results
+
+pytestmark = [pytest.mark.interop, pytest.mark.slow]
+
+
+def storescu_each(port: int, files: list[Path], calling: str = "SCRIPT") -> float:
+    """One ``storescu`` process (one association) per file; return when the last returned."""
+    exe = require_tool("storescu")
+    for f in files:
+        out = subprocess.run(
+            [exe, "-aet", calling, "-aec", "SEGNODE", LOOPBACK, str(port), str(f)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+    return time.monotonic()
+
+
+def seg_sources(seg: bytes) -> set[str]:
+    """SOP Instance UIDs the SEG references as its source images."""
+    ds = dcmread(DicomBytesIO(seg))
+    return {
+        str(i.ReferencedSOPInstanceUID)
+        for s in ds.ReferencedSeriesSequence
+        for i in s.ReferencedInstanceSequence
+    }
+
+
+def series_jobs(node: NodeProcess, series_uid: str) -> list[dict[str, Any]]:
+    return [j for j in node.jobs()["jobs"] if j["series"] == series_uid]
+
+
+def test_storescu_once_per_file_gives_one_seg_and_sr_per_series(
+    make_node: Any, tmp_path: Path
+) -> None:
+    oport = free_port()
+    node: NodeProcess = make_node(
+        start=False,
+        dispatch={"destinations": [f"ORTHANC@{LOOPBACK}:{oport}"], "retry_initial_s": 0.2},
+    )
+    node.start()
+    orthanc = start_orthanc(tmp_path / "pacs", dicom_port=oport)
+    try:
+        cases = {}
+        for n, seed in ((40, 9501), (128, 9502)):
+            files = write_synthetic_series(
+                tmp_path / f"s{n}", rows=64, columns=64, slices=n, seed=seed
+            )
+            ds = dcmread(files[0], stop_before_pixels=True)
+            study, series = str(ds.StudyInstanceUID), str(ds.SeriesInstanceUID)
+            last = storescu_each(node.port, files)
+            wait_for(lambda s=study: count_results(orthanc, s) == (1, 1), 120, f"{n} SEG+SR")
+            took = time.monotonic() - last
+            (job,) = series_jobs(node, str(ds.SeriesInstanceUID))
+            print(f"{n} slices, one association each: last response -> SEG+SR {took:.2f} s")
+            print(f"  stages: {job['stages']}")
+            cases[n] = (study, series, {str(dcmread(f).SOPInstanceUID) for f in files})
+        time.sleep(30)  # a quiet period later: still one SEG and one SR per series
+        for n, (study, series, sops) in cases.items():
+            assert count_results(orthanc, study) == (1, 1), n
+            (seg,) = orthanc_results(orthanc, study)["SEG"]
+            assert seg_sources(seg) == sops  # every slice, not a part
+            jobs = series_jobs(node, series)
+            assert [j["state"] for j in jobs] == ["sent"], jobs  # one version, never partial
+            assert jobs[0]["instances"] == n
+            assert jobs[0]["trigger"] in ("sender-gap", "geometry"), jobs[0]["trigger"]
+        status = node.cli("status")
+        assert '"splits_series": true' in status.stdout, status.stdout
+    finally:
+        orthanc.stop()
+
+
+LUA = """
+function OnStoredInstance(instanceId, tags, metadata, origin)
+  if tags['Modality'] == 'CT' then
+    SendToModality(instanceId, 'segnode')
+  end
+end
+"""
+
+
+def test_orthanc_forwarding_each_instance_gives_one_seg_and_sr(
+    make_node: Any, tmp_path: Path
+) -> None:
+    oport = free_port()
+    node: NodeProcess = make_node(
+        start=False,
+        dispatch={"destinations": [f"ORTHANC@{LOOPBACK}:{oport}"], "retry_initial_s": 0.2},
+    )
+    node.start()
+    lua = tmp_path / "forward.lua"
+    lua.write_text(LUA)
+    orthanc = start_orthanc(
+        tmp_path / "pacs",
+        dicom_port=oport,
+        LuaScripts=[str(lua)],
+        DicomModalities={"segnode": ["SEGNODE", LOOPBACK, node.port]},
+        DicomAssociationCloseDelay=0,  # one association per forwarded instance
+    )
+    try:
+        files = write_synthetic_series(tmp_path / "s", rows=64, columns=64, slices=40, seed=9503)
+        ds = dcmread(files[0], stop_before_pixels=True)
+        study, series = str(ds.StudyInstanceUID), str(ds.SeriesInstanceUID)
+        exe = require_tool("storescu")
+        out = subprocess.run(
+            [
+                exe,
+                "-aet",
+                "MODALITY",
+                "-aec",
+                "ORTHANC",
+                "+sd",
+                LOOPBACK,
+                str(oport),
+                str(tmp_path / "s"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        wait_for(lambda: count_results(orthanc, study) == (1, 1), 120, "SEG+SR via Orthanc")
+        t_done = time.monotonic()
+        time.sleep(30)
+        assert count_results(orthanc, study) == (1, 1)
+        (seg,) = orthanc_results(orthanc, study)["SEG"]
+        assert seg_sources(seg) == {str(dcmread(f).SOPInstanceUID) for f in files}
+        jobs = series_jobs(node, series)
+        assert [j["state"] for j in jobs] == ["sent"], jobs
+        later = time.monotonic() - t_done
+        print(f"Orthanc forwarding: one SEG+SR, still {later:.0f} s later")
+    finally:
+        orthanc.stop()
