@@ -50,6 +50,8 @@ class Peer:
     host: str
     port: int
     tls: ClientTLS | None = None
+    #: Send an IHE IOCM rejection note for results a newer version of the series replaced.
+    reject_superseded: bool = False
 
     @property
     def name(self) -> str:
@@ -498,15 +500,26 @@ PathFn = Callable[[Any, str], Path]
 
 def _tls_dest(x: dict[str, Any], key: str, path: PathFn) -> Peer:
     """A destination given as a table: ``{peer = "AE@HOST:PORT", tls = true, ...}``."""
-    known = {"peer", "tls", "ca_file", "cert_file", "key_file", "server_name", "verify"}
+    known = {
+        "peer",
+        "tls",
+        "ca_file",
+        "cert_file",
+        "key_file",
+        "server_name",
+        "verify",
+        "reject_superseded",
+    }
     unknown = set(x) - known
     if unknown:
         raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
     if "peer" not in x:
         raise ConfigError(f'{key}: a table destination needs peer = "AE@HOST:PORT"')
     peer = parse_peer(_str(x["peer"], f"{key}.peer"), f"{key}.peer")
+    reject = _bool(x.get("reject_superseded", False), f"{key}.reject_superseded")
+    peer = replace(peer, reject_superseded=reject)
     if not _bool(x.get("tls", False), f"{key}.tls"):
-        if set(x) - {"peer", "tls"}:
+        if set(x) - {"peer", "tls", "reject_superseded"}:
             raise ConfigError(f"{key}: TLS options given but tls is not true")
         return peer
 

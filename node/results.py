@@ -100,7 +100,7 @@ class SegmentStatistics:
     std_hu: float  # population standard deviation (ddof = 0)
 
 
-def _derived_uid(*parts: str) -> str:
+def derived_uid(*parts: str) -> str:
     """Deterministic UID from ``parts``: a name-based (SHA-1) UUID in the ``2.25`` form of
     PS3.5 B.2, so the same result re-encoded gets the same UID."""
     return f"2.25.{uuid.uuid5(_UID_NAMESPACE, chr(0).join(parts)).int}"
@@ -329,7 +329,7 @@ def build_seg(
                 segmented_property_type=_code(spec.type),
                 algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
                 algorithm_identification=algorithm,
-                tracking_uid=_derived_uid(uids.seg_sop_uid, "segment", str(number)),
+                tracking_uid=derived_uid(uids.seg_sop_uid, "segment", str(number)),
                 tracking_id=spec.name[:64],
                 display_color=hd.color.CIELabColor.from_rgb(*spec.color),
             )
@@ -425,7 +425,7 @@ def build_sr(
         raise ResultError("seg is not the SEG of these ResultUIDs")
 
     device = DeviceObserverIdentifyingAttributes(
-        uid=_derived_uid("segnode-device", manufacturer, device_serial),
+        uid=derived_uid("segnode-device", manufacturer, device_serial),
         name="segnode",
         manufacturer_name=manufacturer,
         model_name=f"{manifest.name} {manifest.version}"[:64],
@@ -448,7 +448,7 @@ def build_sr(
         groups.append(
             VolumetricROIMeasurementsAndQualitativeEvaluations(
                 tracking_identifier=TrackingIdentifier(
-                    uid=_derived_uid(uids.sr_sop_uid, "segment", str(s.segment_number)),
+                    uid=derived_uid(uids.sr_sop_uid, "segment", str(s.segment_number)),
                     identifier=spec.name[:64],
                 ),
                 referenced_segment=ReferencedSegment(

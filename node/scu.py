@@ -41,6 +41,7 @@ from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 from pynetdicom import AE
 from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Comprehensive3DSRStorage,
+    KeyObjectSelectionDocumentStorage,
     SegmentationStorage,
     Verification,
 )
@@ -62,7 +63,7 @@ def make_ae(calling_ae: str, timeout: float) -> AE:
     ae.dimse_timeout = timeout
     ae.network_timeout = timeout
     ae.connection_timeout = min(timeout, 10)
-    for cls in (SegmentationStorage, Comprehensive3DSRStorage):
+    for cls in (SegmentationStorage, Comprehensive3DSRStorage, KeyObjectSelectionDocumentStorage):
         ae.add_requested_context(cls, [ExplicitVRLittleEndian, ImplicitVRLittleEndian])
     ae.add_requested_context(Verification)
     return ae

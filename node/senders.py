@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 
 #: Associations remembered per sender (a rolling window of "continued" / "new series").
 WINDOW = 16
+#: Continuations among the last ``WINDOW`` associations that make a sender a splitter.
+SPLITS_IN_WINDOW = 2
 #: An association continues a series when the series' previous association from the same AE
 #: ended at most this long before it opened.
 CONTINUE_WINDOW_S = 30.0
@@ -47,8 +49,11 @@ class SenderPattern:
 
     @property
     def splits_series(self) -> bool:
-        """Whether one of the sender's recent associations continued a series."""
-        return "c" in self.recent
+        """Whether the sender splits series over associations: at least
+        ``SPLITS_IN_WINDOW`` of its recent associations continued a series. One alone is a
+        late instance, which a whole-series sender sends now and then: its next series
+        must not wait for it."""
+        return self.recent.count("c") >= SPLITS_IN_WINDOW
 
     @property
     def per_association(self) -> float:

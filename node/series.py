@@ -87,6 +87,8 @@ class SeriesHints:
     complete: bool = False
     #: Instance Numbers missing between the lowest and highest received (a hole).
     missing_numbers: int = 0
+    #: The first of them.
+    first_missing: int | None = None
 
     def incomplete_reason(self) -> str | None:
         """Why the headers say more instances will come, or None."""
@@ -95,7 +97,10 @@ class SeriesHints:
         if self.expected is not None and self.received < self.expected:
             return f"{self.received} of {self.expected} instances received (Images in Acquisition)"
         if self.missing_numbers:
-            return f"{self.missing_numbers} Instance Number(s) missing between those received"
+            return (
+                f"{self.missing_numbers} Instance Number(s) missing between those received "
+                f"(the first: {self.first_missing})"
+            )
         return None
 
 
@@ -399,14 +404,18 @@ class SeriesGeometry:
 
     def hints(self) -> SeriesHints:
         """What the slices recorded so far say about the series' extent."""
-        missing = 0
+        missing, first = 0, None
         if len(self.numbers) >= 2:
-            missing = max(self.numbers) - min(self.numbers) + 1 - len(self.numbers)
+            lo, hi = min(self.numbers), max(self.numbers)
+            missing = hi - lo + 1 - len(self.numbers)
+            if missing:
+                first = next(n for n in range(lo, hi + 1) if n not in self.numbers)
         return SeriesHints(
             received=len(self.positions),
             expected=None if self.mixed else self.expected,
             complete=self.fired,
             missing_numbers=missing,
+            first_missing=first,
         )
 
 

@@ -330,6 +330,7 @@ class StreamingAssembler:
             return self._multiframe(state, arrival, ds, pixels)
         position = orientation = None
         expected = ds.get("ImagesInAcquisition")
+        number = _int_or_none(ds.get("InstanceNumber"))
         try:
             sl = _single_frame_slice(ds, 0)
             position, orientation = sl.position, sl.orientation
@@ -355,7 +356,6 @@ class StreamingAssembler:
                     state.slots[str(arrival.path)] = slot
                     state.headers[slot] = header
                     state.slices[slot] = sl
-        number = _int_or_none(ds.get("InstanceNumber"))
         with self._cond:
             return self._geometry_of(state.uid).add(
                 arrival.sop_uid, position, orientation, _int_or_none(expected), number

@@ -21,15 +21,17 @@ from pydicom import Dataset
 from engines.base import Engine, EngineError
 from engines.manifest import ModelManifest
 from node import __version__
-from node.config import Config
+from node.config import Config, Peer
 from node.engine_pool import EnginePool
 from node.errors import JobError
+from node.rejection import KOS_SOP_CLASS, build_rejection_note
 from node.results import (
     NoSegmentsError,
     ResultError,
     ResultUIDs,
     build_seg,
     build_sr,
+    derived_uid,
     verify_seg,
 )
 from node.rules import DEFAULT_MODEL_NAME, model_specs
@@ -80,6 +82,13 @@ class Worker:
         #: The last volume, kept while other models' jobs of the same series version wait.
         self._volume: tuple[str, int, list[Path], Volume] | None = None
         self.results_dir = config.data_dir / "results"
+        # Destinations that take IOCM rejection notes for superseded results.
+        returns = [p.return_peer for p in config.node.peers if p.return_peer is not None]
+        self._rejecting = {
+            t.name
+            for t in [*config.dispatch.destinations, *config.routing.destinations(), *returns]
+            if isinstance(t, Peer) and t.reject_superseded
+        }
         self.wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -184,6 +193,7 @@ class Worker:
         sr_path = out / f"sr-{uids.sr_sop_uid}.dcm"
         write_atomic(seg_path, seg_bytes)
         write_atomic(sr_path, encode(sr))
+        notes = self._rejection_notes(job, out)
         kept = self.ledger.save_results(
             job.id,
             [
@@ -191,6 +201,7 @@ class Worker:
                 ("SR", str(sr.SOPClassUID), uids.sr_sop_uid, uids.sr_series_uid, sr_path),
             ],
             list(job.destinations),
+            notes,
         )
         if not kept:
             log.info(
@@ -201,6 +212,42 @@ class Worker:
             return
         if self.on_encoded is not None:
             self.on_encoded(job.id)
+
+    def _rejection_notes(
+        self, job: JobView, out: Path
+    ) -> list[tuple[str, str, str, str, Path, list[str]]]:
+        """IOCM rejection notes for the destinations with ``reject_superseded`` that
+        received results of an older version of the series (one note per set of rejected
+        objects; UIDs derived from the job's, so a re-run makes the same note)."""
+        rejecting = self._rejecting & set(job.destinations)
+        if not rejecting:
+            return []
+        by_set: dict[tuple[str, ...], tuple[list[Path], list[str]]] = {}
+        for dest, sent in self.ledger.superseded_sent(job.id).items():
+            if dest in rejecting:
+                key = tuple(sorted(uid for uid, _ in sent))
+                by_set.setdefault(key, ([p for _, p in sent], []))[1].append(dest)
+        notes = []
+        for key, (paths, dests) in by_set.items():
+            uid = derived_uid("segnode-kos", job.seg_sop_uid, *key)
+            series_uid = derived_uid("segnode-kos-series", job.seg_sop_uid, *key)
+            try:
+                note = build_rejection_note(
+                    paths, series_instance_uid=series_uid, sop_instance_uid=uid
+                )
+            except (OSError, ValueError) as exc:
+                log.error("job %d: no rejection note for %s: %s", job.id, ", ".join(dests), exc)
+                continue
+            path = out / f"kos-{uid}.dcm"
+            write_atomic(path, encode(note))
+            notes.append(("KOS", KOS_SOP_CLASS, uid, series_uid, path, sorted(dests)))
+            log.info(
+                "job %d: rejection note for %d superseded object(s) to %s",
+                job.id,
+                len(key),
+                ", ".join(sorted(dests)),
+            )
+        return notes
 
     def _sibling_volume(self, job: JobView, paths: list[Path]) -> Volume | None:
         """The volume of the previous job if it was the same series version (another model)."""

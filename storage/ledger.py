@@ -727,11 +727,36 @@ class Ledger:
             job.finished_at = now
             s.add(Event(at=now, kind="job-empty", job_id=job_id, message=reason[:2048]))
 
+    def superseded_sent(self, job_id: int) -> dict[str, list[tuple[str, Path]]]:
+        """Results of older versions of the job's series that were delivered (SEG and SR, not
+        rejection notes): destination -> [(SOP Instance UID, file)]."""
+        with self._read() as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                return {}
+            rows = s.execute(
+                select(Delivery.destination, Result.sop_instance_uid, Result.path)
+                .join(Result, Result.id == Delivery.result_id)
+                .join(Job, Job.id == Delivery.job_id)
+                .where(
+                    Job.series_id == job.series_id,
+                    Job.version < job.version,
+                    Delivery.status == "sent",
+                    Result.kind.in_(("SEG", "SR")),
+                )
+                .order_by(Job.version, Result.order)
+            ).all()
+        out: dict[str, list[tuple[str, Path]]] = {}
+        for dest, sop, path in rows:
+            out.setdefault(dest, []).append((sop, Path(path)))
+        return out
+
     def save_results(
         self,
         job_id: int,
         results: Sequence[tuple[str, str, str, str, Path]],
         destinations: Sequence[str],
+        notes: Sequence[tuple[str, str, str, str, Path, Sequence[str]]] = (),
     ) -> bool:
         """Record encoded result files and their outbox rows; the job becomes ``encoded``.
 
@@ -745,6 +770,9 @@ class Ledger:
             ``(kind, sop_class_uid, sop_instance_uid, series_instance_uid, path)`` in send order.
         destinations
             Destination names (``AE@host:port``); one delivery row per result and destination.
+        notes
+            Objects for some destinations only, sent after ``results`` (rejection notes):
+            ``(kind, sop_class_uid, sop_instance_uid, series_instance_uid, path, destinations)``.
         """
         now = utcnow()
         with self._tx() as s:
@@ -764,7 +792,11 @@ class Ledger:
                 job.encoded_at = job.finished_at = now
                 s.add(Event(at=now, kind="job-superseded", job_id=job_id, message=reason))
                 return False
-            for order, (kind, cls, sop, series_uid, path) in enumerate(results):
+            items: list[tuple[str, str, str, str, Path, Sequence[str]]] = [
+                (*r, destinations) for r in results
+            ]
+            items += notes
+            for order, (kind, cls, sop, series_uid, path, dests) in enumerate(items):
                 res = s.scalar(select(Result).where(Result.sop_instance_uid == sop))
                 if res is None:
                     res = Result(
@@ -778,7 +810,7 @@ class Ledger:
                     )
                     s.add(res)
                     s.flush()
-                for dest in destinations:
+                for dest in dests:
                     exists = s.scalar(
                         select(Delivery.id).where(
                             Delivery.result_id == res.id, Delivery.destination == dest

@@ -241,3 +241,15 @@ def test_a_new_association_during_the_wait_cancels_it() -> None:
         assert len(r.done) == 1
     finally:
         t.stop()
+
+
+def test_one_late_instance_does_not_make_a_whole_series_sender_wait() -> None:
+    r = Recorder()
+    t = CompletionTracker(r.complete)
+    try:
+        assert _assoc(t, 1, "CT1", "a", 40) == ["a"]
+        assert _assoc(t, 2, "CT1", "a", 1) == []  # a late instance: held (one instance)
+        assert not t.senders.get("CT1").splits_series
+        assert _assoc(t, 3, "CT1", "b", 40) == ["b"]  # the next series: at its release
+    finally:
+        t.stop()

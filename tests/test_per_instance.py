@@ -153,3 +153,63 @@ def test_orthanc_forwarding_each_instance_gives_one_seg_and_sr(
         print(f"Orthanc forwarding: one SEG+SR, still {later:.0f} s later")
     finally:
         orthanc.stop()
+
+
+def orthanc_kos(orthanc: Any, study_uid: str) -> list[bytes]:
+    """Key Object Selection Documents Orthanc holds in a study."""
+    out = []
+    for sid in orthanc.get("/series"):
+        s = orthanc.get(f"/series/{sid}")
+        study = orthanc.get(f"/studies/{s['ParentStudy']}")
+        if study["MainDicomTags"].get("StudyInstanceUID") != study_uid:
+            continue
+        if s["MainDicomTags"].get("Modality") == "KO":
+            out.extend(orthanc.get_bytes(f"/instances/{i}/file") for i in s["Instances"])
+    return out
+
+
+def test_a_late_instance_after_delivery_sends_new_results_and_a_rejection_note(
+    make_node: Any, tmp_path: Path
+) -> None:
+    """With ``reject_superseded = true`` the destination gets the new SEG and SR and an IOCM
+    rejection note (KOS, "Rejected for Quality Reasons") naming the old SEG and SR."""
+    from node.rejection import rejected_uids
+
+    oport = free_port()
+    node: NodeProcess = make_node(start=False, dispatch={"retry_initial_s": 0.2})
+    dest = f'{{ peer = "ORTHANC@{LOOPBACK}:{oport}", reject_superseded = true }}'
+    text = node.config_path.read_text().replace(
+        "[dispatch]\n", f"[dispatch]\ndestinations = [{dest}]\n"
+    )
+    node.config_path.write_text(text)
+    node.start()
+    orthanc = start_orthanc(tmp_path / "pacs", dicom_port=oport)
+    try:
+        files = write_synthetic_series(tmp_path / "s", rows=64, columns=64, slices=20, seed=9504)
+        ds = dcmread(files[0], stop_before_pixels=True)
+        study, series = str(ds.StudyInstanceUID), str(ds.SeriesInstanceUID)
+        (tmp_path / "first").mkdir()
+        for f in files[:-1]:
+            (tmp_path / "first" / f.name).symlink_to(f)
+        exe = require_tool("storescu")
+        cmd = [exe, "-aet", "CT1", "-aec", "SEGNODE", "+sd", LOOPBACK, str(node.port)]
+        assert subprocess.run([*cmd, str(tmp_path / "first")], timeout=60).returncode == 0
+        wait_for(lambda: count_results(orthanc, study) == (1, 1), 120, "v1 SEG+SR")
+        wait_for(lambda: [j["state"] for j in series_jobs(node, series)] == ["sent"], 30, "v1")
+        (v1,) = series_jobs(node, series)
+        assert subprocess.run([*cmd, str(files[-1])], timeout=60).returncode == 0  # late
+        wait_for(lambda: count_results(orthanc, study) == (2, 2), 120, "v2 SEG+SR")
+        wait_for(lambda: len(orthanc_kos(orthanc, study)) == 1, 60, "rejection note")
+        (kos,) = orthanc_kos(orthanc, study)
+        note = dcmread(DicomBytesIO(kos))
+        title = note.ConceptNameCodeSequence[0]
+        assert (title.CodeValue, title.CodingSchemeDesignator) == ("113001", "DCM")
+        assert rejected_uids(note) == {v1["seg_sop_uid"], v1["sr_sop_uid"]}
+        jobs = {j["version"]: j for j in series_jobs(node, series)}
+        assert jobs[2]["state"] == "sent" and jobs[2]["instances"] == 20
+        kinds = [d["kind"] for d in jobs[2]["deliveries"]]
+        assert kinds == ["SEG", "SR", "KOS"]  # the new results first, then the note
+        (seg2,) = [s for s in orthanc_results(orthanc, study)["SEG"] if len(seg_sources(s)) == 20]
+        assert seg_sources(seg2) == {str(dcmread(f).SOPInstanceUID) for f in files}
+    finally:
+        orthanc.stop()
