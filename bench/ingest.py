@@ -467,6 +467,58 @@ def end_to_end(folder: Path, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def orthanc_series_count(hport: int) -> int:
+    with urllib.request.urlopen(f"http://{LOOPBACK}:{hport}/series", timeout=10) as r:
+        return len(json.loads(r.read()))
+
+
+def per_instance(slices: int, runs: int, tmp: Path) -> dict[str, Any]:
+    """Last C-STORE response -> SEG and SR stored in Orthanc, for one series sent by DCMTK
+    storescu on one association, and the same size of series sent by storescu once per file
+    (one association per instance), each against a node that has seen its sender before
+    (one warm-up series first). Fresh series every run (new UIDs)."""
+    out: dict[str, Any] = {"series": f"512x512x{slices}", "runs": runs}
+    for mode in ("one association", "one association per instance"):
+        work = tmp / f"per-instance-{slices}-{mode.replace(' ', '_')}"
+        work.mkdir(parents=True)
+        folders = [
+            series(f"pi{slices}-{k}", slices, 9600 + slices + k, hint=False)
+            for k in range(runs + 1)
+        ]
+        times: list[float] = []
+        with orthanc(work / "orthanc") as (dport, hport, _o):
+            extra = f'[dispatch]\ndestinations = ["ORTHANC@{LOOPBACK}:{dport}"]\n'
+            (work / "node").mkdir()
+            with segnode(work / "node", extra) as (port, _proc, _data):
+                for k, folder in enumerate(folders):
+                    warm_page_cache(files_of(folder))
+                    if mode == "one association":
+                        storescu(port, folder)
+                    else:
+                        for f in files_of(folder):
+                            r = subprocess.run(
+                                ["storescu", "-aet", "SCRIPT", "-aec", "SEGNODE"]
+                                + [LOOPBACK, str(port), str(f)],
+                                capture_output=True,
+                            )
+                            if r.returncode != 0:
+                                raise RuntimeError("storescu failed")
+                    last = time.monotonic()
+                    wait(lambda k=k: orthanc_series_count(hport) >= 2 * (k + 1), 600, "SEG+SR")
+                    if k:  # the first series is the warm-up
+                        times.append(time.monotonic() - last)
+                time.sleep(2)
+                n = orthanc_series_count(hport)
+        out[mode] = {
+            "runs_s": [round(x, 3) for x in times],
+            "median_s": round(statistics.median(times), 3),
+            "orthanc_series": n,
+            "expected_series": 2 * len(folders),
+        }
+        print(f"  per instance {slices} slices, {mode}: {out[mode]}", flush=True)
+    return out
+
+
 def memory(folder: Path, tmp: Path) -> dict[str, Any]:
     n = len(files_of(folder))
     volume_bytes = n * 512 * 512 * 4
@@ -592,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-memory", action="store_true", help="skip the 1000-slice series")
     p.add_argument(
         "--only",
-        choices=["ingest", "completion", "end_to_end", "memory"],
+        choices=["ingest", "completion", "end_to_end", "memory", "per_instance"],
         help="run one section and print its JSON (no tables written)",
     )
     args = p.parse_args(argv)
@@ -617,6 +669,10 @@ def main(argv: list[str] | None = None) -> int:
             ],
             "end_to_end": lambda tmp: end_to_end(ct128, tmp),
             "memory": lambda tmp: memory(series("ct1000", 1000, 902, hint=True), tmp),
+            "per_instance": lambda tmp: [
+                per_instance(40, args.runs, tmp),
+                per_instance(128, args.runs, tmp),
+            ],
         }
         with tempfile.TemporaryDirectory(prefix="segnode-bench-") as t:
             print(json.dumps(sections[args.only](Path(t)), indent=2))

@@ -213,3 +213,34 @@ def test_a_late_instance_after_delivery_sends_new_results_and_a_rejection_note(
         assert seg_sources(seg2) == {str(dcmread(f).SOPInstanceUID) for f in files}
     finally:
         orthanc.stop()
+
+
+def test_interleaved_per_instance_and_whole_series_senders(make_node: Any, tmp_path: Path) -> None:
+    """Two scanners at once: PI sends one instance per association, CT a whole series on one
+    association in the middle of it. CT's series completes at its release; PI's once, whole."""
+    import threading
+
+    node: NodeProcess = make_node()
+    pi_files = write_synthetic_series(tmp_path / "pi", rows=64, columns=64, slices=60, seed=9505)
+    ct_files = write_synthetic_series(tmp_path / "ct", rows=64, columns=64, slices=30, seed=9506)
+    pi_series = str(dcmread(pi_files[0], stop_before_pixels=True).SeriesInstanceUID)
+    ct_series = str(dcmread(ct_files[0], stop_before_pixels=True).SeriesInstanceUID)
+    sender = threading.Thread(target=storescu_each, args=(node.port, pi_files, "PI"))
+    sender.start()
+    time.sleep(0.5)  # PI is under way
+    exe = require_tool("storescu")
+    cmd = [exe, "-aet", "CT", "-aec", "SEGNODE", "+sd", LOOPBACK, str(node.port)]
+    assert subprocess.run([*cmd, str(tmp_path / "ct")], timeout=60).returncode == 0
+    assert sender.is_alive(), "PI finished before CT: not interleaved"
+    t_ct = time.monotonic()
+    wait_for(lambda: series_jobs(node, ct_series), 10, "CT's job")
+    ct_queued = time.monotonic() - t_ct
+    assert not series_jobs(node, pi_series) or not sender.is_alive()  # PI: none while sending
+    sender.join(120)
+    wait_for(lambda: [j["state"] for j in series_jobs(node, pi_series)] == ["done"], 60, "PI's job")
+    wait_for(lambda: [j["state"] for j in series_jobs(node, ct_series)] == ["done"], 60, "CT")
+    (pi_job,) = series_jobs(node, pi_series)
+    (ct_job,) = series_jobs(node, ct_series)
+    assert (pi_job["instances"], pi_job["trigger"]) == (60, "sender-gap")
+    assert (ct_job["instances"], ct_job["trigger"]) == (30, "association-release")
+    print(f"CT's job seen {ct_queued:.2f} s after its storescu returned (polling the CLI)")
