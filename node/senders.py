@@ -11,6 +11,7 @@ before, and how long the gaps between such associations are. The patterns live i
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -123,10 +124,22 @@ class SenderBook:
     def learn(
         self, calling_ae: str, instances: int, continued: bool, gap_s: float | None
     ) -> SenderPattern:
-        """Record one ended association of ``calling_ae``; return the new pattern."""
+        """Record one ended association of ``calling_ae``; return the new pattern. It is
+        stored by :meth:`persist` (after the completion it decides, which must not wait for
+        a ledger write)."""
         with self._lock:
             old = self._patterns.get(calling_ae) or SenderPattern(calling_ae)
             new = self._patterns[calling_ae] = old.after(instances, continued, gap_s)
-        if self._save is not None:
-            self._save(new)
         return new
+
+    def persist(self, calling_ae: str) -> None:
+        """Store ``calling_ae``'s pattern (no error escapes: it is relearnt if lost)."""
+        if self._save is None:
+            return
+        with self._lock:
+            pattern = self._patterns.get(calling_ae)
+        if pattern is not None:
+            try:
+                self._save(pattern)
+            except Exception:
+                logging.getLogger(__name__).exception("storing the sender pattern failed")

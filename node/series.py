@@ -237,6 +237,7 @@ class CompletionTracker:
         gap = max(a.continues.values()) if a.continues else None
         pattern = self.senders.learn(a.calling_ae, sum(a.series.values()), bool(a.continues), gap)
         if not released or RELEASE not in self.signals(a.calling_ae):
+            self.senders.persist(a.calling_ae)
             return []
         done: list[str] = []
         for uid in sorted(set(a.series) - still_busy):
@@ -247,6 +248,7 @@ class CompletionTracker:
                 self._hold(uid, pattern.wait_s(), reason)
         for uid in done:
             self._complete(uid, RELEASE)
+        self.senders.persist(a.calling_ae)
         return done
 
     def _hold_reason(self, uid: str, a: _Association, pattern: SenderPattern) -> str | None:
