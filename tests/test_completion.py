@@ -253,3 +253,31 @@ def test_one_late_instance_does_not_make_a_whole_series_sender_wait() -> None:
         assert _assoc(t, 3, "CT1", "b", 40) == ["b"]  # the next series: at its release
     finally:
         t.stop()
+
+
+def test_cli_exits_quietly_when_its_output_is_closed(tmp_path: Path) -> None:
+    """``segnode jobs | head`` must not end in a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'data_dir = "{tmp_path / "data"}"\n')
+    for command in (["jobs"], ["status"], ["jobs", "--json"]):
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the first byte
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "node.cli", *command, "--config", str(cfg)],
+                cwd=ROOT,
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            os.close(write)
+        assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+        assert out.returncode == 1
