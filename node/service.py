@@ -303,7 +303,7 @@ class Node:
         """
         worker = self.worker._thread
         alive = worker is not None and worker.is_alive() and self.dispatcher.is_alive()
-        return alive and self.scp.server is not None
+        return alive and self.scp.server is not None and self.scp.server.alive
 
     def request_stop(self, *_: Any) -> None:
         """Ask the main loop to stop (signal handler)."""

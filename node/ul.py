@@ -405,26 +405,36 @@ class Acceptor:
 
     # -- the selector thread -------------------------------------------------------------
 
+    @property
+    def alive(self) -> bool:
+        """Whether the selector thread runs (the service's watchdog checks it)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def _loop(self) -> None:
         try:
             while not self._stopping:
-                timeout = self._next_deadline()
-                for key, mask in self._selector.select(timeout):
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        with contextlib.suppress(OSError):
-                            self._wake_r.recv(4096)
-                    else:
-                        self._on_ready(key.data, mask)
-                    if self._stopping:
-                        break
-                self._take_adopted()
-                self._expire()
-        except Exception:
-            log.exception("acceptor loop failed")
+                try:
+                    self._iterate()
+                except Exception:  # one connection's trouble must not stop the listener
+                    log.exception("acceptor loop error; continuing")
+                    time.sleep(0.01)
         finally:
             self._close_all_held()
+
+    def _iterate(self) -> None:
+        timeout = self._next_deadline()
+        for key, mask in self._selector.select(timeout):
+            if key.fileobj is self._listener:
+                self._accept()
+            elif key.fileobj is self._wake_r:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+            else:
+                self._on_ready(key.data, mask)
+            if self._stopping:
+                return
+        self._take_adopted()
+        self._expire()
 
     def _next_deadline(self) -> float | None:
         now = time.monotonic()
@@ -485,10 +495,14 @@ class Acceptor:
         self._hold(assoc)
 
     def _hold(self, assoc: _Association) -> None:
+        events = selectors.EVENT_WRITE if assoc.want_write else selectors.EVENT_READ
+        try:
+            self._selector.register(assoc.conn, events, assoc)
+        except (KeyError, ValueError, OSError):  # closed meanwhile, or already registered
+            assoc.close()
+            return
         with self._lock:
             self._held[assoc] = None
-        events = selectors.EVENT_WRITE if assoc.want_write else selectors.EVENT_READ
-        self._selector.register(assoc.conn, events, assoc)
 
     def _release_held(self, assoc: _Association) -> None:
         with self._lock:
@@ -522,7 +536,13 @@ class Acceptor:
             assoc.close()
         elif assoc.state is State.STA3:
             self._release_held(assoc)
-            self._respond(assoc)
+            try:
+                self._respond(assoc)
+            except Exception:
+                log.exception(
+                    "answering the association request from %s failed", assoc.info.address
+                )
+                assoc.close()
         elif assoc.state in (State.STA2, State.STA13):
             events = selectors.EVENT_WRITE if assoc.want_write else selectors.EVENT_READ
             with contextlib.suppress(KeyError, ValueError):

@@ -325,3 +325,23 @@ def test_the_node_announces_its_own_implementation_class_uid(fast: SCPHarness) -
     assert str(PYNETDICOM_IMPLEMENTATION_UID) != IMPLEMENTATION_CLASS_UID
     assert a.acceptor.implementation_version_name == IMPLEMENTATION_VERSION
     a.release()
+
+
+def test_a_failing_association_check_costs_one_connection_only(
+    fast: SCPHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = fast.scp.requested
+
+    def flaky(info: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("access policy broke")
+        return real(info)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fast.scp, "requested", flaky)
+    with socket.create_connection((LOOPBACK, fast.port), timeout=5) as s:
+        s.sendall(associate_rq())
+        assert closed_within(s, 3) is not None  # that one is closed...
+    assert serves(fast)  # ...and the listener goes on
+    assert fast.scp.server is not None and fast.scp.server.alive
