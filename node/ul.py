@@ -969,21 +969,27 @@ class _Association:
             self._drain()
             return
         while self.state is State.STA2:
-            try:
-                chunk = self.conn.recv(65536)
-            except (BlockingIOError, ssl.SSLWantReadError):
-                return
-            except ssl.SSLWantWriteError:
-                self.want_write = True
-                return
-            except OSError:
-                self.fire(Event.EVT17)
-                return
+            chunk = self._recv_available()
             if not chunk:
-                self.fire(Event.EVT17)
                 return
             self._inbox += chunk
             self._on_request_bytes()
+
+    def _recv_available(self) -> bytes | None:
+        """One non-blocking read: the bytes there, or None when there are none now; the end
+        of the stream or an error fires Evt17 and gives b""."""
+        try:
+            chunk = self.conn.recv(65536)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return None
+        except ssl.SSLWantWriteError:
+            self.want_write = True
+            return None
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.fire(Event.EVT17)
+        return chunk
 
     def _handshake(self) -> bool:
         assert isinstance(self.conn, ssl.SSLSocket)
@@ -1044,18 +1050,8 @@ class _Association:
     def _drain(self) -> None:
         """Sta13: read and ignore until the peer closes (Evt17) or too much arrives."""
         while True:
-            try:
-                chunk = self.conn.recv(65536)
-            except (BlockingIOError, ssl.SSLWantReadError):
-                return
-            except ssl.SSLWantWriteError:
-                self.want_write = True
-                return
-            except OSError:
-                self.fire(Event.EVT17)
-                return
+            chunk = self._recv_available()
             if not chunk:
-                self.fire(Event.EVT17)
                 return
             self._drained += len(chunk)
             if self._drained > DRAIN_BYTES:

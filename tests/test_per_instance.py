@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,15 @@ from pydicom import dcmread
 from pydicom.filebase import DicomBytesIO
 
 from node.synthetic import write_synthetic_series
-from tests.conftest import LOOPBACK, NodeProcess, free_port, require_tool, start_orthanc, wait_for
+from tests.conftest import (
+    LOOPBACK,
+    NodeProcess,
+    Orthanc,
+    free_port,
+    require_tool,
+    start_orthanc,
+    wait_for,
+)
 from tests.test_interop import count_results, orthanc_results
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
@@ -52,16 +61,31 @@ def series_jobs(node: NodeProcess, series_uid: str) -> list[dict[str, Any]]:
     return [j for j in node.jobs()["jobs"] if j["series"] == series_uid]
 
 
+def node_sending_to_orthanc(
+    make_node: Any,
+    tmp_path: Path,
+    destination: Callable[[int], str] | None = None,
+    **orthanc_extra: Any,
+) -> tuple[NodeProcess, Orthanc]:
+    """A node whose destination is an Orthanc started after it, on a port chosen first.
+    ``destination(port)``: the destination's TOML (default ``"ORTHANC@host:port"``); an
+    ``orthanc_extra`` value that is callable is given the node's port."""
+    oport = free_port()
+    node: NodeProcess = make_node(start=False, dispatch={"retry_initial_s": 0.2})
+    dest = destination(oport) if destination else f'"ORTHANC@{LOOPBACK}:{oport}"'
+    text = node.config_path.read_text()
+    node.config_path.write_text(
+        text.replace("[dispatch]\n", f"[dispatch]\ndestinations = [{dest}]\n")
+    )
+    node.start()
+    extra = {k: v(node.port) if callable(v) else v for k, v in orthanc_extra.items()}
+    return node, start_orthanc(tmp_path / "pacs", dicom_port=oport, **extra)
+
+
 def test_storescu_once_per_file_gives_one_seg_and_sr_per_series(
     make_node: Any, tmp_path: Path
 ) -> None:
-    oport = free_port()
-    node: NodeProcess = make_node(
-        start=False,
-        dispatch={"destinations": [f"ORTHANC@{LOOPBACK}:{oport}"], "retry_initial_s": 0.2},
-    )
-    node.start()
-    orthanc = start_orthanc(tmp_path / "pacs", dicom_port=oport)
+    node, orthanc = node_sending_to_orthanc(make_node, tmp_path)
     try:
         cases = {}
         for n, seed in ((40, 9501), (128, 9502)):
@@ -104,21 +128,16 @@ end
 def test_orthanc_forwarding_each_instance_gives_one_seg_and_sr(
     make_node: Any, tmp_path: Path
 ) -> None:
-    oport = free_port()
-    node: NodeProcess = make_node(
-        start=False,
-        dispatch={"destinations": [f"ORTHANC@{LOOPBACK}:{oport}"], "retry_initial_s": 0.2},
-    )
-    node.start()
     lua = tmp_path / "forward.lua"
     lua.write_text(LUA)
-    orthanc = start_orthanc(
-        tmp_path / "pacs",
-        dicom_port=oport,
+    node, orthanc = node_sending_to_orthanc(
+        make_node,
+        tmp_path,
         LuaScripts=[str(lua)],
-        DicomModalities={"segnode": ["SEGNODE", LOOPBACK, node.port]},
+        DicomModalities=lambda port: {"segnode": ["SEGNODE", LOOPBACK, port]},
         DicomAssociationCloseDelay=0,  # one association per forwarded instance
     )
+    oport = orthanc.dicom_port
     try:
         files = write_synthetic_series(tmp_path / "s", rows=64, columns=64, slices=40, seed=9503)
         ds = dcmread(files[0], stop_before_pixels=True)
@@ -175,15 +194,11 @@ def test_a_late_instance_after_delivery_sends_new_results_and_a_rejection_note(
     rejection note (KOS, "Rejected for Quality Reasons") naming the old SEG and SR."""
     from node.rejection import rejected_uids
 
-    oport = free_port()
-    node: NodeProcess = make_node(start=False, dispatch={"retry_initial_s": 0.2})
-    dest = f'{{ peer = "ORTHANC@{LOOPBACK}:{oport}", reject_superseded = true }}'
-    text = node.config_path.read_text().replace(
-        "[dispatch]\n", f"[dispatch]\ndestinations = [{dest}]\n"
+    node, orthanc = node_sending_to_orthanc(
+        make_node,
+        tmp_path,
+        lambda port: f'{{ peer = "ORTHANC@{LOOPBACK}:{port}", reject_superseded = true }}',
     )
-    node.config_path.write_text(text)
-    node.start()
-    orthanc = start_orthanc(tmp_path / "pacs", dicom_port=oport)
     try:
         files = write_synthetic_series(tmp_path / "s", rows=64, columns=64, slices=20, seed=9504)
         ds = dcmread(files[0], stop_before_pixels=True)

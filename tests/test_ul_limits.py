@@ -185,30 +185,26 @@ def _command_pdus(command: bytes, piece: int = 4000) -> list[bytes]:
     return out
 
 
+def _first_reply_to(s: socket.socket, pdus: list[bytes]) -> int:
+    """Send ``pdus`` until the node stops reading; the type of the first PDU it sent back."""
+    try:
+        for pdu in pdus:
+            try:
+                s.sendall(pdu)
+            except OSError:
+                break
+        return recv_pdu(s)[0]
+    finally:
+        s.close()
+
+
 def test_command_set_and_dataset_are_bounded(fast: SCPHarness, tmp_path: Path) -> None:
     # A command set of 80 kB in 4 kB fragments: aborted after 64 kB.
-    s = associated(fast)
-    try:
-        for pdu in _command_pdus(b"\x00" * 80_000):
-            try:
-                s.sendall(pdu)
-            except OSError:
-                break
-        assert recv_pdu(s)[0] == 0x07
-    finally:
-        s.close()
+    assert _first_reply_to(associated(fast), _command_pdus(b"\x00" * 80_000)) == 0x07
     # A dataset over max_instance_mb (1 MiB): aborted while it arrives, nothing kept.
     s = associated(fast, associate_rq_for(CT, ExplicitVRLittleEndian))
-    try:
-        s.sendall(_command_pdus(c_store_rq("1.2.3.4.5"))[0])
-        for pdu in dataset_pdus(1, b"\x00" * (2 << 20), 4096):
-            try:
-                s.sendall(pdu)
-            except OSError:
-                break
-        assert recv_pdu(s)[0] == 0x07
-    finally:
-        s.close()
+    command = _command_pdus(c_store_rq("1.2.3.4.5"))
+    assert _first_reply_to(s, command + dataset_pdus(1, b"\x00" * (2 << 20), 4096)) == 0x07
     assert fast.ledger.counts()["instances"] == 0
     assert serves(fast)
 
