@@ -16,10 +16,14 @@ from node.series import GEOMETRY, RELEASE, SENDER_GAP, CompletionTracker, Series
 Done = list[tuple[str, str]]
 
 
-def tracker(policies: dict[str, str], **kw: bool) -> tuple[CompletionTracker, Done]:
+def tracker(
+    policies: dict[str, str], complete_on_release: bool = True
+) -> tuple[CompletionTracker, Done]:
     done: Done = []
     t = CompletionTracker(
-        lambda s, trig: done.append((s, trig)), policy=lambda ae: policies.get(ae, "auto"), **kw
+        lambda s, trig: done.append((s, trig)),
+        policy=lambda ae: policies.get(ae, "auto"),
+        complete_on_release=complete_on_release,
     )
     return t, done
 

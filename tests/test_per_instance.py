@@ -176,7 +176,7 @@ def test_orthanc_forwarding_each_instance_gives_one_seg_and_sr(
 
 def orthanc_kos(orthanc: Any, study_uid: str) -> list[bytes]:
     """Key Object Selection Documents Orthanc holds in a study."""
-    out = []
+    out: list[bytes] = []
     for sid in orthanc.get("/series"):
         s = orthanc.get(f"/series/{sid}")
         study = orthanc.get(f"/studies/{s['ParentStudy']}")
