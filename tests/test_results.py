@@ -84,7 +84,7 @@ def encode_both(
     volume: Volume, labels: npt.NDArray[np.integer], uids: ResultUIDs = UIDS
 ) -> tuple[Dataset, Dataset]:
     seg = build_seg(volume, labels, MANIFEST, uids, software_version="0.1.0")
-    verify_seg(seg, volume, labels)
+    verify_seg(seg, volume, labels, with_highdicom=True)
     sr = build_sr(volume, labels, MANIFEST, seg, uids, software_version="0.1.0")
     return seg, sr
 
@@ -268,17 +268,33 @@ def test_label_shape_mismatch() -> None:
         build_seg(volume, truth(volume)[1:], MANIFEST, UIDS, software_version="0.1.0")
 
 
-def test_verify_detects_wrong_labels() -> None:
+@pytest.mark.parametrize("with_highdicom", [False, True])
+def test_verify_detects_wrong_labels(with_highdicom: bool) -> None:
     volume = small_volume()
     labels = truth(volume)
     seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
     changed = labels.copy()
     changed[2, 20, 20] = 0 if changed[2, 20, 20] else 1
     with pytest.raises(ResultError, match="1 voxels differ, first at"):
-        verify_seg(seg, volume, changed)
+        verify_seg(seg, volume, changed, with_highdicom=with_highdicom)
 
 
-def test_verify_detects_wrong_geometry() -> None:
+def test_verify_detects_a_wrong_source_reference_without_highdicom() -> None:
+    """The check the worker runs before every send (no highdicom re-read) still catches a
+    frame that derives from the wrong source instance."""
+    volume = small_volume()
+    labels = truth(volume)
+    seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
+    verify_seg(seg, volume, labels)
+    swapped = copy.deepcopy(seg)
+    source = swapped.PerFrameFunctionalGroupsSequence[0].DerivationImageSequence[0]
+    source.SourceImageSequence[0].ReferencedSOPInstanceUID = generate_uid()
+    with pytest.raises(ResultError, match="derives from"):
+        verify_seg(swapped, volume, labels)
+
+
+@pytest.mark.parametrize("with_highdicom", [False, True])
+def test_verify_detects_wrong_geometry(with_highdicom: bool) -> None:
     volume = small_volume()
     labels = truth(volume)
     seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
@@ -287,16 +303,16 @@ def test_verify_detects_wrong_geometry() -> None:
     x, y, z = (float(v) for v in frame.ImagePositionPatient)
     frame.ImagePositionPatient = [x, y, z + 0.6]
     with pytest.raises(ResultError, match="not at any source slice position"):
-        verify_seg(moved, volume, labels)
+        verify_seg(moved, volume, labels, with_highdicom=with_highdicom)
     rotated = copy.deepcopy(seg)
     plane = rotated.SharedFunctionalGroupsSequence[0].PlaneOrientationSequence[0]
     plane.ImageOrientationPatient = [0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
     with pytest.raises(ResultError, match="orientation"):
-        verify_seg(rotated, volume, labels)
+        verify_seg(rotated, volume, labels, with_highdicom=with_highdicom)
     other = copy.deepcopy(seg)
     other.FrameOfReferenceUID = generate_uid()
     with pytest.raises(ResultError, match="FrameOfReferenceUID"):
-        verify_seg(other, volume, labels)
+        verify_seg(other, volume, labels, with_highdicom=with_highdicom)
 
 
 # ----------------------------------------------------------------------------- SR
