@@ -167,7 +167,8 @@ class CompletionTracker:
         self._last_end: dict[str, tuple[str, float]] = {}
         # Held series -> (due, token); a token that no longer matches is a stale timer.
         self._holds: dict[str, tuple[float, int]] = {}
-        self._told: set[str] = set()
+        # Series whose hold was reported (an ordered set, bounded like _last_end).
+        self._told: dict[str, None] = {}
         self._tokens = itertools.count()
         self._timer_wake = threading.Condition(self._lock)
         self._timer: threading.Thread | None = None
@@ -277,7 +278,9 @@ class CompletionTracker:
             token = next(self._tokens)
             self._holds[uid] = (time.monotonic() + wait, token)
             tell = uid not in self._told
-            self._told.add(uid)
+            self._told[uid] = None
+            while len(self._told) > MAX_REMEMBERED:
+                del self._told[next(iter(self._told))]
             if self._timer is None:
                 self._timer = threading.Thread(
                     target=self._timer_loop, name="completion-holds", daemon=True
@@ -343,7 +346,7 @@ class CompletionTracker:
     def _complete(self, series_uid: str, trigger: str) -> None:
         with self._lock:
             self._holds.pop(series_uid, None)
-            self._told.discard(series_uid)
+            self._told.pop(series_uid, None)
         try:
             self._on_complete(series_uid, trigger)
         except Exception:  # a job-creation failure must not kill the calling thread
