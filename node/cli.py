@@ -18,7 +18,7 @@ from pathlib import Path
 from node import __version__
 from node.config import Config, load_config, parse_peer
 from node.errors import ConfigError, SegnodeError
-from node.senders import SenderPattern
+from node.senders import load_patterns
 
 log = logging.getLogger("segnode")
 
@@ -324,10 +324,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     ledger, _ = open_state(cfg)
     try:
         counts = ledger.counts()
-        senders = [
-            SenderPattern(ae, n, k, recent, None if gap is None else gap / 1000)
-            for ae, n, k, recent, gap in ledger.senders()
-        ]
+        senders = load_patterns(ledger)
     finally:
         ledger.close()
     learnt = {

@@ -225,6 +225,12 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     routing: Routing = field(default_factory=lambda: _default_routing())
 
+    def configured_destinations(self) -> list[Destination]:
+        """Every destination the configuration names: ``dispatch.destinations``, the routing
+        rules' destinations, and the return addresses of ``[[node.peers]]``."""
+        returns = [p.return_peer for p in self.node.peers if p.return_peer is not None]
+        return [*self.dispatch.destinations, *self.routing.destinations(), *returns]
+
     def with_overrides(
         self,
         *,

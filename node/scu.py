@@ -171,10 +171,7 @@ class Dispatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Every destination the configuration names, by ledger name (with TLS and credentials).
-        returns = [p.return_peer for p in config.node.peers if p.return_peer is not None]
-        self._targets: dict[str, Target] = index(
-            [*config.dispatch.destinations, *config.routing.destinations(), *returns]
-        )
+        self._targets: dict[str, Target] = index(config.configured_destinations())
         self._tls: dict[str, tuple[ssl.SSLContext, str] | None] = {}
         self._rng = rng or random.Random()
         dc = config.dispatch

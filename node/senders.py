@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 #: Associations remembered per sender (a rolling window of "continued" / "new series").
 WINDOW = 16
@@ -91,6 +92,30 @@ class SenderPattern:
             recent=(self.recent + ("c" if continued else "n"))[-WINDOW:],
             gap_s=gap,
         )
+
+
+class SenderStore(Protocol):
+    """Where patterns are kept (:class:`storage.ledger.Ledger`)."""
+
+    def senders(self) -> list[tuple[str, int, int, str, float | None]]: ...
+
+    def save_sender(
+        self, calling_ae: str, associations: int, instances: int, recent: str, gap_ms: float | None
+    ) -> None: ...
+
+
+def load_patterns(store: SenderStore) -> list[SenderPattern]:
+    """The patterns kept in ``store`` (gaps stored in milliseconds)."""
+    return [
+        SenderPattern(ae, n, k, recent, None if gap_ms is None else gap_ms / 1000)
+        for ae, n, k, recent, gap_ms in store.senders()
+    ]
+
+
+def save_pattern(store: SenderStore, p: SenderPattern) -> None:
+    """Keep ``p`` in ``store``."""
+    gap_ms = None if p.gap_s is None else p.gap_s * 1000
+    store.save_sender(p.calling_ae, p.associations, p.instances, p.recent, gap_ms)
 
 
 class SenderBook:

@@ -29,7 +29,7 @@ from node.rules import (
 )
 from node.scp import StoreSCP, record_from_file
 from node.scu import Dispatcher
-from node.senders import SenderBook, SenderPattern
+from node.senders import SenderBook, load_patterns, save_pattern
 from node.series import CompletionTracker
 from node.streaming import Arrival, StreamingAssembler
 from node.worker import Worker
@@ -87,17 +87,7 @@ class Node:
             lambda ae: config.series.policy_for(ae).priority,
         )
         self.senders = SenderBook(
-            [
-                SenderPattern(ae, n, k, recent, None if gap is None else gap / 1000)
-                for ae, n, k, recent, gap in self.ledger.senders()
-            ],
-            save=lambda p: self.ledger.save_sender(
-                p.calling_ae,
-                p.associations,
-                p.instances,
-                p.recent,
-                None if p.gap_s is None else p.gap_s * 1000,
-            ),
+            load_patterns(self.ledger), save=lambda p: save_pattern(self.ledger, p)
         )
         self.tracker = CompletionTracker(
             self._series_complete,

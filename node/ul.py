@@ -389,8 +389,8 @@ class Acceptor:
             stuck = len(self._associations)
         if stuck:
             log.error("%d association thread(s) did not end", stuck)
-        for fd in (self._stop_idle_r, self._stop_idle_w, self._stop_all_r, self._stop_all_w):
-            if not stuck:
+        if not stuck:  # a thread still running may yet poll the stop pipes
+            for fd in (self._stop_idle_r, self._stop_idle_w, self._stop_all_r, self._stop_all_w):
                 os.close(fd)
         self._wake_r.close()
         self._wake_w.close()
@@ -1188,7 +1188,7 @@ class _Association:
                 self.abort_reason = 0x06
                 return Event.EVT19, None
             body = self._read(4)
-            self._end_busy()
+            self._busy = False
             return event, body
         # An A-ASSOCIATE PDU on an association: unexpected (AA-8); its body is not read.
         self.abort_reason = 0x02
@@ -1254,9 +1254,6 @@ class _Association:
         if any(fd != self.conn.fileno() for fd, _ in ready):
             raise _Interrupted
 
-    def _end_busy(self) -> None:
-        self._busy = False
-
     # -- DIMSE message assembly ------------------------------------------------------------
 
     def _receive_pdvs(self, pdvs: list[tuple[int, int, memoryview]]) -> None:
@@ -1285,7 +1282,7 @@ class _Association:
             self._pending, self._pending_cx = command, cx_id
             return
         self._messages.append((cx_id, command, None))
-        self._end_busy()
+        self._busy = False
 
     def _on_dataset(self, cx_id: int, value: memoryview, last: bool) -> None:
         if self._pending is None or cx_id != self._pending_cx:
@@ -1301,7 +1298,7 @@ class _Association:
         data: bytes | memoryview = parts[0] if len(parts) == 1 else b"".join(parts)
         command, self._pending = self._pending, None
         self._messages.append((cx_id, command, data))
-        self._end_busy()
+        self._busy = False
 
     def _dispatch(
         self, cx_id: int, command: dict[int, bytes], dataset: bytes | memoryview | None

@@ -83,10 +83,9 @@ class Worker:
         self._volume: tuple[str, int, list[Path], Volume] | None = None
         self.results_dir = config.data_dir / "results"
         # Destinations that take IOCM rejection notes for superseded results.
-        returns = [p.return_peer for p in config.node.peers if p.return_peer is not None]
         self._rejecting = {
             t.name
-            for t in [*config.dispatch.destinations, *config.routing.destinations(), *returns]
+            for t in config.configured_destinations()
             if isinstance(t, Peer) and t.reject_superseded
         }
         self.wake = threading.Event()

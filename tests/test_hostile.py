@@ -30,12 +30,10 @@ import pytest
 from pydicom import dcmread
 from pydicom.filebase import DicomBytesIO
 from pydicom.filewriter import write_dataset
-from pydicom.uid import UID, ExplicitVRLittleEndian, ImplicitVRLittleEndian
+from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 from pynetdicom import AE
 from pynetdicom.association import Association
-from pynetdicom.pdu import A_ASSOCIATE_AC, A_ASSOCIATE_RQ
-from pynetdicom.pdu_primitives import A_ASSOCIATE, MaximumLengthNotification
-from pynetdicom.presentation import build_context
+from pynetdicom.pdu import A_ASSOCIATE_AC
 from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[attr-defined]
 
 from node.synthetic import write_synthetic_series
@@ -102,26 +100,6 @@ def steady_thread_count(pid: int, timeout: float = 20.0) -> int:
 
     wait_for(steady, timeout, "a steady thread count", interval=0.2)
     return samples[-1]
-
-
-def associate_rq_for(abstract: str, syntax: str, called: str = "SEGNODE") -> bytes:
-    """An A-ASSOCIATE-RQ PDU with one presentation context (ID 1) and a 16 kB max PDU.
-
-    (:func:`tests.test_ul.associate_rq` fixes the transfer syntax and the called AE title.)
-    """
-    rq = A_ASSOCIATE()
-    rq.application_context_name = UID("1.2.840.10008.3.1.1.1")
-    rq.calling_ae_title = "RAW"
-    rq.called_ae_title = called
-    cx = build_context(abstract, syntax)
-    cx.context_id = 1
-    rq.presentation_context_definition_list = [cx]
-    ml = MaximumLengthNotification()
-    ml.maximum_length_received = 16384
-    rq.user_information = [ml]
-    pdu = A_ASSOCIATE_RQ()
-    pdu.from_primitive(rq)
-    return bytes(pdu.encode())
 
 
 def announced_max_pdu(ac_body: bytes) -> int:
@@ -476,7 +454,7 @@ def test_huge_pdata_pdu_is_aborted_at_once(make_node: Any) -> None:
 def test_ct_store_on_a_verification_context_is_refused(make_node: Any, tmp_path: Path) -> None:
     node: NodeProcess = make_node()
     sop_uid, data = ct_dataset(tmp_path / "ct", ImplicitVRLittleEndian, seed=9103)
-    rq = associate_rq_for(VERIFICATION, ImplicitVRLittleEndian)
+    rq = associate_rq(abstract=VERIFICATION, syntax=ImplicitVRLittleEndian)
     s, announced = raw_association(node, rq)
     with s:
         s.sendall(b"".join(pdata_pdus(1, c_store_rq(sop_uid), announced)))
@@ -523,7 +501,9 @@ def test_called_ae_title_is_checked_when_configured(make_node: Any) -> None:
     rejected = echoscu(node, called="WRONGAE")
     assert rejected.returncode != 0, "a wrong called AE title was accepted"
     with socket.create_connection((LOOPBACK, node.port), timeout=10) as s:
-        s.sendall(associate_rq_for(VERIFICATION, ImplicitVRLittleEndian, called="WRONGAE"))
+        s.sendall(
+            associate_rq(abstract=VERIFICATION, syntax=ImplicitVRLittleEndian, called="WRONGAE")
+        )
         kind, body = recv_pdu(s)
     assert kind == A_ASSOCIATE_RJ_TYPE
     assert tuple(body[1:4]) == (0x01, 0x01, 0x07)  # permanent, service user, called AE unknown

@@ -80,13 +80,17 @@ def recv_pdu(s: socket.socket) -> tuple[int, bytes]:
 
 
 def associate_rq(
-    app_context: str = "1.2.840.10008.3.1.1.1", abstract: str = str(CTImageStorage)
+    app_context: str = "1.2.840.10008.3.1.1.1",
+    abstract: str = str(CTImageStorage),
+    syntax: str = ExplicitVRLittleEndian,
+    called: str = "SEGNODE",
 ) -> bytes:
+    """An A-ASSOCIATE-RQ PDU with one presentation context (ID 1) and a 16 kB max PDU."""
     rq = A_ASSOCIATE()
     rq.application_context_name = UID(app_context)
     rq.calling_ae_title = "RAW"
-    rq.called_ae_title = "SEGNODE"
-    cx = build_context(abstract, ExplicitVRLittleEndian)
+    rq.called_ae_title = called
+    cx = build_context(abstract, syntax)
     cx.context_id = 1
     rq.presentation_context_definition_list = [cx]
     ml = MaximumLengthNotification()

@@ -119,6 +119,7 @@ def acceptor() -> Iterator[Acceptor]:
     options = AcceptorOptions("SEGNODE", {VERIFICATION: [ImplicitVRLittleEndian]})
     acc = Acceptor(options, Recorder())
     yield acc
+    acc.stop(grace=0, timeout=0)  # never started: closes its wake-up socket and pipes
     acc._selector.close()
 
 

@@ -27,7 +27,7 @@ from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
 from tests.conftest import LOOPBACK, ROOT
 from tests.scp_harness import SCPHarness
-from tests.test_hostile import associate_rq_for, c_store_rq, ct_dataset, dataset_pdus
+from tests.test_hostile import c_store_rq, ct_dataset, dataset_pdus
 from tests.test_ul import associate_rq, recv_pdu
 
 CT = "1.2.840.10008.5.1.4.1.1.2"
@@ -202,7 +202,7 @@ def test_command_set_and_dataset_are_bounded(fast: SCPHarness, tmp_path: Path) -
     # A command set of 80 kB in 4 kB fragments: aborted after 64 kB.
     assert _first_reply_to(associated(fast), _command_pdus(b"\x00" * 80_000)) == 0x07
     # A dataset over max_instance_mb (1 MiB): aborted while it arrives, nothing kept.
-    s = associated(fast, associate_rq_for(CT, ExplicitVRLittleEndian))
+    s = associated(fast, associate_rq(abstract=CT, syntax=ExplicitVRLittleEndian))
     command = _command_pdus(c_store_rq("1.2.3.4.5"))
     assert _first_reply_to(s, command + dataset_pdus(1, b"\x00" * (2 << 20), 4096)) == 0x07
     assert fast.ledger.counts()["instances"] == 0
@@ -210,7 +210,7 @@ def test_command_set_and_dataset_are_bounded(fast: SCPHarness, tmp_path: Path) -
 
 
 def _store_raw(h: SCPHarness, context_syntax: str, data: bytes, sop_uid: str) -> int:
-    s = associated(h, associate_rq_for(CT, context_syntax))
+    s = associated(h, associate_rq(abstract=CT, syntax=context_syntax))
     try:
         for pdu in _command_pdus(c_store_rq(sop_uid)) + dataset_pdus(1, data, 4096):
             s.sendall(pdu)
@@ -296,7 +296,7 @@ def test_accept_out_of_file_descriptors_backs_off(tmp_path: Path) -> None:
         for s in socks:
             s.close()
         with socket.create_connection((LOOPBACK, port), timeout=5) as s:
-            s.sendall(associate_rq_for("1.2.840.10008.1.1", ImplicitVRLittleEndian))
+            s.sendall(associate_rq(abstract="1.2.840.10008.1.1", syntax=ImplicitVRLittleEndian))
             assert recv_pdu(s)[0] == 0x02
     finally:
         child.kill()
