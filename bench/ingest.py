@@ -418,26 +418,100 @@ STAGES = (
 )
 
 
-def end_to_end(folder: Path, tmp: Path) -> dict[str, Any]:
-    paths = files_of(folder)
-    work = tmp / "e2e"
+def phantom_copies(runs: int) -> list[Path] | None:
+    """``runs`` copies of the real phantom (../shared/data) under bench/generated/, each with
+    fresh Study/Series/SOP Instance UIDs (pixel data and transfer syntax untouched), so each
+    run is a new series; None when the phantom is absent."""
+    from pydicom import dcmread
+    from pydicom.uid import generate_uid
+
+    source = ROOT.parent / "shared" / "data" / "ct-phantom-philips-28"
+    files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else []
+    if not files:
+        return None
+    out = []
+    for k in range(runs):
+        folder = ROOT / "bench" / "generated" / f"phantom-{k}"
+        done = folder.with_name(f"phantom-{k}.done")
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            study, series_uid = generate_uid(), generate_uid()
+            for i, f in enumerate(files):
+                ds = dcmread(f)
+                ds.StudyInstanceUID, ds.SeriesInstanceUID = study, series_uid
+                ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = generate_uid()
+                ds.save_as(folder / f"{i:04d}.dcm", enforce_file_format=True)
+            done.write_text("")
+        out.append(folder)
+    return out
+
+
+def end_to_end(name: str, folders: list[Path], tmp: Path) -> dict[str, Any]:
+    """Last C-STORE response -> SEG and SR acknowledged by Orthanc, for each folder after the
+    first (the warm-up), each sent by DCMTK storescu on one association to one node.
+
+    The start is the ledger's time of the series' last instance, recorded before its
+    response is sent: the figure slightly overstates the true latency, never understates it.
+    """
+    work = tmp / f"e2e-{name}"
     work.mkdir(parents=True)
+    runs: list[dict[str, Any]] = []
     with orthanc(work / "orthanc") as (dport, hport, _o):
         extra = f'[dispatch]\ndestinations = ["ORTHANC@{LOOPBACK}:{dport}"]\n'
         (work / "node").mkdir()
         with segnode(work / "node", extra) as (port, _proc, data):
-            last = send_pynetdicom(port, paths)
-            job = wait(
-                lambda: (j := ledger_job(data)) and j["state"] in ("sent", "failed") and j,
-                900,
-                "job sent",
-            )
-            if job["state"] != "sent":
-                raise RuntimeError(f"job failed: {job['reason']}")
-            with urllib.request.urlopen(f"http://{LOOPBACK}:{hport}/series", timeout=10) as r:
-                n_series = len(json.loads(r.read()))
+            for k, folder in enumerate(folders):
+                paths = files_of(folder)
+                warm_page_cache(paths)
+                storescu(port, folder)
+                job = wait(
+                    lambda k=k: (
+                        (j := ledger_job(data))
+                        and j["id"] > k
+                        and j["state"] in ("sent", "failed")
+                        and j
+                    ),
+                    900,
+                    "job sent",
+                )
+                if job["state"] != "sent":
+                    raise RuntimeError(f"job failed: {job['reason']}")
+                if k:
+                    runs.append(job)
+            n_series = orthanc_series_count(hport)
+    results = [_e2e_run(job) for job in runs]
+    totals = [r["total_s"] for r in results]
+    median = sorted(results, key=lambda r: r["total_s"])[len(results) // 2]
+    out = {
+        "series": name,
+        "runs_s": totals,
+        "total_s": round(statistics.median(totals), 3),
+        "receive_s": median["receive_s"],
+        "trigger": median["trigger"],
+        "orthanc_series": n_series,
+        "stages": median["stages"],
+    }
+    print(f"  end to end: {out}", flush=True)
+    return out
+
+
+def end_to_end_all(runs: int, tmp: Path) -> list[dict[str, Any]]:
+    """The synthetic 512x512x128 series and, when ../shared/data has it, the real phantom:
+    one warm-up and ``runs`` measured series each (fresh UIDs every time)."""
+    synthetic = [series(f"e2e128-{k}", 128, 9800 + k, hint=False) for k in range(runs + 1)]
+    out = [end_to_end("512x512x128", synthetic, tmp)]
+    phantom = phantom_copies(runs + 1)
+    if phantom is not None:
+        out.append(end_to_end("phantom (28 slices)", phantom, tmp))
+    return out
+
+
+def _e2e_run(job: dict[str, Any]) -> dict[str, Any]:
     keys = ("created_at", "started_at", "volume_at", "inference_at", "encoded_at")
     t: dict[str, float | None] = {k: epoch(job[k]) for k in keys}
+    last = epoch(job["last_instance_at"])
+    assert last is not None
     t["last response"] = last
     acked = max(a for a in (epoch(x) for x in job["acks"]) if a is not None)
     t["last ack"] = acked
@@ -455,16 +529,12 @@ def end_to_end(folder: Path, tmp: Path) -> dict[str, Any]:
             }
         )
     first = epoch(job["first_instance_at"])
-    out = {
-        "series": f"512x512x{len(paths)}",
-        "receive_s": round(last - first, 3) if first is not None else None,
+    return {
         "total_s": round(total, 3),
+        "receive_s": round(last - first, 3) if first is not None else None,
         "trigger": job["trigger"],
-        "orthanc_series": n_series,
         "stages": stages,
     }
-    print(f"  end to end: {out}", flush=True)
-    return out
 
 
 def orthanc_series_count(hport: int) -> int:
@@ -591,18 +661,19 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {c['series']} | {c['median_ms']} | {', '.join(map(str, c['runs_ms']))} | "
             f"{', '.join(c['trigger'])} |"
         )
-    e = res["end_to_end"]
-    lines += [
-        "",
-        f"End to end {e['series']} (last C-STORE response -> SEG and SR acknowledged by "
-        f"Orthanc), default model on CPU: **{e['total_s']} s** (completion by {e['trigger']}; "
-        f"receiving took {e.get('receive_s')} s before that)",
-        "",
-        "| stage | starts at (s) | seconds | share |",
-        "|---|---:|---:|---:|",
-    ]
-    for s in e["stages"]:
-        lines.append(f"| {s['stage']} | {s['start_s']} | {s['seconds']} | {s['share']:.1%} |")
+    for e in res["end_to_end"]:
+        lines += [
+            "",
+            f"End to end {e['series']} (last C-STORE response -> SEG and SR acknowledged by "
+            f"Orthanc; DCMTK storescu, one association), default model on CPU: median of "
+            f"{len(e['runs_s'])} **{e['total_s']} s** (runs {', '.join(map(str, e['runs_s']))}; "
+            f"completion by {e['trigger']}; receiving took {e.get('receive_s')} s before that)",
+            "",
+            "| stage (median run) | starts at (s) | seconds | share |",
+            "|---|---:|---:|---:|",
+        ]
+        for s in e["stages"]:
+            lines.append(f"| {s['stage']} | {s['start_s']} | {s['seconds']} | {s['share']:.1%} |")
     m = res["memory"]
     lines += [
         "",
@@ -655,7 +726,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ct256 = series("ct256", 256, 900, hint=False)
     ct256h = series("ct256-hint", 256, 903, hint=True)
-    ct128 = series("ct128", 128, 901, hint=False)
     res: dict[str, Any] = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{os.cpu_count()} CPUs, {os.uname().machine}, Python {sys.version.split()[0]}",
@@ -667,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
                 completion(ct256, args.runs, tmp, "512x512x256, no count hint"),
                 completion(ct256h, args.runs, tmp, "512x512x256, Images in Acquisition"),
             ],
-            "end_to_end": lambda tmp: end_to_end(ct128, tmp),
+            "end_to_end": lambda tmp: end_to_end_all(args.runs, tmp),
             "memory": lambda tmp: memory(series("ct1000", 1000, 902, hint=True), tmp),
             "per_instance": lambda tmp: [
                 per_instance(40, args.runs, tmp),
@@ -687,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
             completion(ct256h, args.runs, tmp, "512x512x256, Images in Acquisition"),
         ]
         print("end to end", flush=True)
-        res["end_to_end"] = end_to_end(ct128, tmp)
+        res["end_to_end"] = end_to_end_all(args.runs, tmp)
         if not args.skip_memory:
             print("memory", flush=True)
             res["memory"] = memory(series("ct1000", 1000, 902, hint=True), tmp)
@@ -696,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         res["memory"] = {k: "-" for k in ("series", "peak_rss_mb", "idle_rss_mb", "volume_mb")}
         res["memory"].update(ratio="-", target_ratio=1.5)
     (args.out / "ingest.md").write_text(markdown(res))
-    plot(res["end_to_end"], args.out / "timeline.png")
+    plot(res["end_to_end"][0], args.out / "timeline.png")
     print((args.out / "ingest.md").read_text())
     return 0
 
