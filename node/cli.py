@@ -213,11 +213,18 @@ def cmd_send(args: argparse.Namespace) -> int:
 def _fmt_stage(stages: dict[str, datetime | None]) -> str:
     last = stages.get("last_instance")
     parts = []
-    for key in ("queued", "volume", "inference", "encoded", "finished"):
+    for key in ("queued", "volume", "inference", "encoded", "sending", "finished"):
         t = stages.get(key)
         if t is not None and last is not None:
             parts.append(f"{key} +{(t - last).total_seconds():.2f}s")
     return ", ".join(parts)
+
+
+def _send_s(start: datetime | None, ack: datetime | None) -> float | None:
+    """Seconds from the start of a delivery's last attempt to its acknowledgement."""
+    if start is None or ack is None or ack < start:
+        return None
+    return round((ack - start).total_seconds(), 4)
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -257,11 +264,14 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                         "status": s,
                         "attempts": a,
                         "last_error": e,
+                        "sending_at": t0.isoformat() if t0 else None,
                         "acked_at": t.isoformat() if t else None,
+                        "send_s": _send_s(t0, t) if s == "sent" else None,
                     }
-                    for (k, d, s, a), e, t in zip(
+                    for (k, d, s, a), e, t0, t in zip(
                         j.deliveries,
                         j.delivery_errors or (None,) * len(j.deliveries),
+                        j.delivery_starts or (None,) * len(j.deliveries),
                         j.delivery_acks or (None,) * len(j.deliveries),
                         strict=False,
                     )
@@ -298,13 +308,18 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             print(f"{'':>47}results superseded by job {j.superseded_by} (a later version)")
         errors = j.delivery_errors or (None,) * len(j.deliveries)
         acks = j.delivery_acks or (None,) * len(j.deliveries)
+        starts = j.delivery_starts or (None,) * len(j.deliveries)
         last_in = j.stages.get("last_instance")
-        for (kind, dest, status, attempts), err, ack in zip(
-            j.deliveries, errors, acks, strict=False
+        for (kind, dest, status, attempts), err, start, ack in zip(
+            j.deliveries, errors, starts, acks, strict=False
         ):
             last = f"; last error: {err}" if err and status != "sent" else ""
             acked = f", acked +{(ack - last_in).total_seconds():.2f}s" if ack and last_in else ""
-            print(f"{'':>47}{kind} -> {dest}: {status} ({attempts} attempt(s)){acked}{last}")
+            took = _send_s(start, ack) if status == "sent" else None
+            sent_in = f" in {took:.2f}s" if took is not None else ""
+            print(
+                f"{'':>47}{kind} -> {dest}: {status} ({attempts} attempt(s)){acked}{sent_in}{last}"
+            )
     if waiting:
         print("\nSERIES WAITING FOR MORE INSTANCES (no job yet)")
         for uid, n, reason, _since in waiting:

@@ -206,6 +206,7 @@ class DispatchConfig:
     max_age_s: float = 86400.0
     breaker_failures: int = 5
     breaker_cooldown_s: float = 60.0
+    keep_open_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -476,6 +477,9 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
             "dispatch.breaker_cooldown_s",
             0.01,
             86400,
+        ),
+        keep_open_s=_num(
+            t.get("keep_open_s", d.dispatch.keep_open_s), "dispatch.keep_open_s", 0, 3600
         ),
     )
     level = _str(raw.get("log_level", "INFO"), "log_level", ("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -21,6 +21,12 @@ Two kinds of failure are kept apart:
 
 A delivery still pending ``dispatch.max_age_s`` after it was created fails with that reason,
 visible in ``segnode jobs``; ``segnode retry --failed`` requeues such jobs.
+
+A C-STORE sends the result file's dataset bytes as the worker wrote them (PS3.10, Explicit VR
+Little Endian): nothing is decoded or encoded again, unless the destination accepted only
+another transfer syntax for the SOP class (:meth:`Dispatcher._store`). The association to a
+destination stays open ``dispatch.keep_open_s`` after a batch for the next job's objects
+(:class:`KeptAssociations`); one the peer closed meanwhile is replaced without using an attempt.
 """
 
 from __future__ import annotations
@@ -31,14 +37,19 @@ import ssl
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from pydicom import dcmread
-from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
+from pydicom.errors import InvalidDicomError
+from pydicom.filereader import read_file_meta_info
+from pydicom.uid import UID, ExplicitVRLittleEndian, ImplicitVRLittleEndian
 from pynetdicom import AE
+from pynetdicom import _config as pynetdicom_config
+from pynetdicom.association import Association
 from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Comprehensive3DSRStorage,
     KeyObjectSelectionDocumentStorage,
@@ -56,17 +67,67 @@ from storage.ledger import DueDelivery, Ledger, utcnow
 log = logging.getLogger(__name__)
 
 
-def make_ae(calling_ae: str, timeout: float) -> AE:
-    """An SCU application entity that can send SEG and SR (and echo)."""
+def make_ae(calling_ae: str, timeout: float, keep_open: float = 0.0) -> AE:
+    """An SCU application entity that can send SEG and SR (and echo).
+
+    Each storage SOP class is proposed in two presentation contexts, Explicit VR Little Endian
+    (the result files' own transfer syntax, sent as they are) and Implicit VR Little Endian
+    (the fallback, re-encoded), so that a destination supporting both accepts the first rather
+    than choosing Implicit from a single context (PS3.8 §9.3.2.2).
+
+    Parameters
+    ----------
+    calling_ae
+        Our AE title.
+    timeout
+        Seconds for the connection, the association and each response.
+    keep_open
+        Seconds an association may stay idle between batches (``dispatch.keep_open_s``):
+        pynetdicom's own idle limit (``network_timeout``) is set above it.
+    """
     ae = AE(ae_title=calling_ae)
     ae.acse_timeout = timeout
     ae.dimse_timeout = timeout
-    ae.network_timeout = timeout
+    ae.network_timeout = keep_open + timeout
     ae.connection_timeout = min(timeout, 10)
     for cls in (SegmentationStorage, Comprehensive3DSRStorage, KeyObjectSelectionDocumentStorage):
-        ae.add_requested_context(cls, [ExplicitVRLittleEndian, ImplicitVRLittleEndian])
+        ae.add_requested_context(cls, ExplicitVRLittleEndian)
+        ae.add_requested_context(cls, ImplicitVRLittleEndian)
     ae.add_requested_context(Verification)
     return ae
+
+
+_chunked_lock = threading.Lock()
+_chunked_users = 0
+_chunked_saved = False
+
+
+@contextmanager
+def file_bytes_sends() -> Iterator[None]:
+    """While inside, ``Association.send_c_store(path)`` sends the file's dataset bytes as they are.
+
+    pynetdicom reads its process-wide ``STORE_SEND_CHUNKED_DATASET`` when ``send_c_store``
+    starts: when true, a file path is not decoded; the bytes after the File Meta Information
+    go out in P-DATA fragments of the peer's maximum PDU, read from the file as they are sent,
+    over an accepted context of the file's own transfer syntax only. The setting is turned on
+    only while the outbox's own sends are in flight (counted, so that two outboxes in one
+    process do not turn it off under each other) and restored afterwards, so that other code
+    sending a path (the ``segnode send`` command, tests) keeps pynetdicom's decoding default;
+    in ``segnode serve`` the outbox is the only C-STORE SCU.
+    """
+    global _chunked_users, _chunked_saved
+    with _chunked_lock:
+        if _chunked_users == 0:
+            _chunked_saved = pynetdicom_config.STORE_SEND_CHUNKED_DATASET
+            pynetdicom_config.STORE_SEND_CHUNKED_DATASET = True
+        _chunked_users += 1
+    try:
+        yield
+    finally:
+        with _chunked_lock:
+            _chunked_users -= 1
+            if _chunked_users == 0:
+                pynetdicom_config.STORE_SEND_CHUNKED_DATASET = _chunked_saved
 
 
 def jittered_backoff(attempts: int, initial: float, maximum: float, rng: random.Random) -> float:
@@ -153,6 +214,96 @@ class CircuitBreakers:
             return st is not None and st.failures >= self.threshold
 
 
+class KeptAssociations:
+    """Established C-STORE associations kept open between batches, one per destination.
+
+    The outbox thread owns it (no lock): before a batch it takes the destination's
+    association (:meth:`take`) and puts it back after (:meth:`put`); :meth:`close_idle` runs at
+    each wake-up of the outbox loop and releases those idle ``keep_open`` seconds;
+    :meth:`close_all` runs when the outbox stops. With ``keep_open`` 0 every association is
+    released after its batch. One the peer released or aborted while idle (or whose
+    connection closed) is dropped when next looked at.
+
+    Parameters
+    ----------
+    keep_open
+        Seconds an association may stay idle (``dispatch.keep_open_s``).
+    clock
+        Monotonic clock (seconds).
+    """
+
+    def __init__(self, keep_open: float, clock: Callable[[], float] | None = None) -> None:
+        self.keep_open = keep_open
+        self._clock = clock or time.monotonic
+        self._idle: dict[str, tuple[Association, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+    def take(self, dest: str) -> Association | None:
+        """The open association to ``dest``, or None (then the caller opens one)."""
+        entry = self._idle.pop(dest, None)
+        if entry is None:
+            return None
+        assoc, since = entry
+        if not assoc.is_established:
+            log.debug("%s closed the idle association (%s)", dest, _ended(assoc))
+            return None
+        if self._clock() - since >= self.keep_open:
+            _release(assoc)
+            return None
+        return assoc
+
+    def put(self, dest: str, assoc: Association) -> None:
+        """Keep ``assoc`` for the next batch to ``dest``, or release it (``keep_open`` 0)."""
+        if self.keep_open > 0 and assoc.is_established:
+            old = self._idle.pop(dest, None)
+            if old is not None and old[0] is not assoc:
+                _release(old[0])
+            self._idle[dest] = (assoc, self._clock())
+        else:
+            _release(assoc)
+
+    def close_idle(self) -> float | None:
+        """Release associations idle ``keep_open`` seconds or more; drop those the peer
+        closed. Returns the seconds until the next one is due, None when none is open."""
+        now = self._clock()
+        due: float | None = None
+        for dest, (assoc, since) in list(self._idle.items()):
+            left = since + self.keep_open - now
+            if not assoc.is_established:
+                log.debug("%s closed the idle association (%s)", dest, _ended(assoc))
+                del self._idle[dest]
+            elif left <= 0:
+                del self._idle[dest]
+                log.debug("releasing the association to %s, idle %.1f s", dest, now - since)
+                _release(assoc)
+            else:
+                due = left if due is None else min(due, left)
+        return due
+
+    def close_all(self) -> None:
+        """Release every kept association (the outbox stops)."""
+        while self._idle:
+            _, (assoc, _) = self._idle.popitem()
+            _release(assoc)
+
+
+def _release(assoc: Association) -> None:
+    """A-RELEASE an association that is still established (PS3.8 §7.2)."""
+    if assoc.is_established:
+        assoc.release()
+
+
+def _ended(assoc: Association) -> str:
+    """How an association that is no longer established ended, for the log."""
+    if assoc.is_released:
+        return "A-RELEASE"
+    if assoc.is_aborted:
+        return "A-ABORT or connection closed"
+    return "connection closed"
+
+
 class Dispatcher:
     """Sends due deliveries from the ledger; one thread.
 
@@ -183,6 +334,8 @@ class Dispatcher:
             self._rng,
         )
         self._last_expiry = -1e9
+        self.kept = KeptAssociations(dc.keep_open_s)
+        self._msg_id = 0
 
     def start(self) -> None:
         """Start the outbox thread."""
@@ -190,31 +343,40 @@ class Dispatcher:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop after the send in progress."""
+        """Stop after the send in progress; release the kept-open associations."""
         self._stop.set()
         self.wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            # The thread released its own on the way out; this is for run_once callers.
+            self.kept.close_all()
 
     def is_alive(self) -> bool:
         """Whether the outbox thread runs (for the watchdog)."""
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sent = self.run_once()
-            except Exception:
-                log.exception("outbox pass failed")
-                sent = 0
-            if sent:
-                continue
-            nxt = self.ledger.next_delivery_time()
-            wait = 1.0
-            if nxt is not None:
-                wait = max(0.05, min(1.0, (nxt - utcnow()).total_seconds()))
-            self.wake.wait(wait)
-            self.wake.clear()
+        try:
+            while not self._stop.is_set():
+                try:
+                    sent = self.run_once()
+                    idle = self.kept.close_idle()
+                except Exception:
+                    log.exception("outbox pass failed")
+                    sent, idle = 0, None
+                if sent:
+                    continue
+                nxt = self.ledger.next_delivery_time()
+                wait = 1.0
+                if nxt is not None:
+                    wait = min(wait, (nxt - utcnow()).total_seconds())
+                if idle is not None:
+                    wait = min(wait, idle)
+                self.wake.wait(max(0.05, wait))
+                self.wake.clear()
+        finally:
+            self.kept.close_all()
 
     def expire(self) -> list[int]:
         """Fail deliveries pending longer than ``dispatch.max_age_s``; return the jobs failed."""
@@ -230,7 +392,8 @@ class Dispatcher:
         return jobs
 
     def run_once(self) -> int:
-        """Try every due delivery once, one association per destination; return how many sent."""
+        """Try every due delivery once, one association per destination (kept open for the
+        next pass, ``dispatch.keep_open_s``); return how many were sent."""
         if time.monotonic() - self._last_expiry > min(5.0, self.config.dispatch.max_age_s / 4):
             self._last_expiry = time.monotonic()
             self.expire()
@@ -315,33 +478,37 @@ class Dispatcher:
         if isinstance(target, StowTarget):
             return self._send_stow(target, items)
         peer = target
-        dc = self.config.dispatch
-        ae = make_ae(dc.calling_ae, dc.timeout_s)
-        try:
-            assoc = ae.associate(
-                peer.host, peer.port, ae_title=peer.ae_title, tls_args=self._tls_args(peer)
-            )
-        except Exception as exc:  # TLS files, socket errors: a boundary, the peer is unusable
-            self._unreachable(dest, f"cannot connect: {exc}")
+        assoc = self.kept.take(dest)
+        # An association kept from an earlier batch may have been ended by the peer just now,
+        # unseen (an A-ABORT or a closed connection crossing our request; or a firewall that
+        # dropped the idle connection): its first object that gets no answer is sent again on
+        # a new association without using an attempt. After one answer it is known to work.
+        untried = assoc is not None
+        if assoc is None and (assoc := self._associate(dest, peer)) is None:
             return 0
-        if not assoc.is_established:
-            why = "association rejected" if assoc.is_rejected else "cannot connect or associate"
-            self._unreachable(dest, why)
-            return 0
-        if self.breakers.success(dest):
-            log.info("%s reachable again: circuit closed", dest)
         sent = 0
         try:
             for d in items:
                 if self._stop.is_set():
                     break
-                try:
-                    ds = dcmread(Path(d.path))
-                except OSError as exc:
-                    self.ledger.delivery_failed(d.id, f"result file unreadable: {exc}")
+                if not assoc.is_established:
+                    # The peer released or aborted after the last object (some close after
+                    # each): a new association, no attempt used.
+                    if (assoc := self._associate(dest, peer)) is None:
+                        break
+                    untried = False
+                self.ledger.delivery_sending(d.id)
+                code = self._store(assoc, d)
+                if code == -1 and untried:
+                    # pynetdicom has aborted it (no answer ends an association).
+                    log.info("no answer on the kept-open association to %s; a new one", dest)
+                    if (assoc := self._associate(dest, peer)) is None:
+                        break
+                    self.ledger.delivery_sending(d.id)
+                    code = self._store(assoc, d)
+                untried = False
+                if code is None:
                     continue
-                status = assoc.send_c_store(ds)
-                code = int(getattr(status, "Status", -1)) if status else -1
                 if code == 0x0000:
                     self.ledger.delivery_done(d.id, code)
                     sent += 1
@@ -355,9 +522,78 @@ class Dispatcher:
                         log.warning("destination %s answered warning 0x%04X", dest, code)
                     self._retry(d, f"destination answered 0x{code:04X}", code)
         finally:
-            if assoc.is_established:
-                assoc.release()
+            if assoc is not None:
+                self.kept.put(dest, assoc)
         return sent
+
+    def _associate(self, dest: str, peer: Peer) -> Association | None:
+        """Open an association to ``peer``; None (and the destination backs off) if it fails."""
+        dc = self.config.dispatch
+        ae = make_ae(dc.calling_ae, dc.timeout_s, dc.keep_open_s)
+        try:
+            assoc = ae.associate(
+                peer.host, peer.port, ae_title=peer.ae_title, tls_args=self._tls_args(peer)
+            )
+        except Exception as exc:  # TLS files, socket errors: a boundary, the peer is unusable
+            self._unreachable(dest, f"cannot connect: {exc}")
+            return None
+        if not assoc.is_established:
+            why = "association rejected" if assoc.is_rejected else "cannot connect or associate"
+            self._unreachable(dest, why)
+            return None
+        if self.breakers.success(dest):
+            log.info("%s reachable again: circuit closed", dest)
+        return assoc
+
+    def _store(self, assoc: Association, d: DueDelivery) -> int | None:
+        """C-STORE the result file of ``d``; return the status, -1 for no response, None when
+        the delivery was settled here (file unreadable, no presentation context).
+
+        The request's SOP Class and Instance UIDs and the transfer syntax come from the file's
+        File Meta Information (PS3.10 §7.1), checked against the ledger's row; the dataset is
+        sent as the bytes that follow it (:func:`file_bytes_sends`) over a context of that
+        transfer syntax. Only when the destination accepted another transfer syntax for the
+        SOP class (Implicit VR Little Endian) is the file decoded and encoded again.
+        """
+        try:
+            meta = read_file_meta_info(d.path)
+        except (OSError, InvalidDicomError) as exc:
+            self.ledger.delivery_failed(d.id, f"result file unreadable: {exc}")
+            return None
+        sop_class = str(meta.get("MediaStorageSOPClassUID", ""))
+        sop_instance = str(meta.get("MediaStorageSOPInstanceUID", ""))
+        syntax = str(meta.get("TransferSyntaxUID", ""))
+        if sop_instance != d.sop_instance_uid or d.sop_class_uid not in ("", sop_class):
+            why = f"result file {d.path} holds {sop_instance or 'no SOP Instance UID'}"
+            self.ledger.delivery_failed(d.id, f"{why}, not the ledger's {d.sop_instance_uid}")
+            return None
+        contexts = [
+            cx for cx in assoc.accepted_contexts if cx.abstract_syntax == sop_class and cx.as_scu
+        ]
+        if not contexts:
+            self._retry(d, f"no presentation context accepted for {UID(sop_class).name}")
+            return None
+        self._msg_id = self._msg_id % 0xFFFF + 1
+        try:
+            if any(cx.transfer_syntax[0] == syntax for cx in contexts):
+                with file_bytes_sends():
+                    status = assoc.send_c_store(Path(d.path), msg_id=self._msg_id)
+            else:
+                log.debug(
+                    "%s accepted %s for %s only: re-encoding job %d %s",
+                    d.destination,
+                    UID(contexts[0].transfer_syntax[0]).name,
+                    UID(sop_class).name,
+                    d.job_id,
+                    d.kind,
+                )
+                status = assoc.send_c_store(dcmread(d.path), msg_id=self._msg_id)
+        except OSError as exc:
+            self.ledger.delivery_failed(d.id, f"result file unreadable: {exc}")
+            return None
+        except RuntimeError:  # the association ended just before the request
+            return -1
+        return int(getattr(status, "Status", -1)) if status else -1
 
     def _send_stow(self, target: StowTarget, items: list[DueDelivery]) -> int:
         """DICOMweb STOW-RS, one request per object (:mod:`node.stow`); same bookkeeping."""
@@ -371,6 +607,7 @@ class Dispatcher:
             except OSError as exc:
                 self.ledger.delivery_failed(d.id, f"result file unreadable: {exc}")
                 continue
+            self.ledger.delivery_sending(d.id)
             try:
                 timeout = self.config.dispatch.timeout_s
                 result = stow_store(target, data, d.sop_instance_uid, timeout)
@@ -405,4 +642,12 @@ def echo(peer: Peer, calling_ae: str = "SEGNODE", timeout: float = 10.0) -> int:
         assoc.release()
 
 
-__all__ = ["CircuitBreakers", "Dispatcher", "echo", "jittered_backoff", "make_ae"]
+__all__ = [
+    "CircuitBreakers",
+    "Dispatcher",
+    "KeptAssociations",
+    "echo",
+    "file_bytes_sends",
+    "jittered_backoff",
+    "make_ae",
+]

@@ -32,6 +32,7 @@ from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
+from storage.migrations import upgrade
 from storage.models import (
     SCHEMA_VERSION,
     Base,
@@ -96,6 +97,7 @@ class JobView:
     deliveries: tuple[tuple[str, str, str, int], ...]  # (kind, destination, status, attempts)
     delivery_errors: tuple[str | None, ...] = ()  # last error of each delivery, same order
     delivery_acks: tuple[datetime | None, ...] = ()  # when each delivery was acknowledged
+    delivery_starts: tuple[datetime | None, ...] = ()  # when its latest send attempt started
     superseded_by: int | None = None  # a later version of the series (its results replace ours)
     model_name: str = "default"  # the configured model ([model] is "default", [models.NAME])
     rule: str = ""  # the routing rule that created the job
@@ -134,6 +136,7 @@ class DueDelivery:
     kind: str
     sop_instance_uid: str
     attempts: int
+    sop_class_uid: str = ""
 
 
 class Ledger:
@@ -166,17 +169,16 @@ class Ledger:
         self._hot: sqlite3.Connection | None = None
         self._hot_lock = threading.Lock()
         self._datetime_bind: Any = None
+        # An older ledger is upgraded in place before anything reads it; a newer one stops
+        # here (storage.migrations.SchemaError).
+        found = upgrade(path)
+        if found is not None and found != SCHEMA_VERSION:
+            log.info("ledger %s upgraded from schema version %d to %d", path, found, SCHEMA_VERSION)
         Base.metadata.create_all(self.engine)
         os.chmod(path, 0o600)
         with self._tx() as s:
-            meta = s.get(Meta, "schema_version")
-            if meta is None:
+            if s.get(Meta, "schema_version") is None:
                 s.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
-            elif int(meta.value) != SCHEMA_VERSION:
-                raise RuntimeError(
-                    f"ledger {path} has schema version {meta.value}, this segnode expects "
-                    f"{SCHEMA_VERSION}; migrate or use another data directory"
-                )
 
     def _stamp(self, when: datetime) -> str:
         """``when`` as the dialect stores DateTime columns (for the plain-SQL hot path)."""
@@ -866,9 +868,21 @@ class Ledger:
                     kind=r.kind,
                     sop_instance_uid=r.sop_instance_uid,
                     attempts=d.attempts,
+                    sop_class_uid=r.sop_class_uid,
                 )
                 for d, r in rows
             ]
+
+    def delivery_sending(self, delivery_id: int) -> None:
+        """Record that the outbox starts an attempt of this delivery (the send stage).
+
+        One plain statement on the hot-path connection, without a WAL fsync: losing the
+        stamp to a power cut loses only a figure, and the attempt's outcome (the next
+        ``FULL`` commit) makes it durable.
+        """
+        stamp = self._stamp(utcnow())
+        with self._write_lock, self._hot_lock:
+            self._hot_connection().execute(_DELIVERY_SENDING, (stamp, delivery_id))
 
     def delivery_done(self, delivery_id: int, status: int | str) -> None:
         """Record a successful delivery and finish the job when all are sent.
@@ -1012,11 +1026,14 @@ class Ledger:
                 Delivery.status,
                 Delivery.attempts,
                 Delivery.last_error,
+                Delivery.sending_at,
+                Delivery.sent_at,
             )
             .join(Result, Result.id == Delivery.result_id)
             .where(Delivery.job_id == job.id)
             .order_by(Result.order, Delivery.destination)
         ).all()
+        starts = [t for *_, t, _ in dels if t is not None]
         return JobView(
             id=job.id,
             series_instance_uid=series.series_instance_uid,
@@ -1038,22 +1055,17 @@ class Ledger:
                 "volume": job.volume_at,
                 "inference": job.inference_at,
                 "encoded": job.encoded_at,
+                "sending": min(starts) if starts else None,
                 "finished": job.finished_at,
             },
             seg_series_uid=job.seg_series_uid,
             seg_sop_uid=job.seg_sop_uid,
             sr_series_uid=job.sr_series_uid,
             sr_sop_uid=job.sr_sop_uid,
-            deliveries=tuple((k, d, st, a) for k, d, st, a, _ in dels),
-            delivery_errors=tuple(e for *_, e in dels),
-            delivery_acks=tuple(
-                s.scalars(
-                    select(Delivery.sent_at)
-                    .join(Result, Result.id == Delivery.result_id)
-                    .where(Delivery.job_id == job.id)
-                    .order_by(Result.order, Delivery.destination)
-                )
-            ),
+            deliveries=tuple((k, d, st, a) for k, d, st, a, *_ in dels),
+            delivery_errors=tuple(e for *_, e, _, _ in dels),
+            delivery_acks=tuple(t for *_, t in dels),
+            delivery_starts=tuple(t for *_, t, _ in dels),
             superseded_by=s.scalar(
                 select(Job.id)
                 .where(Job.series_id == job.series_id, Job.version > job.version)
@@ -1287,6 +1299,7 @@ _HAS_INSTANCE = "SELECT 1 FROM instances WHERE sop_instance_uid = ?"
 _SERIES_ID = "SELECT id FROM series WHERE series_instance_uid = ?"
 _INSTANCE_SERIES = "SELECT id, series_id FROM instances WHERE sop_instance_uid = ?"
 _DELETE_INSTANCE = "DELETE FROM instances WHERE id = ?"
+_DELIVERY_SENDING = "UPDATE deliveries SET sending_at = ? WHERE id = ?"
 _SERIES_FORGOT = "UPDATE series SET instance_count = MAX(instance_count - 1, 0) WHERE id = ?"
 _PENDING_INSTANCES = (
     "SELECT i.sop_instance_uid, i.path, i.size FROM instances i "

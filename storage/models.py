@@ -12,7 +12,9 @@ from datetime import datetime
 from sqlalchemy import ForeignKey, Index, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
+#: Bumped with each change of the tables' columns; :mod:`storage.migrations` upgrades older
+#: ledgers (version 2: ``deliveries.sending_at``).
+SCHEMA_VERSION = 2
 
 
 class Base(DeclarativeBase):
@@ -129,7 +131,11 @@ class Result(Base):
 
 
 class Delivery(Base):
-    """One result object to one destination: the outbox row."""
+    """One result object to one destination: the outbox row.
+
+    ``sending_at`` is when the outbox started the latest attempt (the send stage),
+    ``sent_at`` when the destination acknowledged it; their difference is the send time.
+    """
 
     __tablename__ = "deliveries"
     __table_args__ = (
@@ -146,6 +152,7 @@ class Delivery(Base):
     last_status: Mapped[str | None] = mapped_column(String(16))
     last_error: Mapped[str | None] = mapped_column(String(1024))
     created_at: Mapped[datetime]
+    sending_at: Mapped[datetime | None]
     sent_at: Mapped[datetime | None]
 
 
