@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint typecheck venv tools model bench bench-gpu clean
+.PHONY: run test lint typecheck venv tools model bench bench-gpu bench-gpu-e2e bench-torch-warm clean
 
 $(BIN)/segnode: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,17 @@ bench: venv tools
 # and full-volume latency per backend, ratios to PyTorch eager FP32 measured in the same run.
 bench-gpu: venv
 	$(BIN)/python -m bench.gpu_bench --out bench/out
+
+# GPU end to end (CUDA GPU with torch and onnx2torch; no DCMTK or Orthanc needed): segnode serve
+# with the torch engine (compiled and cached), a pynetdicom SCU and results SCP on loopback;
+# writes bench/out/gpu_e2e.{json,md} and timeline-<model>.png.
+bench-gpu-e2e: venv
+	$(BIN)/pip install -q -e '.[bench,gpu]'
+	$(BIN)/python -m bench.gpu_e2e --out bench/out
+
+# Restart-to-ready of the torch engine, cold against warm compiled-model cache, fresh processes.
+bench-torch-warm: venv
+	$(BIN)/python -m bench.torch_warm --out bench/out
 
 model: venv
 	$(BIN)/python -m engines.models.build_tissue

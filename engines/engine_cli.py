@@ -1,14 +1,19 @@
-"""``segnode engine build|list``: build TensorRT engines ahead of time and list the cache.
+"""``segnode engine build|list``: build engines ahead of time and list the cache.
 
 The node's CLI registers the sub-commands with :func:`add_engine_parser` and dispatches to
 :func:`run_engine_command` with its data folder and default model::
 
     segnode engine build [--model NAME_OR_PATH] [--precision fp16|fp32]
                          [--flavour auto|tensorrt|tensorrt_rtx] [--target portable|current|sm86]
+    segnode engine build --engine torch [--model ...] [--precision fp16|fp32]
+                         [--device cuda:0] [--kind aoti|inductor]
     segnode engine list
 
 On a machine without a GPU ``auto`` builds with TensorRT-RTX ahead of time (a portable engine
 for compute capability 8.0 and later); with full TensorRT and a GPU it builds for that GPU.
+``--engine torch`` compiles the model as the node's ``torch`` engine with ``compile = true``
+does at its first start (same options, same key: :mod:`engines.torch_cache`), so that the node
+starts by loading the artefact; it needs the GPU the node will use.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     Returns the ``engine`` parser; the chosen action is in ``args.engine_command``.
     """
-    engine = subparsers.add_parser("engine", help="build or list TensorRT engines")
+    engine = subparsers.add_parser(
+        "engine", help="build or list TensorRT engines and compiled torch models"
+    )
     actions = engine.add_subparsers(dest="engine_command", required=True)
     build = actions.add_parser("build", help="build (or reuse) the engine of a model")
     build.add_argument(
@@ -38,12 +45,25 @@ def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="model name under engines/models, or a manifest .json / .onnx path "
         "(default: the configured model)",
     )
+    build.add_argument(
+        "--engine",
+        choices=("tensorrt", "torch"),
+        default="tensorrt",
+        help="tensorrt: a TensorRT engine; torch: the compiled model of the torch engine",
+    )
     build.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
     build.add_argument("--flavour", choices=("auto", "tensorrt", "tensorrt_rtx"), default="auto")
     build.add_argument(
         "--target",
         default=None,
         help="GPU target: portable (TensorRT-RTX default), current, or e.g. sm86",
+    )
+    build.add_argument("--device", default="cuda", help="torch only: the CUDA device")
+    build.add_argument(
+        "--kind",
+        choices=("aoti", "inductor"),
+        default="aoti",
+        help="torch only: AOTInductor package (default) or torch.compile caches",
     )
     actions.add_parser("list", help="list cached engines and check their checksums")
     return engine  # type: ignore[no-any-return]
@@ -89,11 +109,13 @@ def run_engine_command(
     out
         Where to print (standard output by default); errors go to standard error.
     """
-    from engines.trt_backend import build_engine, list_engines
-
     stream = out or sys.stdout
     cache_dir = Path(data_dir) / "engines"
     try:
+        if args.engine_command == "build" and getattr(args, "engine", "tensorrt") == "torch":
+            return _build_torch(args, resolve_model(args.model, default_model), cache_dir, stream)
+        from engines.trt_backend import build_engine, list_engines
+
         if args.engine_command == "build":
             manifest = resolve_model(args.model, default_model)
             built = build_engine(
@@ -126,9 +148,61 @@ def run_engine_command(
                     f"{r.created}  [{state}]",
                     file=stream,
                 )
+            _list_torch(cache_dir, stream)
             return 0
     except EngineError as exc:
         print(f"segnode engine: error: {exc}", file=sys.stderr)
         return 1
     print(f"segnode engine: unknown command {args.engine_command!r}", file=sys.stderr)
     return 2
+
+
+def _build_torch(
+    args: argparse.Namespace, manifest: ModelManifest, cache_dir: Path, stream: TextIO
+) -> int:
+    """Compile (or find) the torch engine's artefact, exactly as the node's first start would."""
+    from engines.torch_backend import TorchEngine
+
+    engine = TorchEngine(
+        device=args.device,
+        precision=args.precision,
+        compile=True,
+        cache_dir=cache_dir,
+        compile_cache=args.kind,
+    )
+    try:
+        engine.load(manifest)
+        info = engine.load_info
+    finally:
+        engine.close()
+    if not info.get("artefact"):
+        print(
+            f"segnode engine: error: {manifest.name} could not be compiled (see the log); "
+            "the node would run it eagerly",
+            file=sys.stderr,
+        )
+        return 1
+    verb = "reused" if info["cache_hit"] else "built"
+    print(f"compiled model {verb}: {info['artefact']}", file=stream)
+    print(
+        f"  model {manifest.name} {manifest.version}, {info['compiled']}, "
+        f"build {info.get('build_seconds', 0.0):.1f} s, load {engine.load_seconds:.1f} s",
+        file=stream,
+    )
+    return 0
+
+
+def _list_torch(cache_dir: Path, stream: TextIO) -> None:
+    from engines.torch_cache import SUBDIR, TorchCache
+
+    records = TorchCache(cache_dir / SUBDIR).entries(verify=True)
+    print(f"compiled torch models {cache_dir / SUBDIR}: {len(records)}", file=stream)
+    for r in records:
+        k, f = r.key, r.key.facts
+        state = "ok" if r.valid else f"INVALID: {r.problem}"
+        print(
+            f"  {r.path.name}  {k.model_name} {k.precision} {k.kind} torch {f.torch_version} "
+            f"{f.device_name} {f.target} batch {k.batch}  {_mb(r.size_bytes)}  built in "
+            f"{r.build_seconds:.1f} s {r.created}  [{state}]",
+            file=stream,
+        )

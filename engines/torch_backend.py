@@ -15,7 +15,13 @@ Measured on an H200 (nnU-Net-like 31 M-parameter U-Net, 128^3 patches, 128x512x5
 ``compile`` fuses; the ``channels_last_3d`` memory format pays only when compiled (0.24 s
 against 0.34 s NCDHW) and costs eagerly (1.09 s against 0.78 s), so ``channels_last`` follows
 ``compile`` by default. Recommended node options on such a GPU: ``precision="fp16",
-compile=True`` (about 15 s of compilation at load, once per process).
+compile=True``.
+
+Compilation takes seconds to minutes. With a ``cache_dir`` (the node passes
+``<data_dir>/engines``) the compiled model is kept as an artefact keyed by model, versions,
+GPU and options (:mod:`engines.torch_compile`, :mod:`engines.torch_cache`): the first start
+(or ``segnode engine build --engine torch``) compiles it, later starts load it. Without one,
+every process compiles again (``torch.compile`` at the first forward pass).
 
 The sliding window (:func:`engines.sliding_window.sliding_window_segment`) runs on torch
 tensors on the device; only the uint8 label map is copied back.
@@ -29,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -109,6 +116,22 @@ class TorchEngine:
         ``precision="fp32"`` is true FP32 (the reference for the FP16 agreement check).
     compile_mode
         ``mode`` passed to ``torch.compile``.
+    cache_dir
+        With ``compile=True``: the engine cache folder (``<data_dir>/engines``); compiled
+        artefacts go to its ``torch/`` sub-folder and are reused by later processes.
+    compile_cache
+        Kind of artefact cached: ``"aoti"`` (AOTInductor package; falls back to
+        ``"inductor"`` for models ``torch.export`` cannot trace) or ``"inductor"``
+        (``torch.compile`` with its caches saved and restored).
+
+    Attributes
+    ----------
+    load_seconds
+        Wall time of :meth:`load`.
+    load_info
+        How :meth:`load` got its predictor: ``compiled`` (``"aoti"``, ``"inductor"``,
+        ``"jit"`` or ``""`` for eager), ``cache_hit``, ``artefact`` (path),
+        ``build_seconds``, ``convert_seconds``.
     """
 
     name = "torch"
@@ -124,11 +147,15 @@ class TorchEngine:
         channels_last: bool | None = None,
         tf32: bool = False,
         compile_mode: str = "default",
+        cache_dir: str | Path | None = None,
+        compile_cache: str = "aoti",
     ) -> None:
         if precision not in ("fp16", "fp32"):
             raise EngineError(f"precision must be fp16 or fp32, not {precision!r}")
         if compile and cuda_graphs:
             raise EngineError("choose compile or cuda_graphs, not both")
+        if compile_cache not in ("aoti", "inductor"):
+            raise EngineError(f"compile_cache must be aoti or inductor, not {compile_cache!r}")
         self.device = device
         self.precision = precision
         self.compile = compile
@@ -137,7 +164,10 @@ class TorchEngine:
         self.channels_last = channels_last
         self.tf32 = tf32
         self.compile_mode = compile_mode
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.compile_cache = compile_cache
         self.load_seconds = 0.0
+        self.load_info: dict[str, Any] = {}
         self.manifest: ModelManifest | None = None
         self._torch: Any = None
         self._module: Any = None
@@ -165,7 +195,11 @@ class TorchEngine:
             b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32 = saved
 
     def load(self, manifest: ModelManifest) -> None:
-        """Convert the model, move it to the device and warm it up (compile, graphs)."""
+        """Convert the model, move it to the device and warm it up (compile, graphs).
+
+        With ``compile=True`` and a ``cache_dir``, a cached compiled artefact is loaded
+        instead (no conversion, no compilation), or built and stored first.
+        """
         started = time.perf_counter()
         torch = self._torch = _import_torch()
         dev = torch.device(self.device)
@@ -178,6 +212,7 @@ class TorchEngine:
             raise EngineError("cuda_graphs needs a CUDA device")
         self._dev = dev
         self.manifest = manifest
+        self._module = self._fn = None
         half = self.precision == "fp16" and manifest.fp16 and dev.type == "cuda"
         if self.precision == "fp16" and not half:
             logger.warning(
@@ -189,48 +224,121 @@ class TorchEngine:
         self._dtype = torch.float16 if half else torch.float32
         if self.channels_last is None:
             self.channels_last = dev.type == "cuda" and self.compile
-        module = convert_onnx(manifest.onnx_path).eval()
-        try:
-            module = module.to(device=dev, dtype=self._dtype)
-            if self.channels_last:
-                module = module.to(memory_format=torch.channels_last_3d)
-        except torch.cuda.OutOfMemoryError as exc:
-            raise EngineError(f"out of GPU memory loading {manifest.name}: {exc}") from exc
-        self._module = module
-        self._fn = (
-            torch.compile(module, mode=self.compile_mode, dynamic=False) if self.compile else module
-        )
         self._graphs = {}
+        self.load_info = {"compiled": "", "cache_hit": False}
         batch = self._batch = self.batch_size or max(1, manifest.batch_opt)
         zeros = torch.zeros((batch, 1, *manifest.patch_size), device=dev)
         try:
-            try:
-                self._predict(zeros)  # cuDNN autotuning, compilation, graph capture
-            except torch.cuda.OutOfMemoryError:
-                raise
-            except Exception as exc:
-                if not self.compile:
-                    raise EngineError(f"{manifest.name} does not run under torch: {exc}") from exc
-                # Inductor needs Triton and a C compiler; without them the model runs eagerly.
-                logger.warning(
-                    "torch.compile failed (%s: %s); running eagerly", type(exc).__name__, exc
-                )
-                self.compile, self._fn = False, module
-                self._predict(zeros)
+            if self.compile and self.cache_dir is not None:
+                self._fn = self._compile_cached(self._prepare(zeros))
+            if self._fn is None:
+                module = self._module_on_device()
+                self._fn = module
+                if self.compile:
+                    self._fn = torch.compile(module, mode=self.compile_mode, dynamic=False)
+                    self.load_info["compiled"] = "jit"
+                self._warm_up(zeros)
         except torch.cuda.OutOfMemoryError as exc:
-            raise EngineError(f"out of GPU memory warming up {manifest.name}: {exc}") from exc
+            raise EngineError(f"out of GPU memory loading {manifest.name}: {exc}") from exc
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.load_seconds = time.perf_counter() - started
+        info = self.load_info
         logger.info(
             "torch engine ready for %s on %s (%s%s%s) in %.1f s",
             manifest.name,
             dev,
             "fp16" if half else "fp32",
-            ", compiled" if self.compile else "",
+            f", compiled ({info['compiled']}{', cached' if info['cache_hit'] else ''})"
+            if info["compiled"]
+            else "",
             ", CUDA graphs" if self.cuda_graphs else "",
             self.load_seconds,
         )
+
+    def _module_on_device(self) -> Any:
+        """The onnx2torch module on the device, cast and in its memory format (converted once)."""
+        if self._module is None:
+            assert self.manifest is not None
+            torch, t0 = self._torch, time.perf_counter()
+            module = convert_onnx(self.manifest.onnx_path).eval()
+            if self.compile:
+                from engines.torch_compile import fold_constant_shapes
+
+                if folded := fold_constant_shapes(torch, module):
+                    logger.info("%d constant axes/shapes folded for compilation", folded)
+            module = module.to(device=self._dev, dtype=self._dtype)
+            if self.channels_last:
+                module = module.to(memory_format=torch.channels_last_3d)
+            self._module = module
+            self.load_info["convert_seconds"] = round(time.perf_counter() - t0, 3)
+        return self._module
+
+    def _warm_up(self, zeros: Any) -> None:
+        """First forward pass (cuDNN autotuning, JIT compilation, graph capture); a failing
+        ``torch.compile`` (no Triton or C compiler) leaves the model running eagerly."""
+        assert self.manifest is not None
+        try:
+            self._predict(zeros)
+        except self._torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            if not self.compile:
+                raise EngineError(f"{self.manifest.name} does not run under torch: {exc}") from exc
+            logger.warning(
+                "torch.compile failed (%s: %s); running eagerly", type(exc).__name__, exc
+            )
+            self.compile, self._fn = False, self._module_on_device()
+            self.load_info["compiled"] = ""
+            self._predict(zeros)
+
+    def _run_once(self, fn: Callable[[Any], Any], example: Any) -> None:
+        with self._torch.inference_mode(), self._flags():
+            fn(example)
+        if self._dev.type == "cuda":
+            self._torch.cuda.synchronize(self._dev)
+
+    def _compile_cached(self, example: Any) -> Callable[[Any], Any] | None:
+        """The predictor from the compiled-artefact cache (built on a miss), or None (with a
+        warning) when nothing can be compiled: the caller then runs the model eagerly."""
+        from engines.torch_cache import SUBDIR, TorchCache
+        from engines.torch_compile import compile_cached, runtime_facts
+
+        assert self.manifest is not None and self.cache_dir is not None
+        try:
+            compiled = compile_cached(
+                self._torch,
+                self._module_on_device,
+                example,
+                lambda fn: self._run_once(fn, example),
+                cache=TorchCache(self.cache_dir / SUBDIR),
+                manifest=self.manifest,
+                facts=runtime_facts(self._torch, self._dev),
+                precision="fp16" if self._dtype == self._torch.float16 else "fp32",
+                channels_last=bool(self.channels_last),
+                compile_mode=self.compile_mode,
+                kind=self.compile_cache,
+            )
+        except self._torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            logger.warning(
+                "no compiled artefact for %s (%s: %s); running eagerly",
+                self.manifest.name,
+                type(exc).__name__,
+                exc,
+            )
+            self.compile = False
+            return None
+        loaded = compiled.loaded
+        self.load_info.update(
+            compiled=compiled.kind,
+            cache_hit=loaded.hit,
+            artefact=str(loaded.path),
+            build_seconds=round(loaded.build_seconds, 3),
+            artefact_load_seconds=round(loaded.load_seconds, 3),
+        )
+        return compiled.fn
 
     def _prepare(self, patches: Any) -> Any:
         x = patches.to(device=self._dev, dtype=self._dtype)

@@ -191,6 +191,7 @@ class ModelConfig:
     engine: str = "onnxruntime"
     threads: int = 0
     precision: str = "fp32"
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -436,6 +437,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         engine=_str(m.get("engine", d.model.engine), "model.engine"),
         threads=_int(m.get("threads", 0), "model.threads", 0, 256),
         precision=_str(m.get("precision", "fp32"), "model.precision", ("fp32", "fp16")),
+        compile=_bool(m.get("compile", False), "model.compile"),
     )
     if not model.manifest.exists():
         raise ConfigError(f"model.manifest: file not found: {model.manifest}")

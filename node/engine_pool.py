@@ -28,7 +28,9 @@ def engine_options(spec: ModelSpec, data_dir: Path) -> dict[str, Any]:
     if spec.engine == "tensorrt":
         return {"cache_dir": data_dir / "engines", "precision": spec.precision}
     if spec.engine == "torch":
-        return {"precision": spec.precision}
+        # compiled artefacts are cached in <data_dir>/engines/torch (engines.torch_cache)
+        cache_dir = data_dir / "engines"
+        return {"precision": spec.precision, "compile": spec.compile, "cache_dir": cache_dir}
     return {}
 
 

@@ -112,6 +112,7 @@ class ModelSpec:
     engine: str = "onnxruntime"
     threads: int = 0
     precision: str = "fp32"
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -343,7 +344,7 @@ def _parse_models(raw: Any, path: PathFn) -> tuple[ModelSpec, ...]:
             raise ConfigError(f'{key}: the name "default" is the [model] table; pick another')
         if not isinstance(t, dict):
             raise ConfigError(f"{key}: must be a table")
-        unknown = set(t) - {"manifest", "engine", "threads", "precision"}
+        unknown = set(t) - {"manifest", "engine", "threads", "precision", "compile"}
         if unknown:
             raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
         if "manifest" not in t:
@@ -362,7 +363,10 @@ def _parse_models(raw: Any, path: PathFn) -> tuple[ModelSpec, ...]:
         precision = t.get("precision", "fp32")
         if precision not in ("fp32", "fp16"):
             raise ConfigError(f"{key}.precision: must be fp32 or fp16, got {precision!r}")
-        out.append(ModelSpec(name, manifest, engine, threads, precision))
+        compile_ = t.get("compile", False)
+        if not isinstance(compile_, bool):
+            raise ConfigError(f"{key}.compile: must be true or false, got {compile_!r}")
+        out.append(ModelSpec(name, manifest, engine, threads, precision, compile_))
     return tuple(out)
 
 
@@ -587,7 +591,7 @@ class Router:
 def model_specs(config: Config) -> tuple[ModelSpec, ...]:
     """Every configured model: ``[model]`` as ``"default"``, then ``[models.NAME]``."""
     m = config.model
-    default = ModelSpec(DEFAULT_MODEL_NAME, m.manifest, m.engine, m.threads, m.precision)
+    default = ModelSpec(DEFAULT_MODEL_NAME, m.manifest, m.engine, m.threads, m.precision, m.compile)
     return (default, *config.routing.models)
 
 

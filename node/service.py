@@ -16,6 +16,7 @@ from engines.base import Engine, create_engine
 from engines.manifest import ModelManifest, load_manifest
 from node.config import Config
 from node.engine_pool import EnginePool
+from node.engine_pool import engine_options as pool_engine_options
 from node.metrics import Metrics
 from node.notify import Notifier
 from node.retention import Retention
@@ -41,14 +42,7 @@ log = logging.getLogger(__name__)
 
 def engine_options(config: Config) -> dict[str, Any]:
     """Backend constructor options from ``[model]``."""
-    m = config.model
-    if m.engine == "onnxruntime":
-        return {"threads": m.threads or None}
-    if m.engine == "tensorrt":
-        return {"cache_dir": config.data_dir / "engines", "precision": m.precision}
-    if m.engine == "torch":
-        return {"precision": m.precision}
-    return {}
+    return pool_engine_options(model_specs(config)[0], config.data_dir)
 
 
 def open_state(config: Config) -> tuple[Ledger, Spool]:

@@ -121,3 +121,135 @@ def test_compiled_engine_pads_the_last_batch(unet: ModelManifest) -> None:
     assert float(np.mean(compiled.segment(hu) == eager.segment(hu))) >= 0.999
     x = torch.zeros((3, 1, *unet.patch_size), device="cuda")
     assert compiled.predict(x).shape == (3, unet.num_classes, *unet.patch_size)
+
+
+# -- compiled artefacts cached across processes (engines.torch_compile, engines.torch_cache) --
+
+RESTART = """
+import hashlib, json, sys
+import numpy as np
+from engines.manifest import load_manifest
+from engines.torch_backend import TorchEngine
+manifest, cache, kind, device, precision, out = sys.argv[1:]
+engine = TorchEngine(device=device, precision=precision, compile=True, cache_dir=cache,
+                     compile_cache=kind)
+engine.load(load_manifest(manifest))
+hu = np.random.default_rng(5).normal(0, 300, (40, 48, 36)).astype(np.float32)
+np.save(out, engine.segment(hu))
+print(json.dumps({k: v for k, v in engine.load_info.items() if k != "artefact"}))
+"""
+
+
+def load_in_fresh_process(
+    manifest: ModelManifest, cache: Path, kind: str, device: str, precision: str, out: Path
+) -> dict[str, Any]:
+    """Load (and maybe build) the compiled model in a new interpreter, as a restart does,
+    with its own empty Inductor and Triton caches (only ``cache`` carries anything over)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(out.parent / f"inductor-{out.stem}"),
+        "TRITON_CACHE_DIR": str(out.parent / f"triton-{out.stem}"),
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = [str(manifest.onnx_path.with_suffix(".json")), str(cache), kind, device, precision]
+    done = subprocess.run(
+        [sys.executable, "-c", RESTART, *args, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    info: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return info
+
+
+def check_cold_then_warm(
+    manifest: ModelManifest, tmp_path: Path, kind: str, device: str, precision: str
+) -> None:
+    cache = tmp_path / "engines"
+    cold = load_in_fresh_process(manifest, cache, kind, device, precision, tmp_path / "cold.npy")
+    warm = load_in_fresh_process(manifest, cache, kind, device, precision, tmp_path / "warm.npy")
+    assert cold["compiled"] == warm["compiled"] == kind
+    assert (cold["cache_hit"], warm["cache_hit"]) == (False, True)
+    if kind == "aoti":
+        assert "convert_seconds" not in warm  # a restart needs no onnx2torch conversion
+    # The same kernels run in both processes; only cuDNN's autotuning (per process) may pick
+    # another convolution algorithm, and with it a last-bit difference near a class border.
+    agreement = float(np.mean(np.load(tmp_path / "cold.npy") == np.load(tmp_path / "warm.npy")))
+    assert agreement >= 0.9999
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="the GPU variant below covers it")
+def test_cpu_compiled_model_is_cached_across_restarts(unet: ModelManifest, tmp_path: Path) -> None:
+    import shutil
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("Inductor on the CPU needs a C++ compiler")
+    check_cold_then_warm(unet, tmp_path, "aoti", "cpu", "fp32")
+
+
+def test_constant_shapes_are_folded_without_changing_the_output(tissue: ModelManifest) -> None:
+    from engines.torch_compile import fold_constant_shapes
+
+    module = convert_onnx(tissue.onnx_path).eval()
+    x = torch.from_numpy(
+        np.random.default_rng(6).normal(-300, 500, (1, 1, *tissue.patch_size)).astype(np.float32)
+    )
+    with torch.inference_mode():
+        before = module(x)
+        assert fold_constant_shapes(torch, module) > 0  # CumSum axes, Reshape/Expand shapes
+        assert fold_constant_shapes(torch, module) == 0
+        after = module(x)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert torch.export.export(module, (x,), strict=False) is not None  # traceable now
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["aoti", "inductor"])
+def test_compiled_model_is_cached_across_restarts(
+    unet: ModelManifest, tmp_path: Path, kind: str
+) -> None:
+    """Cold start compiles and stores; a restart loads the artefact (a hit, no conversion
+    for AOTInductor) and gives the same label map bit for bit."""
+    check_cold_then_warm(unet, tmp_path, kind, "cuda", "fp16")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_corrupt_or_foreign_artefact_is_rebuilt(
+    unet: ModelManifest, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    hu = np.random.default_rng(7).normal(0, 300, (40, 48, 36)).astype(np.float32)
+    options: dict[str, Any] = {"precision": "fp16", "compile": True, "cache_dir": tmp_path}
+    first = TorchEngine(**options)
+    first.load(unet)
+    expected = first.segment(hu)
+    first.close()
+    artefact = Path(first.load_info["artefact"])
+    data = bytearray(artefact.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    artefact.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="engines.torch_cache"):
+        second = TorchEngine(**options)
+        second.load(unet)
+    assert "checksum mismatch (corrupt)" in caplog.text
+    assert second.load_info["cache_hit"] is False
+    np.testing.assert_array_equal(second.segment(hu), expected)
+    second.close()
+    third = TorchEngine(**{**options, "batch_size": 2})  # another key: built beside it
+    third.load(unet)
+    assert third.load_info["cache_hit"] is False and third.load_info["artefact"] != str(artefact)
+    third.close()

@@ -1,0 +1,425 @@
+"""GPU end-to-end benchmark: ``python -m bench.gpu_e2e --out DIR`` (``make bench-gpu-e2e``).
+
+Runs on a CUDA machine with torch and onnx2torch, and needs no DCMTK or Orthanc: everything
+on loopback, in one invocation, per model (``--models``; the nnU-Net-style U-Net of
+:mod:`bench.unet`, whose manifest gives 3 segments, and the bundled tissue model by default):
+
+1. A pynetdicom Storage SCP (this process, ``127.0.0.1``) accepts Segmentation Storage,
+   Label Map Segmentation Storage, Comprehensive 3D SR and Key Object Selection, stores
+   nothing, and records when it acknowledges each object.
+2. ``segnode engine build --engine torch`` compiles the model into ``data_dir/engines``
+   (timed), then ``segnode serve`` starts with ``[model] engine = "torch"``, the
+   ``--precision`` and ``compile = true`` (unless ``--no-compile``) and the SCP as its only
+   destination; the time from its spawn to its port accepting connections is the
+   restart-to-ready time with the compiled model cached.
+3. Synthetic 512 x 512 x ``--slices`` CT series (:func:`node.synthetic.synthetic_datasets`,
+   new Study/Series/SOP Instance UIDs each, made before anything is timed) are sent by a
+   pynetdicom SCU on one association each: one warm-up, then ``--runs`` measured series.
+   Per series: last C-STORE response (taken at the SCU) -> SEG and SR both acknowledged by
+   the SCP, and the stages from the node's ledger (completion, queue, volume, inference,
+   encode, delivery), as ``bench.ingest`` reads them for the CPU end-to-end figure.
+
+Outputs in ``--out``: ``gpu_e2e.json``, ``gpu_e2e.md`` and ``timeline-<model>.png`` (the
+median run's stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench.ingest import LOOPBACK, STAGES, epoch, free_port, plot, stop, wait, wait_port
+
+ROOT = Path(__file__).resolve().parent.parent
+TISSUE = ROOT / "engines" / "models" / "tissue" / "tissue.json"
+
+SEG_CLASSES = {
+    "1.2.840.10008.5.1.4.1.1.66.4": "SEG",  # Segmentation Storage
+    "1.2.840.10008.5.1.4.1.1.66.7": "SEG",  # Label Map Segmentation Storage
+}
+SR_CLASSES = {"1.2.840.10008.5.1.4.1.1.88.34": "SR"}  # Comprehensive 3D SR Storage
+KOS_CLASSES = {"1.2.840.10008.5.1.4.1.1.88.59": "KOS"}  # Key Object Selection Document
+
+
+# -- the results SCP ----------------------------------------------------------------------------
+
+
+class ResultsSCP:
+    """A pynetdicom Storage SCP that records ``(ack time, kind, study UID)`` of each object."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[float, str, str, str]] = []
+        self._lock = threading.Lock()
+        self.port = free_port()
+        self._server: Any = None
+
+    def _on_store(self, event: Any) -> int:
+        ds = event.dataset
+        cls = str(event.request.AffectedSOPClassUID)
+        kind = {**SEG_CLASSES, **SR_CLASSES, **KOS_CLASSES}.get(cls, cls)
+        study = str(ds.get("StudyInstanceUID", ""))
+        with self._lock:
+            self.records.append((time.time(), kind, study, str(ds.get("SOPInstanceUID", ""))))
+        return 0x0000
+
+    def __enter__(self) -> ResultsSCP:
+        from pynetdicom import AE, ALL_TRANSFER_SYNTAXES, evt
+        from pynetdicom.sop_class import Verification  # type: ignore[attr-defined]
+
+        ae = AE(ae_title="RESULTS")
+        ae.maximum_pdu_size = 0
+        for uid in (*SEG_CLASSES, *SR_CLASSES, *KOS_CLASSES):
+            ae.add_supported_context(uid, ALL_TRANSFER_SYNTAXES)
+        ae.add_supported_context(Verification)
+        self._server = ae.start_server(
+            (LOOPBACK, self.port), block=False, evt_handlers=[(evt.EVT_C_STORE, self._on_store)]
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+
+    def acks(self, study_uid: str) -> dict[str, float]:
+        """Latest acknowledgement time per kind (SEG, SR, KOS) for one study."""
+        out: dict[str, float] = {}
+        with self._lock:
+            for t, kind, study, _uid in self.records:
+                if study == study_uid:
+                    out[kind] = max(out.get(kind, 0.0), t)
+        return out
+
+
+# -- the node ---------------------------------------------------------------------------------
+
+
+def config_text(data: Path, port: int, scp_port: int, manifest: Path, args: Any) -> str:
+    """``segnode serve`` configuration: the torch engine, results to the SCP."""
+    model = f'[model]\nmanifest = "{manifest}"\nengine = "{args.engine}"\n'
+    if args.engine == "torch":
+        model += f'precision = "{args.precision}"\n'
+        model += f"compile = {'false' if args.no_compile else 'true'}\n"
+    return (
+        f'data_dir = "{data}"\nlog_level = "INFO"\n\n'
+        f'[node]\nae_title = "SEGNODE"\nhost = "{LOOPBACK}"\nport = {port}\n\n'
+        f"{model}\n"
+        f'[dispatch]\ndestinations = ["RESULTS@{LOOPBACK}:{scp_port}"]\n'
+    )
+
+
+def engine_build(work: Path, cfg: Path, args: Any) -> dict[str, Any]:
+    """``segnode engine build --engine torch`` (skipped with ``--no-compile``)."""
+    if args.no_compile or args.engine != "torch":
+        return {"skipped": "--no-compile" if args.no_compile else f"engine {args.engine}"}
+    cmd = [sys.executable, "-m", "node.cli", "engine", "build", "--engine", "torch"]
+    cmd += ["--config", str(cfg), "--precision", args.precision]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = {
+        "seconds": round(time.monotonic() - t0, 2),
+        "returncode": done.returncode,
+        "stdout": done.stdout.strip().splitlines()[-3:],
+    }
+    if done.returncode != 0:
+        out["stderr"] = done.stderr.strip()[-2000:]
+    (work / "engine-build.log").write_text(done.stdout + done.stderr)
+    return out
+
+
+@contextmanager
+def serve(work: Path, cfg: Path, port: int) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
+    """``segnode serve``; yields the process and seconds from spawn to the port listening."""
+    log = (work / "node.log").open("ab")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "node.cli", "serve", "--config", str(cfg)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_port(port, proc, timeout=900)
+        yield proc, time.monotonic() - t0
+    finally:
+        stop(proc)
+        log.close()
+
+
+def ledger_job_for(data: Path, series_uid: str) -> dict[str, Any] | None:
+    """The latest job of one series, with its delivery acknowledgement times."""
+    db = data / "ledger.sqlite"
+    if not db.exists():
+        return None
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
+        c.row_factory = sqlite3.Row
+        row = c.execute(
+            "SELECT jobs.* FROM jobs JOIN series ON series.id = jobs.series_id "
+            "WHERE series.series_instance_uid = ? ORDER BY jobs.id DESC LIMIT 1",
+            (series_uid,),
+        ).fetchone()
+        if row is None:
+            return None
+        job = dict(row)
+        acks = c.execute(
+            "SELECT sent_at FROM deliveries WHERE job_id = ? ORDER BY id", (job["id"],)
+        ).fetchall()
+        job["acks"] = [a[0] for a in acks]
+        return job
+
+
+# -- one series -------------------------------------------------------------------------------
+
+
+def make_series(slices: int, seed: int) -> list[Any]:
+    """A synthetic CT series in memory (UIDs derived from ``seed``: new for every seed)."""
+    from node.synthetic import synthetic_datasets
+
+    return synthetic_datasets(rows=512, columns=512, slices=slices, seed=seed)
+
+
+def send(port: int, datasets: list[Any]) -> float:
+    """Send on one association; return the epoch time of the last C-STORE response."""
+    from pydicom.uid import ExplicitVRLittleEndian
+    from pynetdicom import AE
+
+    ae = AE(ae_title="MODALITY")
+    ae.maximum_pdu_size = 0
+    ae.add_requested_context(datasets[0].SOPClassUID, ExplicitVRLittleEndian)
+    assoc = ae.associate(LOOPBACK, port, ae_title="SEGNODE")
+    if not assoc.is_established:
+        raise RuntimeError("association rejected")
+    last = 0.0
+    try:
+        for ds in datasets:
+            status = assoc.send_c_store(ds)
+            last = time.time()
+            if not status or int(status.Status) != 0:
+                raise RuntimeError(f"C-STORE failed: {status}")
+    finally:
+        assoc.release()
+    return last
+
+
+def stages_of(job: dict[str, Any], last: float, acked: float) -> list[dict[str, Any]]:
+    """The ledger's stages, from the SCU's last response to the SCP's last acknowledgement."""
+    keys = ("created_at", "started_at", "volume_at", "inference_at", "encoded_at")
+    t: dict[str, float | None] = {k: epoch(job[k]) for k in keys}
+    t["last response"], t["last ack"] = last, acked
+    total = acked - last
+    out = []
+    for name, a, b in STAGES:
+        start, end = t[a], t[b]
+        if start is None or end is None:
+            continue
+        out.append(
+            {
+                "stage": name,
+                "start_s": round(start - last, 3),
+                "seconds": round(end - start, 3),
+                "share": round((end - start) / total, 4) if total > 0 else 0.0,
+            }
+        )
+    return out
+
+
+def one_series(
+    port: int, data: Path, scp: ResultsSCP, datasets: list[Any], timeout: float
+) -> dict[str, Any]:
+    study, series_uid = str(datasets[0].StudyInstanceUID), str(datasets[0].SeriesInstanceUID)
+    first = time.time()
+    last = send(port, datasets)
+    acks = wait(
+        lambda: (a := scp.acks(study)) and "SEG" in a and "SR" in a and a, timeout, "SEG+SR"
+    )
+    acked = max(acks["SEG"], acks["SR"])
+    job = wait(
+        lambda: (j := ledger_job_for(data, series_uid)) and j["state"] in ("sent", "failed") and j,
+        60,
+        "job sent in the ledger",
+    )
+    return {
+        "total_s": round(acked - last, 3),
+        "seg_ack_s": round(acks["SEG"] - last, 3),
+        "sr_ack_s": round(acks["SR"] - last, 3),
+        "receive_s": round(last - first, 3),
+        "job_state": job["state"],
+        "trigger": job["trigger"],
+        "stages": stages_of(job, last, acked),
+    }
+
+
+# -- one model --------------------------------------------------------------------------------
+
+
+def model_manifest(name: str, work: Path) -> Path:
+    """``unet`` (generated, 3 segments), ``tissue`` (bundled), or a manifest path."""
+    if name == "unet":
+        from bench.unet import FULL, write_unet
+
+        return write_unet(work / "unet", FULL)
+    if name == "tissue":
+        return TISSUE
+    return Path(name).resolve()
+
+
+def run_model(name: str, args: Any, tmp: Path) -> dict[str, Any]:
+    work = tmp / f"e2e-{Path(name).stem}"
+    work.mkdir(parents=True)
+    manifest = model_manifest(name, work)
+    print(f"[gpu-e2e] {name}: generating {args.runs + 1} series ...", flush=True)
+    series = [make_series(args.slices, args.seed + k) for k in range(args.runs + 1)]
+    result: dict[str, Any] = {"model": name, "manifest": str(manifest)}
+    with ResultsSCP() as scp:
+        port, data, cfg = free_port(), work / "data", work / "config.toml"
+        cfg.write_text(config_text(data, port, scp.port, manifest, args))
+        print(f"[gpu-e2e] {name}: segnode engine build ...", flush=True)
+        result["engine_build"] = engine_build(work, cfg, args)
+        with serve(work, cfg, port) as (_proc, ready_s):
+            result["serve_ready_s"] = round(ready_s, 2)
+            runs = []
+            for k, datasets in enumerate(series):
+                r = one_series(port, data, scp, datasets, args.timeout)
+                print(f"[gpu-e2e] {name}: series {k} {json.dumps(r)[:400]}", flush=True)
+                if k:  # the first series is the warm-up
+                    runs.append(r)
+                else:
+                    result["warm_up"] = r
+        result["objects_acknowledged"] = sorted({kind for _, kind, _, _ in scp.records})
+    log = (work / "node.log").read_text(errors="replace").splitlines()
+    result["engine_ready_log"] = [x for x in log if "engine ready" in x][-1:]
+    totals = [r["total_s"] for r in runs]
+    median = sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2]
+    per_stage: dict[str, list[float]] = {}
+    for r in runs:
+        for s in r["stages"]:
+            per_stage.setdefault(s["stage"], []).append(s["seconds"])
+    result.update(
+        series=f"512x512x{args.slices}",
+        engine=args.engine,
+        runs_s=totals,
+        total_s=round(statistics.median(totals), 3),
+        receive_s=median["receive_s"],
+        trigger=median["trigger"],
+        stages=median["stages"],
+        stage_medians_s={k: round(statistics.median(v), 3) for k, v in per_stage.items()},
+        runs=runs,
+    )
+    return result
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except ImportError:
+        env["torch"] = env["gpu"] = "not installed"
+    return env
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["env"]
+    lines = [
+        f"# GPU end to end ({env['gpu']}, torch {env.get('torch')}, {env['date']})",
+        "",
+        f"Command: `{report['command']}`. Last C-STORE response (at the SCU) -> SEG and SR "
+        "both acknowledged by a pynetdicom SCP on loopback; one warm-up series, then "
+        f"{report['runs']} fresh series (new UIDs), one association each; median.",
+        "",
+        "| model | median s | runs s | engine build s | serve ready s | "
+        + " | ".join(s for s, _, _ in STAGES)
+        + " |",
+        "|---|---:|---|---:|---:|" + "---:|" * len(STAGES),
+    ]
+    for r in report["models"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | error: {r['error'][-300:]!r} |")
+            continue
+        med = r["stage_medians_s"]
+        build = r["engine_build"].get("seconds", "-")
+        lines.append(
+            f"| {r['model']} | **{r['total_s']}** | {', '.join(map(str, r['runs_s']))} | "
+            f"{build} | {r['serve_ready_s']} | "
+            + " | ".join(str(med.get(s, "-")) for s, _, _ in STAGES)
+            + " |"
+        )
+    lines += ["", "Stage columns: median seconds over the measured runs (ledger timestamps).", ""]
+    for r in report["models"]:
+        if "error" not in r:
+            lines.append(f"- {r['model']}: engine {r['engine_ready_log']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry; see the module docstring."""
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_e2e", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    p.add_argument(
+        "--models", nargs="+", default=["unet", "tissue"], help="unet, tissue or manifest paths"
+    )
+    p.add_argument("--runs", type=int, default=5, help="measured series after the warm-up")
+    p.add_argument("--slices", type=int, default=128)
+    p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
+    p.add_argument("--no-compile", action="store_true", help="run the model eagerly")
+    p.add_argument(
+        "--engine",
+        choices=("torch", "onnxruntime"),
+        default="torch",
+        help="onnxruntime: the same run on the CPU (a smoke test of this script)",
+    )
+    p.add_argument("--seed", type=int, default=4200)
+    p.add_argument("--timeout", type=float, default=300, help="per series, seconds")
+    p.add_argument("--work", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "env": environment(),
+        "command": "python -m bench.gpu_e2e "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "runs": args.runs,
+        "models": [],
+    }
+    tmp = args.work or Path(tempfile.mkdtemp(prefix="segnode-gpu-e2e-"))
+    for name in args.models:
+        try:
+            result = run_model(name, args, tmp)
+        except Exception as exc:  # one model failing must not lose the other's figures
+            result = {"model": name, "error": f"{type(exc).__name__}: {exc}"}
+        report["models"].append(result)
+        if "stages" in result:
+            plot(
+                {k: result[k] for k in ("series", "total_s", "stages", "receive_s")}
+                | {"series": f"{result['series']} ({Path(name).stem}, {args.engine})"},
+                args.out / f"timeline-{Path(name).stem}.png",
+            )
+        (args.out / "gpu_e2e.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / "gpu_e2e.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0 if all("error" not in r for r in report["models"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
