@@ -286,6 +286,10 @@ def run_model(name: str, args: Any, tmp: Path) -> dict[str, Any]:
     with ResultsSCP() as scp:
         port, data, cfg = free_port(), work / "data", work / "config.toml"
         cfg.write_text(config_text(data, port, scp.port, manifest, args))
+        if args.engine_cache is not None:  # compiled artefacts shared with other runs
+            args.engine_cache.mkdir(parents=True, exist_ok=True)
+            data.mkdir(mode=0o700)
+            (data / "engines").symlink_to(args.engine_cache.resolve(), target_is_directory=True)
         print(f"[gpu-e2e] {name}: segnode engine build ...", flush=True)
         result["engine_build"] = engine_build(work, cfg, args)
         with serve(work, cfg, port) as (_proc, ready_s):
@@ -393,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=4200)
     p.add_argument("--timeout", type=float, default=300, help="per series, seconds")
     p.add_argument("--work", type=Path, default=None)
+    p.add_argument(
+        "--engine-cache",
+        type=Path,
+        default=None,
+        help="use this folder as the node's data_dir/engines (keep compiled models between "
+        "runs; `python -m bench.torch_warm --work W` leaves them in W/engines)",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {

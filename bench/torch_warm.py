@@ -94,7 +94,7 @@ def run_child(
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "PYTHONUNBUFFERED": "1",
     }
-    cache = work / f"cache-{manifest.stem}"
+    cache = work / "engines"  # one folder for every model, as a node has
     out = work / f"{tag}.npy"
     t0 = time.time()
     try:
