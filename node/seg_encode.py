@@ -1,0 +1,555 @@
+"""Fast DICOM Segmentation encoding: everything that does not depend on the labels is encoded
+before the labels exist; the labels are then bit-packed and spliced in.
+
+:meth:`SegPlan.prepare` (run while inference runs) encodes, with :mod:`node.seg_header`, the
+file meta, every header element, the Derivation Image and Plane Position items of every
+slice, the shared functional groups, the dimension index and the segment description
+elements of every manifest label. :meth:`SegPlan.encode` then only
+
+* checks the label map (with the messages of :func:`node.results.build_seg`),
+* compares it with each label value a few slices at a time and packs the comparison as
+  1-bit frames (PS3.5 8.1.1: first pixel in the least significant bit, frames concatenated
+  without padding), skipping empty frames,
+* splices the frame count, the Segment Sequence, the per-frame items (PS3.3 C.7.6.16) and
+  the Pixel Data between the prepared elements.
+
+The file is byte for byte what highdicom 0.28 (``node.results.build_seg`` written by
+``node.worker.encode``) produces for the same inputs, BINARY or LABELMAP (Label Map
+Segmentation Storage: one 8-bit frame of segment numbers per non-empty slice, Background
+segment 0), except four values highdicom draws at build time, which the plan fixes:
+Instance Creation, Content and Contribution Date/Time (``created``) and the Dimension
+Organization UID (derived from the SOP Instance UID). :func:`node.seg_check.check_encoded`
+checks the bytes before they leave.
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from io import BytesIO
+
+import highdicom as hd
+import numpy as np
+import numpy.typing as npt
+import pydicom
+from highdicom.spatial import get_volume_positions
+from pydicom.charset import default_encoding
+from pydicom.dataset import Dataset
+from pydicom.sr.codedict import codes
+
+from engines.manifest import ModelManifest
+from node.results import (
+    NoSegmentsError,
+    ResultError,
+    ResultUIDs,
+    _character_set,
+    _source_headers,
+    derived_uid,
+)
+from node.seg_header import (
+    DIMENSION_INDEX_VALUES,
+    DIMENSION_ORGANIZATION_TYPE,
+    FRAME_CONTENT_SEQUENCE,
+    NUMBER_OF_FRAMES,
+    PER_FRAME_FUNCTIONAL_GROUPS,
+    PIXEL_DATA,
+    REFERENCED_SEGMENT_NUMBER,
+    SEGMENT_IDENTIFICATION_SEQUENCE,
+    SEGMENT_NUMBER,
+    SEGMENT_SEQUENCE,
+    SHARED_FUNCTIONAL_GROUPS,
+    TRACKING_UID,
+    Geometry,
+    SegmentItem,
+    background_item,
+    build_header,
+    encode_element,
+    encode_elements,
+    item_header,
+    long_header,
+    segment_item_parts,
+    sequence,
+    short_element,
+    text_value,
+)
+from node.volume import Volume
+
+Chunk = bytes | memoryview  # a piece of the file, joined once at the end
+
+# Comparisons are made on this many label bytes at a time, so that the boolean temporaries
+# stay in the CPU cache instead of streaming through memory.
+_CHUNK_BYTES = 1 << 19
+
+
+# ------------------------------------------------------------------------------ result
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedSeg:
+    """A SEG encoded by :meth:`SegPlan.encode`.
+
+    Attributes
+    ----------
+    data
+        The PS3.10 file: preamble, file meta, dataset.
+    segment_numbers
+        ``{label value: segment number}`` of the labels present.
+    frame_segments
+        Segment number of each frame (for LABELMAP: 0, a frame holds every segment).
+    frame_slices
+        Volume slice index (``volume.hu[k]``) of each frame.
+    """
+
+    data: bytes
+    segment_numbers: dict[int, int]
+    frame_segments: npt.NDArray[np.intp]
+    frame_slices: npt.NDArray[np.intp]
+    sop_class_uid: str
+    sop_instance_uid: str
+    series_instance_uid: str
+
+    @property
+    def number_of_frames(self) -> int:
+        """Number of frames in the Pixel Data."""
+        return len(self.frame_slices)
+
+
+# -------------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class SegPlan:
+    """Everything of a SEG that depends only on the source series, the model and the UIDs.
+
+    Build with :meth:`prepare`; :meth:`encode` then turns a label map into the file.
+    Attributes not listed are the prepared byte pieces.
+
+    Attributes
+    ----------
+    labelmap
+        Label Map Segmentation Storage (LABELMAP) instead of a BINARY Segmentation.
+    shape
+        ``(slices, rows, columns)`` of the volume and of the label maps it encodes.
+    created
+        Instance Creation, Content and Contribution Date/Time.
+    dimension_organization_uid
+        Derived from the SEG's SOP Instance UID.
+    slice_positions, source_uids, source_frames
+        Per volume slice: the position the frames must have, the source SOP Instance UID
+        and (multi-frame source) frame number the frames must reference.
+    plane_order
+        Volume slice indices in the order highdicom writes frames (ascending along its
+        normal, PS3.3 C.7.6.17 Dimension Index Values count in this order).
+    """
+
+    labelmap: bool
+    shape: tuple[int, int, int]
+    created: datetime.datetime
+    dimension_organization_uid: str
+    sop_class_uid: str
+    uids: ResultUIDs
+    manifest: ModelManifest
+    series_instance_uid: str
+    slice_positions: npt.NDArray[np.float64]
+    source_uids: tuple[str, ...]
+    source_frames: tuple[int, ...]
+    plane_order: npt.NDArray[np.intp]
+    file_meta: bytes
+    fixed: dict[int, bytes]
+    shared: bytes
+    shared_single_segment: bytes
+    derivations: tuple[bytes, ...]
+    positions: tuple[bytes, ...]
+    segment_items: dict[int, SegmentItem]
+    background_item: bytes
+    _frame_positions: npt.NDArray[np.float64]
+    _orientation: tuple[float, ...]
+
+    @classmethod
+    def prepare(
+        cls,
+        volume: Volume,
+        manifest: ModelManifest,
+        uids: ResultUIDs,
+        *,
+        segmentation_type: str = "BINARY",
+        manufacturer: str = "segnode",
+        software_version: str,
+        series_number: int = 9901,
+        device_serial: str = "segnode",
+        manufacturer_model_name: str = "segnode",
+        instance_number: int = 1,
+        created: datetime.datetime | None = None,
+    ) -> SegPlan:
+        """Encode everything but the frames; uses the volume's headers, geometry and shape
+        only (never ``volume.hu``).
+
+        Parameters
+        ----------
+        volume, manifest, uids, manufacturer, software_version, series_number, device_serial,
+        manufacturer_model_name, instance_number
+            As for :func:`node.results.build_seg`.
+        segmentation_type
+            ``"BINARY"`` (Segmentation Storage, one 1-bit frame per segment and slice) or
+            ``"LABELMAP"`` (Label Map Segmentation Storage, one 8-bit frame per slice).
+        created
+            Instance Creation / Content / Contribution Date and Time; default now.
+
+        Raises
+        ------
+        ResultError
+            The sources cannot be described as highdicom would (a slice matching no source
+            plane, a source lacking Slice Thickness, more than 255 LABELMAP labels).
+        ValueError
+            Unknown ``segmentation_type``.
+        """
+        kind = hd.seg.SegmentationTypeValues(segmentation_type)
+        if kind == hd.seg.SegmentationTypeValues.FRACTIONAL:
+            raise ValueError("FRACTIONAL segmentations are not encoded by segnode")
+        labelmap = kind == hd.seg.SegmentationTypeValues.LABELMAP
+        if labelmap and len(manifest.labels) > 255:
+            raise ResultError("a LABELMAP SEG of more than 255 labels needs 16-bit frames")
+        created = created if created is not None else datetime.datetime.now()
+        sources = _source_headers(volume)
+        charset = _character_set(volume)
+        encoding: str | list[str] = charset if charset else default_encoding
+        dim_uid = derived_uid(uids.seg_sop_uid, "dimension-organization")
+        try:
+            header = build_header(
+                sources,
+                volume.shape,
+                manifest,
+                uids,
+                labelmap=labelmap,
+                created=created,
+                dimension_organization_uid=dim_uid,
+                charset=charset,
+                series_number=series_number,
+                instance_number=instance_number,
+                manufacturer=manufacturer,
+                manufacturer_model_name=manufacturer_model_name,
+                software_version=software_version,
+                device_serial=device_serial,
+            )
+            geometry = Geometry.of(volume, sources)
+            meta = Dataset()
+            meta.file_meta, meta.preamble = header.file_meta, header.preamble
+            buffer = BytesIO()
+            pydicom.dcmwrite(buffer, meta, enforce_file_format=True)
+            fixed = encode_elements(header, header.get("SpecificCharacterSet", encoding))
+
+            algorithm = hd.AlgorithmIdentificationSequence(
+                name=manifest.name,
+                family=codes.cid7162.ArtificialIntelligence,
+                version=manifest.version,
+            )
+            items = {
+                spec.value: segment_item_parts(spec, algorithm, encoding)
+                for spec in sorted(manifest.labels, key=lambda s: s.value)
+            }
+        except (ValueError, TypeError) as exc:  # highdicom's checks of the header values
+            raise ResultError(f"cannot encode the segmentation: {exc}") from exc
+        first = sorted(manifest.labels, key=lambda s: s.value)[0]
+        return cls(
+            labelmap=labelmap,
+            shape=volume.shape,
+            created=created,
+            dimension_organization_uid=dim_uid,
+            sop_class_uid=str(header.SOPClassUID),
+            uids=uids,
+            manifest=manifest,
+            series_instance_uid=volume.series_instance_uid,
+            slice_positions=np.array(volume.slice_positions, dtype=np.float64),
+            source_uids=geometry.source_uids,
+            source_frames=geometry.source_frames,
+            plane_order=geometry.plane_order,
+            file_meta=buffer.getvalue(),
+            fixed=fixed,
+            shared=encode_element(geometry.shared(single_segment=False), encoding),
+            shared_single_segment=encode_element(geometry.shared(single_segment=True), encoding),
+            derivations=geometry.derivations(encoding),
+            positions=geometry.positions(encoding),
+            segment_items=items,
+            background_item=background_item(first, algorithm, encoding),
+            _frame_positions=geometry.frame_positions,
+            _orientation=geometry.orientation,
+        )
+
+    def __repr__(self) -> str:
+        kind = "LABELMAP" if self.labelmap else "BINARY"
+        return f"SegPlan({kind}, shape={self.shape}, sop_instance_uid={self.uids.seg_sop_uid})"
+
+    # ------------------------------------------------------------------------ encode
+
+    def segment_item(self, value: int, number: int) -> bytes:
+        """The Segment Sequence item (header included) of label ``value`` as segment
+        ``number`` (Tracking UID derived from the SOP Instance UID and the number, as
+        :func:`node.results.build_seg` does)."""
+        parts = self.segment_items[value]
+        uid = derived_uid(self.uids.seg_sop_uid, "segment", str(number))
+        body = b"".join(
+            (
+                parts.head,
+                short_element(SEGMENT_NUMBER, b"US", struct.pack("<H", number)),
+                parts.middle,
+                short_element(TRACKING_UID, b"UI", text_value(uid, b"\x00")),
+                parts.tail,
+            )
+        )
+        return item_header(len(body)) + body
+
+    def is_3d(self, planes: npt.NDArray[np.intp], channels: int) -> bool:
+        """Whether highdicom calls frames at volume slices ``planes`` (ascending) with
+        ``channels`` segment channels a regularly spaced "3D" organisation (C.7.6.17)."""
+        if len(planes) < 2 or channels != 1:
+            return False
+        spacing, _ = get_volume_positions(
+            image_positions=self._frame_positions[planes].tolist(),
+            image_orientation=self._orientation,
+            sort=False,
+        )
+        return spacing is not None and spacing > 0.0
+
+    def encode(self, labels: npt.NDArray[np.integer]) -> EncodedSeg:
+        """Encode ``labels`` as the SEG file.
+
+        Parameters
+        ----------
+        labels
+            Label map of shape :attr:`shape`; 0 is background, other values are manifest
+            label values.
+
+        Returns
+        -------
+        EncodedSeg
+
+        Raises
+        ------
+        NoSegmentsError
+            No label is present.
+        ResultError
+            ``labels`` does not fit the volume or holds values the manifest does not describe.
+        """
+        flat = self._checked(labels)
+        values = [s.value for s in sorted(self.manifest.labels, key=lambda s: s.value)]
+        presence, rows = _scan(flat, values, pack=not self.labelmap)
+        hits: list[bool] = np.any(presence, axis=1).tolist()
+        present = [v for v, hit in zip(values, hits, strict=True) if hit]
+        if not present:
+            raise NoSegmentsError(
+                f"model {self.manifest.name} {self.manifest.version} found no segment in "
+                f"series {self.series_instance_uid}; no SEG or SR is produced"
+            )
+        numbers = {value: number for number, value in enumerate(present, start=1)}
+        nonempty: npt.NDArray[np.bool_] = np.any(presence, axis=0)
+        planes = self.plane_order[nonempty[self.plane_order]]
+        rank = np.zeros(self.shape[0], dtype=np.intp)
+        rank[planes] = np.arange(1, len(planes) + 1)
+        index = {v: i for i, v in enumerate(values)}
+        if self.labelmap:
+            segments = np.zeros(len(planes), dtype=np.intp)
+            slices = planes
+            pixels = _labelmap_frames(flat, planes, numbers)
+        else:
+            per_segment = [planes[presence[index[v], planes]] for v in present]
+            segments = np.repeat(np.arange(1, len(present) + 1), [len(p) for p in per_segment])
+            slices = np.concatenate(per_segment)
+            frames = [
+                rows[(index[v], k)]
+                for v, p in zip(present, per_segment, strict=True)
+                for k in p.tolist()
+            ]
+            pixels = _binary_frames(frames, flat.shape[1])
+        channels = 1 if self.labelmap else len(present)
+        variable: dict[int, list[Chunk]] = {
+            NUMBER_OF_FRAMES: [
+                short_element(NUMBER_OF_FRAMES, b"IS", text_value(str(len(slices))))
+            ],
+            SEGMENT_SEQUENCE: [self._segment_sequence(numbers)],
+            SHARED_FUNCTIONAL_GROUPS: [
+                self.shared_single_segment if channels == 1 and not self.labelmap else self.shared
+            ],
+            PER_FRAME_FUNCTIONAL_GROUPS: self._per_frame(segments, slices, rank, channels),
+            PIXEL_DATA: pixels,
+        }
+        nonempty_ascending = np.flatnonzero(nonempty)
+        if self.is_3d(nonempty_ascending, channels):
+            variable[DIMENSION_ORGANIZATION_TYPE] = [
+                short_element(DIMENSION_ORGANIZATION_TYPE, b"CS", b"3D")
+            ]
+        parts: list[Chunk] = [self.file_meta]
+        for tag in sorted({*self.fixed, *variable}):
+            if tag in variable:
+                parts.extend(variable[tag])
+            else:
+                parts.append(self.fixed[tag])
+        return EncodedSeg(
+            data=b"".join(parts),
+            segment_numbers=numbers,
+            frame_segments=segments,
+            frame_slices=np.asarray(slices, dtype=np.intp),
+            sop_class_uid=self.sop_class_uid,
+            sop_instance_uid=self.uids.seg_sop_uid,
+            series_instance_uid=self.uids.seg_series_uid,
+        )
+
+    def reference(self, encoded: EncodedSeg) -> Dataset:
+        """The SEG as a pydicom Dataset without its functional groups and Pixel Data, for
+        objects that reference it (the SR's ``seg``, evidence lists): every prepared header
+        element, Number of Frames and the Segment Sequence of ``encoded``."""
+        numbers = encoded.segment_numbers
+        elements = {
+            **self.fixed,
+            NUMBER_OF_FRAMES: short_element(
+                NUMBER_OF_FRAMES, b"IS", text_value(str(encoded.number_of_frames))
+            ),
+            SEGMENT_SEQUENCE: self._segment_sequence(numbers),
+        }
+        data = self.file_meta + b"".join(elements[t] for t in sorted(elements))
+        return pydicom.dcmread(BytesIO(data))
+
+    def _checked(self, labels: npt.NDArray[np.integer]) -> npt.NDArray[np.integer]:
+        """``labels`` as a C-contiguous ``(slices, rows * columns)`` array, after the checks
+        (and with the messages) of :func:`node.results.build_seg`."""
+        if labels.shape != self.shape:
+            raise ResultError(f"label map has shape {labels.shape}, volume has {self.shape}")
+        if not np.issubdtype(labels.dtype, np.integer):
+            raise ResultError(f"label map must be integer, got {labels.dtype}")
+        known = {s.value for s in self.manifest.labels}
+        top = max(known)
+        described = (
+            f"that model {self.manifest.name} {self.manifest.version} does not describe "
+            f"(known: {sorted(known)})"
+        )
+        low = int(labels.min()) if np.issubdtype(labels.dtype, np.signedinteger) else 0
+        high = int(labels.max()) if labels.size else 0
+        if low < 0 or high > top:
+            outside = labels[(labels < 0) | (labels > top)]
+            found = sorted({int(v) for v in outside[:100_000]})
+            raise ResultError(f"label map contains values {found} {described}")
+        gaps = [v for v in range(1, high + 1) if v not in known]
+        unknown = [v for v in gaps if np.any(labels == v)]
+        if unknown:
+            raise ResultError(f"label map contains values {unknown} {described}")
+        return np.ascontiguousarray(labels).reshape(self.shape[0], -1)
+
+    def _segment_sequence(self, numbers: dict[int, int]) -> bytes:
+        items = [self.segment_item(v, n) for v, n in numbers.items()]
+        if self.labelmap:
+            items.insert(0, self.background_item)
+        body = b"".join(items)
+        return long_header(SEGMENT_SEQUENCE, b"SQ", len(body)) + body
+
+    def _per_frame(
+        self,
+        segments: npt.NDArray[np.intp],
+        slices: npt.NDArray[np.intp],
+        rank: npt.NDArray[np.intp],
+        channels: int,
+    ) -> list[Chunk]:
+        """The Per-Frame Functional Groups Sequence (C.7.6.16.1): per frame the slice's
+        Derivation Image and Plane Position items, the Dimension Index Values
+        (segment number and plane rank, or plane rank for LABELMAP) and, with more than one
+        segment, the Segment Identification."""
+        values = 1 if self.labelmap else 2
+        content = short_element(DIMENSION_INDEX_VALUES, b"UL", b"\x00" * 4 * values)
+        frame_content = sequence(FRAME_CONTENT_SEQUENCE, [content])
+        prefix = frame_content[: -4 * values]
+        identification = {
+            n: sequence(
+                SEGMENT_IDENTIFICATION_SEQUENCE,
+                [short_element(REFERENCED_SEGMENT_NUMBER, b"US", struct.pack("<H", n))],
+            )
+            for n in range(1, channels + 1)
+        }
+        with_identification = not self.labelmap and channels > 1
+        extra = len(identification[1]) if with_identification else 0
+        parts: list[Chunk] = []
+        pack = struct.Struct("<I" if self.labelmap else "<II").pack
+        ranks = rank.tolist()
+        for n, k in zip(segments.tolist(), slices.tolist(), strict=True):
+            derivation, position = self.derivations[k], self.positions[k]
+            length = len(derivation) + len(frame_content) + len(position) + extra
+            parts.append(item_header(length))
+            parts.append(derivation)
+            parts.append(prefix + (pack(ranks[k]) if self.labelmap else pack(n, ranks[k])))
+            parts.append(position)
+            if with_identification:
+                parts.append(identification[n])
+        total = sum(len(p) for p in parts)
+        return [long_header(PER_FRAME_FUNCTIONAL_GROUPS, b"SQ", total), *parts]
+
+
+# ------------------------------------------------------------------------------ frames
+
+
+def _scan(
+    flat: npt.NDArray[np.integer], values: Sequence[int], *, pack: bool
+) -> tuple[npt.NDArray[np.bool_], dict[tuple[int, int], npt.NDArray[np.generic]]]:
+    """Compare ``flat`` (slices x pixels) with each value, a few slices at a time.
+
+    Returns the presence of every value on every slice and, with ``pack``, the frame of
+    every present (value index, slice): 1-bit packed when a frame is a whole number of bytes,
+    else the boolean mask (packed later across frame boundaries, as PS3.5 8.1.1 requires).
+    """
+    slices, pixels = flat.shape
+    step = max(1, _CHUNK_BYTES // max(1, pixels * flat.itemsize))
+    buffer = np.empty((step, pixels), dtype=np.bool_)
+    presence = np.zeros((len(values), slices), dtype=np.bool_)
+    rows: dict[tuple[int, int], npt.NDArray[np.generic]] = {}
+    limit = np.iinfo(flat.dtype).max
+    aligned = pixels % 8 == 0
+    for z in range(0, slices, step):
+        part = flat[z : z + step]
+        mask = buffer[: len(part)]
+        for i, value in enumerate(values):
+            if value > limit:
+                continue
+            np.equal(part, value, out=mask)
+            if not pack:
+                presence[i, z : z + len(part)] = mask.any(axis=1)
+                continue
+            packed = np.packbits(mask, axis=1, bitorder="little")
+            hit = packed.any(axis=1)
+            presence[i, z : z + len(part)] = hit
+            for j in np.flatnonzero(hit).tolist():
+                rows[(i, z + j)] = packed[j] if aligned else mask[j].copy()
+    return presence, rows
+
+
+def _binary_frames(frames: list[npt.NDArray[np.generic]], pixels: int) -> list[Chunk]:
+    """The Pixel Data element of 1-bit frames, padded to even length as highdicom pads it."""
+    if pixels % 8 == 0:
+        body: list[Chunk] = [f.data for f in frames]
+        length = len(frames) * pixels // 8
+    else:
+        packed = np.packbits(np.concatenate(frames), bitorder="little")
+        body, length = [packed.data], len(packed)
+    if length % 2:
+        body.append(b"0")  # highdicom appends the character "0", not a null byte
+        length += 1
+    return [long_header(PIXEL_DATA, b"OB", length), *body]
+
+
+def _labelmap_frames(
+    flat: npt.NDArray[np.integer], planes: npt.NDArray[np.intp], numbers: dict[int, int]
+) -> list[Chunk]:
+    """The Pixel Data element of 8-bit LABELMAP frames (segment numbers) of ``planes``."""
+    moved = {v: n for v, n in numbers.items() if v != n}
+    frames: list[Chunk] = []
+    for k in planes.tolist():
+        row = flat[k]
+        if moved or row.dtype != np.uint8:
+            out = row.astype(np.uint8)
+            for value, number in moved.items():
+                out[row == value] = number
+            frames.append(out.data)
+        else:
+            frames.append(row.data)
+    length = len(planes) * flat.shape[1]
+    if length % 2:
+        frames.append(b"0")
+        length += 1
+    return [long_header(PIXEL_DATA, b"OB", length), *frames]
