@@ -11,3 +11,11 @@ class ConfigError(SegnodeError):
 
 class JobError(SegnodeError):
     """A job cannot be completed; the message is the reason shown to the admin."""
+
+
+class ResultError(SegnodeError):
+    """A SEG or SR cannot be built or does not reproduce the result; the message says why."""
+
+
+class NoSegmentsError(ResultError):
+    """The label map has no labelled voxel: there is nothing to encode."""

@@ -12,6 +12,9 @@
 * :func:`verify_seg` re-reads the encoded SEG and checks it reproduces the label map and
   geometry; run it before sending.
 
+The measurements come from :mod:`node.statistics`; :class:`node.sr_encode.SrPlan` writes
+the same SR as :func:`build_sr`, byte for byte, prepared before the label map exists.
+
 All UIDs come from :class:`ResultUIDs` or are derived from them, so re-encoding the same
 result (after a crash) reproduces identical UIDs. A label map with no labelled voxel raises
 :class:`NoSegmentsError`: neither a SEG (which needs at least one segment) nor a TID 1500
@@ -24,6 +27,7 @@ import copy
 import io
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import highdicom as hd
@@ -50,13 +54,19 @@ from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
 from pydicom.uid import generate_uid
 
-from engines.manifest import LabelSpec, ModelManifest
-from node.errors import SegnodeError
+from engines.manifest import ModelManifest
+from node.errors import NoSegmentsError as NoSegmentsError
+from node.errors import ResultError as ResultError
+from node.statistics import SegmentStatistics as SegmentStatistics
+from node.statistics import label_counts, numbering
+from node.statistics import segment_numbers as segment_numbers
+from node.statistics import segment_statistics as segment_statistics
 from node.volume import Volume
 
 logger = logging.getLogger(__name__)
 
 SEGMENTATION_STORAGE = "1.2.840.10008.5.1.4.1.1.66.4"
+LABEL_MAP_SEGMENTATION_STORAGE = "1.2.840.10008.5.1.4.1.1.66.7"
 MILLILITER = Code("ml", "UCUM", "milliliter")
 HOUNSFIELD_UNIT = Code("[hnsf'U]", "UCUM", "Hounsfield unit")
 #: CID 7150 "Anatomical Structure" (91723000 today; 123037004 in older editions of PS3.16)
@@ -64,14 +74,6 @@ ANATOMICAL_STRUCTURES = frozenset({("91723000", "SCT"), ("123037004", "SCT")})
 POSITION_TOLERANCE_MM = 0.01
 _UID_NAMESPACE = uuid.UUID("6f1c9a52-3f0e-5b8e-9d43-7a2b0c5e8d11")  # segnode's UUID namespace
 ORIENTATION_TOLERANCE = 1e-4
-
-
-class ResultError(SegnodeError):
-    """A SEG or SR cannot be built or does not reproduce the result; the message says why."""
-
-
-class NoSegmentsError(ResultError):
-    """The label map has no labelled voxel: there is nothing to encode."""
 
 
 @dataclass(frozen=True)
@@ -89,16 +91,9 @@ class ResultUIDs:
         return cls(*(str(generate_uid(prefix=None)) for _ in range(4)))
 
 
-@dataclass(frozen=True)
-class SegmentStatistics:
-    """Measurements of one segment."""
-
-    segment_number: int
-    label: LabelSpec
-    voxels: int
-    volume_ml: float
-    mean_hu: float
-    std_hu: float  # population standard deviation (ddof = 0)
+#: The names build_seg and node.seg_encode use.
+_label_counts = label_counts
+_numbering = numbering
 
 
 def derived_uid(*parts: str) -> str:
@@ -109,113 +104,6 @@ def derived_uid(*parts: str) -> str:
 
 def _code(value: tuple[str, str, str]) -> Code:
     return Code(value[0], value[1], value[2])
-
-
-def _label_counts(
-    volume: Volume, labels: npt.NDArray[np.integer], manifest: ModelManifest
-) -> npt.NDArray[np.intp]:
-    """Voxel count of every label value 0..max manifest value, after checking ``labels``."""
-    if labels.shape != volume.shape:
-        raise ResultError(f"label map has shape {labels.shape}, volume has {volume.shape}")
-    if not np.issubdtype(labels.dtype, np.integer):
-        raise ResultError(f"label map must be integer, got {labels.dtype}")
-    known = {spec.value for spec in manifest.labels}
-    top = max(known)
-    if labels.size and (int(labels.min()) < 0 or int(labels.max()) > top):
-        outside = labels[(labels < 0) | (labels > top)]
-        raise ResultError(
-            f"label map contains values {sorted({int(v) for v in outside[:100_000]})} that "
-            f"model {manifest.name} {manifest.version} does not describe (known: "
-            f"{sorted(known)})"
-        )
-    counts: npt.NDArray[np.intp] = _bincount(labels, top + 1)
-    unknown = [v for v in np.flatnonzero(counts).tolist() if v != 0 and v not in known]
-    if unknown:
-        raise ResultError(
-            f"label map contains values {unknown} that model {manifest.name} "
-            f"{manifest.version} does not describe (known: {sorted(known)})"
-        )
-    return counts
-
-
-def _bincount(labels: npt.NDArray[np.integer], minlength: int) -> npt.NDArray[np.intp]:
-    """``np.bincount`` over a label volume, a few slices at a time (no GB-sized temporaries)."""
-    counts = np.zeros(minlength, dtype=np.intp)
-    step = max(1, (1 << 22) // max(1, labels[0].size)) if labels.ndim > 1 else labels.size or 1
-    for z in range(0, labels.shape[0], step):
-        part = np.bincount(labels[z : z + step].ravel().astype(np.intp), minlength=minlength)
-        if len(part) > len(counts):
-            counts = np.concatenate([counts, np.zeros(len(part) - len(counts), np.intp)])
-        counts[: len(part)] += part
-    return counts
-
-
-def _numbering(counts: npt.NDArray[np.intp], manifest: ModelManifest) -> dict[int, int]:
-    present = [s.value for s in sorted(manifest.labels, key=lambda s: s.value) if counts[s.value]]
-    return {value: number for number, value in enumerate(present, start=1)}
-
-
-def segment_numbers(labels: npt.NDArray[np.integer], manifest: ModelManifest) -> dict[int, int]:
-    """Map each non-empty label value to its segment number (1..n, ascending label value).
-
-    Parameters
-    ----------
-    labels
-        Label map; 0 is background; other values must be manifest label values.
-    manifest
-        The model whose labels the map uses.
-
-    Returns
-    -------
-    dict
-        ``{label value: segment number}`` for the labels present in ``labels``.
-
-    Raises
-    ------
-    ResultError
-        ``labels`` holds a value the manifest does not describe.
-    """
-    top = max(s.value for s in manifest.labels)
-    if labels.size and (int(labels.min()) < 0 or int(labels.max()) > top):
-        raise ResultError(f"label map holds values outside 0..{top}")
-    return _numbering(_bincount(labels, top + 1), manifest)
-
-
-def segment_statistics(
-    volume: Volume, labels: npt.NDArray[np.integer], manifest: ModelManifest
-) -> list[SegmentStatistics]:
-    """Voxel count, volume (mL), mean and standard deviation (HU) of each non-empty label.
-
-    The volume is ``voxels * volume.voxel_volume_ml`` (voxel summation); mean and
-    population standard deviation are over the HU of the voxels with that label.
-    """
-    counts = _label_counts(volume, labels, manifest)
-    sums = np.zeros(len(counts), dtype=np.float64)
-    squares = np.zeros(len(counts), dtype=np.float64)
-    # A few slices at a time: the temporaries stay in cache instead of GB-sized arrays.
-    step = max(1, (1 << 21) // max(1, labels[0].size))
-    for z in range(0, labels.shape[0], step):
-        flat = labels[z : z + step].ravel().astype(np.intp)
-        hu = volume.hu[z : z + step].ravel().astype(np.float64)
-        sums += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
-        hu *= hu
-        squares += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
-    out = []
-    for value, number in _numbering(counts, manifest).items():
-        n = int(counts[value])
-        mean = float(sums[value] / n)
-        variance = max(float(squares[value] / n) - mean * mean, 0.0)
-        out.append(
-            SegmentStatistics(
-                segment_number=number,
-                label=manifest.label(value),
-                voxels=n,
-                volume_ml=n * volume.voxel_volume_ml,
-                mean_hu=mean,
-                std_hu=float(np.sqrt(variance)),
-            )
-        )
-    return out
 
 
 def _source_headers(volume: Volume) -> list[Dataset]:
@@ -391,12 +279,17 @@ def build_sr(
 ) -> Dataset:
     """Encode the segment measurements as a TID 1500 Comprehensive 3D SR.
 
+    The worker's path to the same bytes in a few milliseconds, prepared before the labels
+    exist, is :class:`node.sr_encode.SrPlan`; this function is the reference it is tested
+    against.
+
     Parameters
     ----------
     volume, labels, manifest
         As given to :func:`build_seg`.
     seg
-        The SEG built from them (its SOP Instance UID and segment numbers are referenced).
+        The SEG built from them (its SOP Instance UID and segment numbers are referenced);
+        BINARY, or LABELMAP (Label Map Segmentation Storage).
     uids
         Series and SOP Instance UIDs of the SR (tracking UIDs derive from them).
     manufacturer, software_version, series_number, device_serial, instance_number
@@ -419,12 +312,53 @@ def build_sr(
     if not stats:
         raise NoSegmentsError("no segment found; no SR is produced")
     described = _segment_label_map(seg)
+    if str(seg.SOPClassUID) == LABEL_MAP_SEGMENTATION_STORAGE:
+        described.pop(0, None)  # a label map describes its background as segment 0
     expected = {s.segment_number: s.label.name[:64] for s in stats}
     if described != expected:
         raise ResultError(f"SEG segments {described} do not match the label map {expected}")
     if str(seg.SOPInstanceUID) != uids.seg_sop_uid:
         raise ResultError("seg is not the SEG of these ResultUIDs")
+    report = measurement_report(
+        stats,
+        manifest,
+        uids,
+        seg_sop_class_uid=str(seg.SOPClassUID),
+        source_series_uid=volume.series_instance_uid,
+        manufacturer=manufacturer,
+        device_serial=device_serial,
+    )
+    return sr_document(
+        [seg, *_source_headers(volume)],
+        report,
+        manifest,
+        uids,
+        specific_character_set=_character_set(volume),
+        manufacturer=manufacturer,
+        software_version=software_version,
+        series_number=series_number,
+        device_serial=device_serial,
+        instance_number=instance_number,
+    )
 
+
+def measurement_report(
+    stats: Sequence[SegmentStatistics],
+    manifest: ModelManifest,
+    uids: ResultUIDs,
+    *,
+    seg_sop_class_uid: str,
+    source_series_uid: str,
+    manufacturer: str,
+    device_serial: str,
+) -> MeasurementReport:
+    """The TID 1500 content of :func:`build_sr`: one TID 1411 group per entry of ``stats``.
+
+    Each group references segment ``segment_number`` of the SEG ``uids.seg_sop_uid`` (of
+    class ``seg_sop_class_uid``) and holds the volume (mL, 6 decimals), mean and standard
+    deviation (HU, 4 decimals); its tracking UID derives from ``uids.sr_sop_uid`` and the
+    segment number.
+    """
     device = DeviceObserverIdentifyingAttributes(
         uid=derived_uid("segnode-device", manufacturer, device_serial),
         name="segnode",
@@ -453,10 +387,10 @@ def build_sr(
                     identifier=spec.name[:64],
                 ),
                 referenced_segment=ReferencedSegment(
-                    sop_class_uid=str(seg.SOPClassUID),
-                    sop_instance_uid=str(seg.SOPInstanceUID),
+                    sop_class_uid=seg_sop_class_uid,
+                    sop_instance_uid=uids.seg_sop_uid,
                     segment_number=s.segment_number,
-                    source_series=SourceSeriesForSegmentation(volume.series_instance_uid),
+                    source_series=SourceSeriesForSegmentation(source_series_uid),
                 ),
                 finding_type=_code(spec.type),
                 finding_category=_code(spec.category),
@@ -484,14 +418,35 @@ def build_sr(
                 ],
             )
         )
-    report = MeasurementReport(
+    return MeasurementReport(
         observation_context=context,
         procedure_reported=codes.cid100.CTUnspecifiedBodyRegion,
         imaging_measurements=groups,
     )
+
+
+def sr_document(
+    evidence: Sequence[Dataset],
+    report: MeasurementReport,
+    manifest: ModelManifest,
+    uids: ResultUIDs,
+    *,
+    specific_character_set: str | list[str] | None,
+    manufacturer: str,
+    software_version: str,
+    series_number: int,
+    device_serial: str,
+    instance_number: int,
+) -> Comprehensive3DSR:
+    """The Comprehensive 3D SR of :func:`build_sr` around ``report``.
+
+    highdicom takes the Patient and Study modules, and the Contributing Equipment, from
+    ``evidence[0]`` (the SEG) and lists all of ``evidence`` in the Current Requested
+    Procedure Evidence Sequence.
+    """
     try:
-        sr = Comprehensive3DSR(
-            evidence=[seg, *_source_headers(volume)],
+        return Comprehensive3DSR(
+            evidence=evidence,
             content=report,
             series_instance_uid=uids.sr_series_uid,
             series_number=series_number,
@@ -500,14 +455,13 @@ def build_sr(
             manufacturer=manufacturer,
             is_complete=True,
             series_description=f"SR {manifest.name}"[:64],
-            specific_character_set=_character_set(volume),
+            specific_character_set=specific_character_set,
             manufacturer_model_name="segnode",
             software_versions=software_version,
             device_serial_number=device_serial,
         )
     except (ValueError, TypeError) as exc:
         raise ResultError(f"cannot encode the measurement report: {exc}") from exc
-    return sr
 
 
 # ------------------------------------------------------------------------------ verify

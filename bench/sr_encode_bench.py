@@ -1,0 +1,251 @@
+"""The SR of a result: statistics and encoding, before and after :mod:`node.sr_encode`.
+
+Run::
+
+    .venv/bin/python -m bench.sr_encode_bench                 # 128 x 512 x 512, 5 labels
+    .venv/bin/python -m bench.sr_encode_bench --slices 32 --runs 9 --json
+
+On the synthetic phantom series (``node.synthetic``) with its label map (five labels), the
+median wall and process CPU time of ``--runs`` runs of:
+
+* baseline: the statistics as they were (``np.bincount`` with float64 weights), highdicom's
+  Comprehensive 3D SR (what ``build_sr`` builds) and pydicom's writer (``node.worker.encode``);
+* ``build_sr`` + write as it is now (the new statistics inside);
+* the new statistics (:func:`node.results.segment_statistics`), and the same fed slab by
+  slab to a :class:`node.statistics.SegmentStatsAccumulator`;
+* :meth:`node.sr_encode.SrPlan.prepare` (off the critical path: before the labels exist);
+* :meth:`node.sr_encode.SrPlan.encode`;
+
+and the ratio of the baseline to statistics + encode, the part that waits for the labels.
+The statistics are checked against the bincount ones and the encoded bytes against
+``build_sr``'s with the same clock before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import highdicom.base
+import highdicom.base_content
+import highdicom.sr.sop
+import numpy as np
+import numpy.typing as npt
+from pydicom.dataset import Dataset
+
+from engines.manifest import LabelSpec, ModelManifest
+from node.results import (
+    SEGMENTATION_STORAGE,
+    ResultUIDs,
+    SegmentStatistics,
+    _source_headers,
+    build_seg,
+    build_sr,
+    measurement_report,
+    segment_statistics,
+    sr_document,
+)
+from node.sr_encode import SrPlan
+from node.statistics import SegmentStatsAccumulator, _bincount, numbering
+from node.synthetic import phantom_labels, synthetic_datasets
+from node.volume import Volume, assemble_from_datasets
+from node.worker import encode
+
+_TISSUE = ("85756007", "SCT", "Tissue")
+_ANATOMY = ("91723000", "SCT", "Anatomical Structure")
+#: The phantom's labels (node.synthetic), as a model would describe them.
+MANIFEST = ModelManifest(
+    name="phantom",
+    version="1.0.0",
+    onnx_path=Path("phantom.onnx"),
+    patch_size=(16, 512, 512),
+    labels=(
+        LabelSpec(1, "Soft tissue", _TISSUE, ("87784001", "SCT", "Soft tissue")),
+        LabelSpec(2, "Fat", _TISSUE, ("55603005", "SCT", "Adipose tissue")),
+        LabelSpec(3, "Left lung", _ANATOMY, ("44029006", "SCT", "Left lung")),
+        LabelSpec(4, "Right lung", _ANATOMY, ("3341006", "SCT", "Right lung")),
+        LabelSpec(5, "Spine", _ANATOMY, ("421060004", "SCT", "Spine")),
+    ),
+)
+VERSION = "bench"
+
+
+def bincount_statistics(
+    volume: Volume, labels: npt.NDArray[np.integer], manifest: ModelManifest
+) -> list[SegmentStatistics]:
+    """``segment_statistics`` before :class:`SegmentStatsAccumulator` (the baseline)."""
+    counts = _bincount(labels, max(s.value for s in manifest.labels) + 1)
+    sums = np.zeros(len(counts), dtype=np.float64)
+    squares = np.zeros(len(counts), dtype=np.float64)
+    step = max(1, (1 << 21) // max(1, labels[0].size))
+    for z in range(0, labels.shape[0], step):
+        flat = labels[z : z + step].ravel().astype(np.intp)
+        hu = volume.hu[z : z + step].ravel().astype(np.float64)
+        sums += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
+        hu *= hu
+        squares += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
+    out = []
+    for value, number in numbering(counts, manifest).items():
+        n = int(counts[value])
+        mean = float(sums[value] / n)
+        variance = max(float(squares[value] / n) - mean * mean, 0.0)
+        out.append(
+            SegmentStatistics(
+                number,
+                manifest.label(value),
+                n,
+                n * volume.voxel_volume_ml,
+                mean,
+                float(np.sqrt(variance)),
+            )
+        )
+    return out
+
+
+def _medians_ms(fn: Callable[[], object], runs: int) -> tuple[float, float]:
+    """Median wall and process CPU time of ``runs`` calls (CPU time: less disturbed by other
+    processes on a shared machine)."""
+    wall, cpu = [], []
+    for _ in range(runs):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return round(statistics.median(wall) * 1000, 2), round(statistics.median(cpu) * 1000, 2)
+
+
+def run(slices: int, size: int, runs: int) -> dict[str, Any]:
+    """Time each step; return the medians (ms) and the ratio."""
+    volume = assemble_from_datasets(synthetic_datasets(rows=size, columns=size, slices=slices))
+    labels = phantom_labels(size, size, slices)
+    uids = ResultUIDs.new()
+    seg = build_seg(volume, labels, MANIFEST, uids, software_version=VERSION)
+
+    def baseline() -> bytes:
+        stats = bincount_statistics(volume, labels, MANIFEST)
+        report = measurement_report(
+            stats,
+            MANIFEST,
+            uids,
+            seg_sop_class_uid=str(seg.SOPClassUID),
+            source_series_uid=volume.series_instance_uid,
+            manufacturer="segnode",
+            device_serial="segnode",
+        )
+        sr = sr_document(
+            [seg, *_source_headers(volume)],
+            report,
+            MANIFEST,
+            uids,
+            specific_character_set=None,
+            manufacturer="segnode",
+            software_version=VERSION,
+            series_number=9902,
+            device_serial="segnode",
+            instance_number=1,
+        )
+        return encode(sr)
+
+    def build_sr_now() -> bytes:
+        return encode(build_sr(volume, labels, MANIFEST, seg, uids, software_version=VERSION))
+
+    def slabs() -> list[SegmentStatistics]:
+        accumulator = SegmentStatsAccumulator(MANIFEST)
+        for z in range(0, slices, 16):
+            accumulator.add(labels[z : z + 16], volume.hu[z : z + 16])
+        return accumulator.result(volume.voxel_volume_ml)
+
+    def prepare() -> SrPlan:
+        return SrPlan.prepare(
+            volume, MANIFEST, uids, seg_sop_class_uid=SEGMENTATION_STORAGE, software_version=VERSION
+        )
+
+    stats = segment_statistics(volume, labels, MANIFEST)
+    if stats != bincount_statistics(volume, labels, MANIFEST) or slabs() != stats:
+        raise SystemExit("the statistics differ from the bincount ones")
+    plan = prepare()
+    when = datetime.datetime.now()
+    if plan.encode(stats, now=when) != _pinned_build_sr(volume, labels, seg, uids, when):
+        raise SystemExit("the encoded SR differs from build_sr's")
+    baseline_name = "baseline: bincount statistics + highdicom SR + write"
+    results = {
+        baseline_name: _medians_ms(baseline, runs),
+        "build_sr + write (new statistics inside)": _medians_ms(build_sr_now, runs),
+        "new statistics": _medians_ms(lambda: segment_statistics(volume, labels, MANIFEST), runs),
+        "new statistics, 16-slice slabs": _medians_ms(slabs, runs),
+        "new prepare (before the labels)": _medians_ms(prepare, runs),
+        "new encode": _medians_ms(lambda: plan.encode(stats), runs),
+    }
+    critical = [
+        a + b for a, b in zip(results["new statistics"], results["new encode"], strict=True)
+    ]
+    return {
+        "shape": [slices, size, size],
+        "labels": len(stats),
+        "runs": runs,
+        "median_ms [wall, cpu]": results,
+        "statistics + encode ms [wall, cpu]": [round(v, 2) for v in critical],
+        "ratio baseline / (statistics + encode) [wall, cpu]": [
+            round(results[baseline_name][i] / critical[i], 1) for i in range(2)
+        ],
+        "sr_bytes": len(plan.encode(stats)),
+    }
+
+
+def _pinned_build_sr(
+    volume: Volume,
+    labels: npt.NDArray[np.integer],
+    seg: Dataset,
+    uids: ResultUIDs,
+    when: datetime.datetime,
+) -> bytes:
+    """build_sr's bytes with highdicom's clock stopped at ``when``."""
+
+    class Fixed(datetime.datetime):
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> Fixed:
+            return cls.combine(when.date(), when.time(), tz)
+
+    shim = types.SimpleNamespace(**vars(datetime))
+    shim.datetime = Fixed
+    with contextlib.ExitStack() as stack:
+        for module in (highdicom.base, highdicom.base_content, highdicom.sr.sop):
+            stack.enter_context(mock.patch.object(module, "datetime", shim))
+        return encode(build_sr(volume, labels, MANIFEST, seg, uids, software_version=VERSION))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slices", type=int, default=128)
+    parser.add_argument("--size", type=int, default=512, help="rows = columns")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print JSON only")
+    args = parser.parse_args(argv)
+    report = run(args.slices, args.size, args.runs)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{args.slices} x {args.size} x {args.size}, {report['labels']} labels, ", end="")
+    print(f"median of {args.runs} runs (ms):")
+    print(f"  {'':<55} {'wall':>9} {'cpu':>9}")
+    for name, (wall, cpu) in report["median_ms [wall, cpu]"].items():
+        print(f"  {name:<55} {wall:9.2f} {cpu:9.2f}")
+    wall, cpu = report["statistics + encode ms [wall, cpu]"]
+    print(f"  {'statistics + encode':<55} {wall:9.2f} {cpu:9.2f}")
+    wall, cpu = report["ratio baseline / (statistics + encode) [wall, cpu]"]
+    print(f"  {'ratio baseline / (statistics + encode)':<55} {wall:8.1f}x {cpu:8.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

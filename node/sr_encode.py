@@ -1,0 +1,525 @@
+"""The TID 1500 measurement report of a result, prepared before the labels exist.
+
+:func:`node.results.build_sr` builds the Comprehensive 3D SR with highdicom once the label
+map, its statistics and the SEG exist, and pydicom writes it: most of that time goes to
+what depends only on the source series (the evidence of every source instance, the
+Patient and Study modules, the observer context) and to pydicom's writer. :class:`SrPlan`
+does that part while inference runs:
+
+* :meth:`SrPlan.prepare` builds the same document with highdicom, through the functions
+  ``build_sr`` uses (:func:`node.results.measurement_report`,
+  :func:`node.results.sr_document`), with one measurement group per manifest label holding
+  placeholder values, and writes it with pydicom once. The SEG it references is described
+  by a header that highdicom builds the way ``build_seg``'s Segmentation constructor does
+  (Patient and Study modules copied from the first source, the node's equipment), so no
+  SEG dataset is needed; only its UIDs and SOP Class.
+* It cuts the written bytes into a template: fixed runs of bytes, the elements that change
+  (Instance Creation and Content Date/Time, the Contribution DateTime of highdicom's
+  equipment item; per group the tracking UID, the referenced segment number and the
+  measured values) and the sequences and items around them, whose lengths are recomputed.
+  The template rendered with the placeholders must reproduce pydicom's bytes exactly, or
+  ``prepare`` fails.
+* :meth:`SrPlan.encode` fills the template with the statistics of the segments present and
+  the current time: a few dozen short elements, no highdicom or pydicom objects.
+
+The result is byte for byte what ``build_sr`` and ``node.worker.encode`` write for the same
+label map and clock (``tests/test_sr_encode.py``). Explicit VR Little Endian, defined
+lengths, as pydicom writes (PS3.5 7.1.2, 7.5).
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from io import BytesIO
+
+import highdicom as hd
+from pydicom.dataelem import DataElement
+from pydicom.dataset import Dataset
+from pydicom.filebase import DicomBytesIO
+from pydicom.filewriter import dcmwrite, write_data_element
+from pydicom.uid import Comprehensive3DSRStorage, ExplicitVRLittleEndian
+from pydicom.valuerep import DA, DS, DT, TM
+
+from engines.manifest import ModelManifest
+from node.errors import NoSegmentsError, ResultError
+from node.results import (
+    LABEL_MAP_SEGMENTATION_STORAGE,
+    SEGMENTATION_STORAGE,
+    ResultUIDs,
+    _character_set,
+    _source_headers,
+    derived_uid,
+    measurement_report,
+    sr_document,
+)
+from node.statistics import SegmentStatistics
+from node.volume import Volume
+
+# Tags (PS3.6) of the elements encode() fills in.
+_INSTANCE_CREATION_DATE = 0x00080012
+_INSTANCE_CREATION_TIME = 0x00080013
+_CONTENT_DATE = 0x00080023
+_CONTENT_TIME = 0x00080033
+_CONTRIBUTION_DATETIME = 0x0018A002
+_CONTENT_SEQUENCE = 0x0040A730
+_UID = 0x0040A124
+_FLOATING_POINT_VALUE = 0x0040A161
+_NUMERIC_VALUE = 0x0040A30A
+_REFERENCED_SEGMENT_NUMBER = 0x0062000B
+_CLOCK = {
+    _INSTANCE_CREATION_DATE: "instance_date",
+    _INSTANCE_CREATION_TIME: "instance_time",
+    _CONTENT_DATE: "content_date",
+    _CONTENT_TIME: "content_time",
+}
+#: Concept name of the TID 1500 "Imaging Measurements" container (CID 7021).
+_IMAGING_MEASUREMENTS = ("126010", "DCM")
+
+_ITEM = b"\xfe\xff\x00\xe0"  # (FFFE,E000) Item
+_UL = struct.Struct("<L")
+_SHORT = struct.Struct("<HH2sH")  # group, element, VR, 16-bit length
+_SEQUENCE = struct.Struct("<HH2s2x")  # group, element, "SQ", reserved (32-bit length follows)
+
+# Placeholders of the template groups: values no segment can have together.
+_TEMPLATE_NUMBER = 65535
+_TEMPLATE_VOLUME = 1234.5
+_TEMPLATE_MEAN = -2345.25
+_TEMPLATE_STD = 3456.75
+_MEASUREMENTS = (("volume", _TEMPLATE_VOLUME), ("mean", _TEMPLATE_MEAN), ("std", _TEMPLATE_STD))
+_GROUP_SLOTS = frozenset(
+    {"tracking_uid", "segment_number"}
+    | {f"{name}_{vr}" for name, _ in _MEASUREMENTS for vr in ("ds", "fd")}
+)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """An element encode() writes: ``name`` keys the encoded element."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class _Nested:
+    """A sequence or item holding a slot: ``header`` is what comes before its 32-bit length."""
+
+    header: bytes
+    parts: tuple[_Part, ...]
+
+
+_Part = bytes | _Slot | _Nested
+_Hook = Callable[[Dataset, DataElement, str | list[str]], "_Part | None"]
+
+
+def _render(parts: Sequence[_Part], values: Mapping[str, bytes]) -> bytes:
+    """The bytes of ``parts`` with the slots filled from ``values``."""
+    out: list[bytes] = []
+    for part in parts:
+        if isinstance(part, bytes):
+            out.append(part)
+        elif isinstance(part, _Slot):
+            out.append(values[part.name])
+        else:
+            body = _render(part.parts, values)
+            out += (part.header, _UL.pack(len(body)), body)
+    return b"".join(out)
+
+
+def _slots(parts: Sequence[_Part]) -> list[str]:
+    names: list[str] = []
+    for part in parts:
+        if isinstance(part, _Slot):
+            names.append(part.name)
+        elif isinstance(part, _Nested):
+            names += _slots(part.parts)
+    return names
+
+
+def _nested(header: bytes, parts: list[_Part]) -> _Part:
+    """A sequence or item: plain bytes when it holds no slot."""
+    merged: list[_Part] = []
+    for part in parts:
+        if isinstance(part, bytes) and merged and isinstance(merged[-1], bytes):
+            merged[-1] += part
+        else:
+            merged.append(part)
+    if len(merged) == 1 and isinstance(merged[0], bytes):
+        return header + _UL.pack(len(merged[0])) + merged[0]
+    if not merged:
+        return header + _UL.pack(0)
+    return _Nested(header, tuple(merged))
+
+
+def _element_bytes(element: DataElement, encodings: str | list[str]) -> bytes:
+    """``element`` as pydicom writes it in Explicit VR Little Endian."""
+    fp = DicomBytesIO()
+    fp.is_little_endian = True
+    fp.is_implicit_VR = False
+    write_data_element(fp, element, encodings)
+    return fp.getvalue()
+
+
+def _tag_bytes(tag: int) -> tuple[int, int]:
+    return tag >> 16, tag & 0xFFFF
+
+
+def _compile(ds: Dataset, encodings: str | list[str], hook: _Hook) -> list[_Part]:
+    """The elements of ``ds`` in tag order (as pydicom's ``write_dataset``), the ones
+    ``hook`` answers for replaced, sequences holding a replacement kept open."""
+    encodings = ds.get("SpecificCharacterSet", encodings)
+    parts: list[_Part] = []
+    for tag in sorted(ds.keys()):
+        if tag.element == 0 and tag.group > 6:
+            continue  # retired group lengths are not written
+        element = ds[tag]
+        replaced = hook(ds, element, encodings)
+        if replaced is not None:
+            parts.append(replaced)
+            continue
+        if element.VR == "SQ" and not element.is_undefined_length:
+            items = [_nested(_ITEM, _compile(item, encodings, hook)) for item in element.value]
+            parts.append(_nested(_sequence_header(tag), items))
+        else:
+            parts.append(_element_bytes(element, encodings))
+    return parts
+
+
+def _sequence_header(tag: int) -> bytes:
+    """Tag, VR and reserved bytes of a sequence element, before its 32-bit length."""
+    return _SEQUENCE.pack(*_tag_bytes(tag), b"SQ")
+
+
+def _short(tag: int, vr: bytes, value: bytes) -> bytes:
+    return _SHORT.pack(*_tag_bytes(tag), vr, len(value)) + value
+
+
+def _ui(tag: int, uid: str) -> bytes:
+    value = uid.encode("ascii")
+    return _short(tag, b"UI", value + b"\x00" * (len(value) % 2))
+
+
+def _ds(tag: int, number: float) -> bytes:
+    """As pydicom writes the ``DS(number, auto_format=True)`` highdicom stores."""
+    ds = DS(number, auto_format=True)
+    text = str(getattr(ds, "original_string", ds))
+    return _short(tag, b"DS", (text + " " * (len(text) % 2)).encode("ascii"))
+
+
+def _fd(tag: int, number: float) -> bytes:
+    return _short(tag, b"FD", struct.pack("<d", number))
+
+
+def _us(tag: int, number: int) -> bytes:
+    return _short(tag, b"US", struct.pack("<H", number))
+
+
+def _is_imaging_measurements(item: Dataset) -> bool:
+    concept = item.get("ConceptNameCodeSequence")
+    return bool(
+        concept
+        and (str(concept[0].CodeValue), str(concept[0].CodingSchemeDesignator))
+        == _IMAGING_MEASUREMENTS
+    )
+
+
+def _seg_header(
+    first: Dataset,
+    uids: ResultUIDs,
+    sop_class_uid: str,
+    *,
+    manufacturer: str,
+    manufacturer_model_name: str,
+    software_version: str,
+    device_serial: str,
+    specific_character_set: str | list[str] | None,
+) -> Dataset:
+    """The attributes of the SEG that highdicom's SR reads (its evidence, Patient and Study
+    modules, equipment), set as ``hd.seg.Segmentation`` sets them from the first source."""
+    seg = hd.SOPClass(
+        study_instance_uid=first.StudyInstanceUID,
+        series_instance_uid=uids.seg_series_uid,
+        series_number=1,
+        sop_instance_uid=uids.seg_sop_uid,
+        sop_class_uid=sop_class_uid,
+        instance_number=1,
+        modality="SEG",
+        manufacturer=manufacturer,
+        transfer_syntax_uid=ExplicitVRLittleEndian,
+        patient_id=first.PatientID,
+        patient_name=first.PatientName,
+        patient_birth_date=first.PatientBirthDate,
+        patient_sex=first.PatientSex,
+        accession_number=first.AccessionNumber,
+        study_id=first.StudyID,
+        study_date=first.StudyDate,
+        study_time=first.StudyTime,
+        referring_physician_name=getattr(first, "ReferringPhysicianName", None),
+        manufacturer_model_name=manufacturer_model_name,
+        device_serial_number=device_serial,
+        software_versions=software_version,
+        specific_character_set=specific_character_set,
+    )
+    seg.copy_patient_and_study_information(first)
+    return seg
+
+
+@dataclass(frozen=True)
+class SrPlan:
+    """A TID 1500 Comprehensive 3D SR with everything but the measurements encoded.
+
+    Build with :meth:`prepare`; :meth:`encode` is cheap and may be called for any label
+    map of the same volume, model and UIDs.
+
+    Attributes
+    ----------
+    manifest, uids
+        As given to :meth:`prepare`.
+    sop_class_uid
+        Comprehensive 3D SR Storage.
+    """
+
+    manifest: ModelManifest
+    uids: ResultUIDs
+    sop_class_uid: str
+    _head: bytes = field(repr=False)
+    _body: tuple[_Part, ...] = field(repr=False)
+    _groups: Mapping[int, _Part] = field(repr=False)
+    _encodings: str | list[str] = field(repr=False)
+
+    @classmethod
+    def prepare(
+        cls,
+        volume: Volume,
+        manifest: ModelManifest,
+        uids: ResultUIDs,
+        *,
+        seg_sop_class_uid: str,
+        manufacturer: str = "segnode",
+        software_version: str,
+        series_number: int = 9902,
+        device_serial: str = "segnode",
+        instance_number: int = 1,
+        seg_manufacturer_model_name: str = "segnode",
+    ) -> SrPlan:
+        """Encode everything of the SR that does not depend on the label map.
+
+        Parameters
+        ----------
+        volume
+            The source volume (its headers are the evidence and give Patient and Study).
+        manifest
+            The model (its labels get one measurement group each, when present).
+        uids
+            UIDs of the result: the SR's, and the SEG's that the groups reference.
+        seg_sop_class_uid
+            SOP Class of that SEG: Segmentation Storage, or Label Map Segmentation Storage
+            (``LABEL_MAP_SEGMENTATION_STORAGE``).
+        manufacturer, software_version, series_number, device_serial, instance_number
+            As for :func:`node.results.build_sr`; the SEG is taken to come from the same
+            equipment (``build_seg`` with these ``manufacturer``, ``software_version`` and
+            ``device_serial``), as the worker builds it.
+        seg_manufacturer_model_name
+            The SEG's Manufacturer's Model Name (``build_seg``'s default).
+
+        Raises
+        ------
+        ResultError
+            highdicom rejects the input, the SEG class is neither of the two, or the
+            template does not reproduce pydicom's bytes.
+        """
+        if seg_sop_class_uid not in (SEGMENTATION_STORAGE, LABEL_MAP_SEGMENTATION_STORAGE):
+            raise ResultError(f"{seg_sop_class_uid} is not a Segmentation SOP Class")
+        sources = _source_headers(volume)
+        charset = _character_set(volume)
+        seg = _seg_header(
+            sources[0],
+            uids,
+            seg_sop_class_uid,
+            manufacturer=manufacturer,
+            manufacturer_model_name=seg_manufacturer_model_name,
+            software_version=software_version,
+            device_serial=device_serial,
+            specific_character_set=charset,
+        )
+        specs = sorted(manifest.labels, key=lambda spec: spec.value)
+        placeholders = [
+            SegmentStatistics(
+                segment_number=_TEMPLATE_NUMBER,
+                label=spec,
+                voxels=1,
+                volume_ml=_TEMPLATE_VOLUME,
+                mean_hu=_TEMPLATE_MEAN,
+                std_hu=_TEMPLATE_STD,
+            )
+            for spec in specs
+        ]
+        report = measurement_report(
+            placeholders,
+            manifest,
+            uids,
+            seg_sop_class_uid=seg_sop_class_uid,
+            source_series_uid=volume.series_instance_uid,
+            manufacturer=manufacturer,
+            device_serial=device_serial,
+        )
+        model = sr_document(
+            [seg, *sources],
+            report,
+            manifest,
+            uids,
+            specific_character_set=charset,
+            manufacturer=manufacturer,
+            software_version=software_version,
+            series_number=series_number,
+            device_serial=device_serial,
+            instance_number=instance_number,
+        )
+        return cls._from_model(model, manifest, uids, [spec.value for spec in specs])
+
+    @classmethod
+    def _from_model(
+        cls, model: Dataset, manifest: ModelManifest, uids: ResultUIDs, values: list[int]
+    ) -> SrPlan:
+        """Cut the written ``model`` into the template (see the module docstring)."""
+        placeholder_uid = derived_uid(uids.sr_sop_uid, "segment", str(_TEMPLATE_NUMBER))
+        equipment = [id(item) for item in model.get("ContributingEquipmentSequence", [])]
+        found: dict[str, bytes] = {}
+        groups: list[_Part] = []
+        group_values: list[dict[str, bytes]] = []
+
+        def group_hook(
+            parent: Dataset, element: DataElement, encodings: str | list[str]
+        ) -> _Part | None:
+            name = None
+            if element.tag == _UID and element.value == placeholder_uid:
+                name = "tracking_uid"
+            elif element.tag == _REFERENCED_SEGMENT_NUMBER and element.value == _TEMPLATE_NUMBER:
+                name = "segment_number"
+            elif element.tag in (_NUMERIC_VALUE, _FLOATING_POINT_VALUE):
+                vr = "ds" if element.tag == _NUMERIC_VALUE else "fd"
+                for measurement, value in _MEASUREMENTS:
+                    if float(element.value) == value:
+                        name = f"{measurement}_{vr}"
+            if name is None:
+                return None
+            group_values[-1][name] = _element_bytes(element, encodings)
+            return _Slot(name)
+
+        def hook(parent: Dataset, element: DataElement, encodings: str | list[str]) -> _Part | None:
+            name = None
+            if parent is model and element.tag in _CLOCK:
+                name = _CLOCK[element.tag]
+            elif element.tag == _CONTRIBUTION_DATETIME and id(parent) in equipment:
+                name = "contribution_datetime"
+            elif element.tag == _CONTENT_SEQUENCE and _is_imaging_measurements(parent):
+                for item in element.value:
+                    group_values.append({})
+                    groups.append(_nested(_ITEM, _compile(item, encodings, group_hook)))
+                found["groups"] = b"".join(
+                    _render([g], v) for g, v in zip(groups, group_values, strict=True)
+                )
+                return _Nested(_sequence_header(_CONTENT_SEQUENCE), (_Slot("groups"),))
+            if name is None:
+                return None
+            if name in found:
+                raise ResultError(f"the SR template has two {name} elements")
+            found[name] = _element_bytes(element, encodings)
+            return _Slot(name)
+
+        encodings: str | list[str] = model.get("SpecificCharacterSet", "iso8859")
+        body = tuple(_compile(model, encodings, hook))
+        missing = {*_CLOCK.values(), "contribution_datetime", "groups"} - set(found)
+        if missing or len(groups) != len(values):
+            raise ResultError(f"the SR template lacks {sorted(missing) or 'groups'}")
+        for group in groups:
+            if sorted(_slots([group])) != sorted(_GROUP_SLOTS):
+                raise ResultError(f"a template group holds {_slots([group])}")
+        buffer = BytesIO()
+        dcmwrite(buffer, model, enforce_file_format=True)
+        written = buffer.getvalue()
+        rendered = _render(body, found)
+        if not written.endswith(rendered):
+            raise ResultError("the SR template does not reproduce pydicom's encoding")
+        return cls(
+            manifest=manifest,
+            uids=uids,
+            sop_class_uid=str(Comprehensive3DSRStorage),
+            _head=written[: len(written) - len(rendered)],
+            _body=body,
+            _groups=dict(zip(values, groups, strict=True)),
+            _encodings=encodings,
+        )
+
+    def encode(
+        self, stats: Sequence[SegmentStatistics], *, now: datetime.datetime | None = None
+    ) -> bytes:
+        """The SR in the DICOM File Format (PS3.10) for the segments in ``stats``.
+
+        Parameters
+        ----------
+        stats
+            :func:`node.results.segment_statistics` (or
+            :meth:`node.statistics.SegmentStatsAccumulator.result`) of the label map:
+            segment numbers 1..n in ascending label value.
+        now
+            Instance Creation and Content Date/Time, and the time of highdicom's
+            contribution; the current local time when None (highdicom's choice).
+
+        Raises
+        ------
+        NoSegmentsError
+            ``stats`` is empty.
+        ResultError
+            ``stats`` is not numbered 1..n in ascending label value of this manifest, or a
+            value is not finite.
+        """
+        if not stats:
+            raise NoSegmentsError("no segment found; no SR is produced")
+        groups = []
+        previous = 0
+        for number, s in enumerate(stats, start=1):
+            value = s.label.value
+            template = self._groups.get(value)
+            if s.segment_number != number or value <= previous or template is None:
+                raise ResultError(
+                    f"statistics are not numbered 1..n in ascending label value: segment "
+                    f"{s.segment_number} (label {value}) at position {number}"
+                )
+            if s.label != self.manifest.label(value):
+                raise ResultError(f"label {value} is not {self.manifest.name}'s")
+            previous = value
+            groups.append(_render([template], self._group_values(s)))
+        now = now if now is not None else datetime.datetime.now()
+        clock = {
+            "instance_date": DataElement(_INSTANCE_CREATION_DATE, "DA", DA(now.date())),
+            "instance_time": DataElement(_INSTANCE_CREATION_TIME, "TM", TM(now.time())),
+            "content_date": DataElement(_CONTENT_DATE, "DA", DA(now.date())),
+            "content_time": DataElement(_CONTENT_TIME, "TM", TM(now.time())),
+            "contribution_datetime": DataElement(_CONTRIBUTION_DATETIME, "DT", DT(now)),
+        }
+        values = {name: _element_bytes(e, self._encodings) for name, e in clock.items()}
+        values["groups"] = b"".join(groups)
+        return self._head + _render(self._body, values)
+
+    def _group_values(self, s: SegmentStatistics) -> dict[str, bytes]:
+        """The elements of one group, as ``measurement_report`` sets them."""
+        values = {
+            "tracking_uid": _ui(
+                _UID, derived_uid(self.uids.sr_sop_uid, "segment", str(s.segment_number))
+            ),
+            "segment_number": _us(_REFERENCED_SEGMENT_NUMBER, s.segment_number),
+        }
+        measured = {
+            "volume": round(s.volume_ml, 6),
+            "mean": round(s.mean_hu, 4),
+            "std": round(s.std_hu, 4),
+        }
+        for name, number in measured.items():
+            if number != number or number in (float("inf"), float("-inf")):
+                raise ResultError(f"{name} of segment {s.segment_number} is {number}")
+            values[f"{name}_ds"] = _ds(_NUMERIC_VALUE, number)
+            values[f"{name}_fd"] = _fd(_FLOATING_POINT_VALUE, number)
+        return values
