@@ -184,6 +184,16 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class ResultsConfig:
+    """``[results]``: how the results are encoded."""
+
+    #: "BINARY" (Segmentation Storage, one 1-bit frame per segment and slice: every viewer
+    #: that reads DICOM SEG) or "LABELMAP" (Label Map Segmentation Storage, PS3.3 A.51.5:
+    #: one 8-bit frame per slice; smaller, read only by recent viewers).
+    segmentation_type: str = "BINARY"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """``[model]``: which model runs on which backend."""
 
@@ -225,6 +235,7 @@ class Config:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    results: ResultsConfig = field(default_factory=ResultsConfig)
     routing: Routing = field(default_factory=lambda: _default_routing())
 
     def configured_destinations(self) -> list[Destination]:
@@ -350,6 +361,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         "retention",
         "streaming",
         "metrics",
+        "results",
         "routing",
         "rules",
         "models",
@@ -497,6 +509,15 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         retention=_retention(_table(raw, "retention", set(RetentionConfig.__dataclass_fields__))),
         streaming=_streaming(_table(raw, "streaming", set(StreamingConfig.__dataclass_fields__))),
         metrics=_metrics(_table(raw, "metrics", set(MetricsConfig.__dataclass_fields__))),
+        results=ResultsConfig(
+            segmentation_type=_str(
+                _table(raw, "results", set(ResultsConfig.__dataclass_fields__)).get(
+                    "segmentation_type", ResultsConfig.segmentation_type
+                ),
+                "results.segmentation_type",
+                ("BINARY", "LABELMAP"),
+            )
+        ),
         routing=parse_routing(raw, path, peer_table),
     )
 

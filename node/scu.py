@@ -59,6 +59,7 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 
 from node.config import Config, Peer
 from node.destinations import SENDER, Target, from_name, index
+from node.results import LABEL_MAP_SEGMENTATION_STORAGE
 from node.stow import StowFailed, StowTarget, StowUnreachable
 from node.stow import store as stow_store
 from node.tls import tls_args
@@ -90,7 +91,12 @@ def make_ae(calling_ae: str, timeout: float, keep_open: float = 0.0) -> AE:
     ae.dimse_timeout = timeout
     ae.network_timeout = keep_open + timeout
     ae.connection_timeout = min(timeout, 10)
-    for cls in (SegmentationStorage, Comprehensive3DSRStorage, KeyObjectSelectionDocumentStorage):
+    for cls in (
+        SegmentationStorage,
+        LABEL_MAP_SEGMENTATION_STORAGE,
+        Comprehensive3DSRStorage,
+        KeyObjectSelectionDocumentStorage,
+    ):
         ae.add_requested_context(cls, ExplicitVRLittleEndian)
         ae.add_requested_context(cls, ImplicitVRLittleEndian)
     ae.add_requested_context(Verification)

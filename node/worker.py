@@ -5,6 +5,14 @@ records each stage's timestamp. Any failure becomes a failed job with a reason; 
 serving. The result objects are written to ``<data_dir>/results/<job id>/`` atomically before
 the ledger says ``encoded``, so the outbox always sends exactly the bytes that were encoded,
 with UIDs allocated when the job was created.
+
+Everything of the SEG and SR that depends only on the source series (headers, references,
+per-frame geometry, segment descriptions, evidence) is encoded by a helper thread while the
+engine runs (:class:`node.seg_encode.SegPlan`, :class:`node.sr_encode.SrPlan`); after
+inference only the frames, the statistics and the measurement values are spliced in, and
+the SEG bytes are checked (:func:`node.seg_check.check_encoded`) before they are written.
+Their dates and times are the job's creation time, so a re-encoding after a crash writes the
+same bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from io import BytesIO
 from pathlib import Path
 
@@ -29,12 +39,13 @@ from node.results import (
     NoSegmentsError,
     ResultError,
     ResultUIDs,
-    build_seg,
-    build_sr,
     derived_uid,
-    verify_seg,
+    segment_statistics,
 )
 from node.rules import DEFAULT_MODEL_NAME, model_specs
+from node.seg_check import check_encoded
+from node.seg_encode import SegPlan
+from node.sr_encode import SrPlan
 from node.streaming import StreamingAssembler
 from node.volume import Volume, VolumeError, assemble_volume
 from storage.ledger import JobView, Ledger
@@ -88,6 +99,9 @@ class Worker:
             for t in config.configured_destinations()
             if isinstance(t, Peer) and t.reject_superseded
         }
+        self.segmentation_type = config.results.segmentation_type
+        # Prepares the SEG and SR of a job while its inference runs.
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="segnode-prepare")
         self.wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -109,6 +123,7 @@ class Worker:
         self.wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._helper.shutdown(wait=False)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -175,29 +190,37 @@ class Worker:
         if self.ledger.queued_siblings(job.id):  # another model will need the same volume
             self._volume = (job.series_instance_uid, job.version, paths, volume)
         self.ledger.mark(job.id, "volume_at")
-        labels = engine.segment(volume.hu)
-        self.ledger.mark(job.id, "inference_at")
         uids = ResultUIDs(
             seg_series_uid=job.seg_series_uid,
             seg_sop_uid=job.seg_sop_uid,
             sr_series_uid=job.sr_series_uid,
             sr_sop_uid=job.sr_sop_uid,
         )
-        seg = build_seg(volume, labels, manifest, uids, software_version=__version__)
-        seg_bytes = encode(seg)
-        verify_seg(seg, volume, labels, encoded=seg_bytes)  # check the bytes that will be sent
-        sr = build_sr(volume, labels, manifest, seg, uids, software_version=__version__)
+        # Local time (DICOM dates and times are local) of the job's creation: the same on a
+        # re-run, so a re-encoding after a crash gives the same bytes.
+        queued = job.stages.get("queued") or datetime.now(UTC).replace(tzinfo=None)
+        created = queued.replace(tzinfo=UTC).astimezone().replace(tzinfo=None)
+        plans = self._helper.submit(self._prepare, volume, manifest, uids, created)
+        try:
+            labels = engine.segment(volume.hu)
+        finally:
+            seg_plan, sr_plan = plans.result()  # its errors (ResultError) fail the job
+        self.ledger.mark(job.id, "inference_at")
+        seg = seg_plan.encode(labels)
+        check_encoded(seg_plan, seg, labels)  # the bytes that will be sent
+        stats = segment_statistics(volume, labels, manifest)
+        sr_bytes = sr_plan.encode(stats, now=created)
         out = self.results_dir / str(job.id)
         seg_path = out / f"seg-{uids.seg_sop_uid}.dcm"
         sr_path = out / f"sr-{uids.sr_sop_uid}.dcm"
-        write_atomic(seg_path, seg_bytes)
-        write_atomic(sr_path, encode(sr))
+        write_atomic(seg_path, seg.data)
+        write_atomic(sr_path, sr_bytes)
         notes = self._rejection_notes(job, out)
         kept = self.ledger.save_results(
             job.id,
             [
-                ("SEG", str(seg.SOPClassUID), uids.seg_sop_uid, uids.seg_series_uid, seg_path),
-                ("SR", str(sr.SOPClassUID), uids.sr_sop_uid, uids.sr_series_uid, sr_path),
+                ("SEG", seg.sop_class_uid, uids.seg_sop_uid, uids.seg_series_uid, seg_path),
+                ("SR", sr_plan.sop_class_uid, uids.sr_sop_uid, uids.sr_series_uid, sr_path),
             ],
             list(job.destinations),
             notes,
@@ -211,6 +234,27 @@ class Worker:
             return
         if self.on_encoded is not None:
             self.on_encoded(job.id)
+
+    def _prepare(
+        self, volume: Volume, manifest: ModelManifest, uids: ResultUIDs, created: datetime
+    ) -> tuple[SegPlan, SrPlan]:
+        """The SEG and SR of ``volume`` encoded but for what the label map decides."""
+        seg = SegPlan.prepare(
+            volume,
+            manifest,
+            uids,
+            segmentation_type=self.segmentation_type,
+            software_version=__version__,
+            created=created,
+        )
+        sr = SrPlan.prepare(
+            volume,
+            manifest,
+            uids,
+            seg_sop_class_uid=seg.sop_class_uid,
+            software_version=__version__,
+        )
+        return seg, sr
 
     def _rejection_notes(
         self, job: JobView, out: Path

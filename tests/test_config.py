@@ -64,3 +64,13 @@ def test_parse_peer() -> None:
     assert (p.ae_title, p.host, p.port) == ("ORTHANC", "127.0.0.1", 4242)
     with pytest.raises(ConfigError):
         parse_peer("ORTHANC@127.0.0.1")
+
+
+def test_results_segmentation_type() -> None:
+    assert from_dict({}).results.segmentation_type == "BINARY"
+    labelmap = {"results": {"segmentation_type": "LABELMAP"}}
+    assert from_dict(labelmap).results.segmentation_type == "LABELMAP"
+    with pytest.raises(ConfigError, match="results.segmentation_type"):
+        from_dict({"results": {"segmentation_type": "FRACTIONAL"}})
+    with pytest.raises(ConfigError, match="results"):
+        from_dict({"results": {"segmentation": "BINARY"}})

@@ -97,3 +97,76 @@ def test_missing_spool_file_fails_with_reason(tmp_path: Path, engine: OrtEngine)
     assert jid is not None and worker.run_once()
     view = ledger.job(jid)
     assert view is not None and view.state == "failed" and "missing" in (view.reason or "")
+
+
+def _reread_labels(seg_path: Path, source_files: list[Path]) -> np.ndarray:
+    """The SEG's label map by source instance, through highdicom (not our reader)."""
+    import highdicom as hd
+
+    seg = hd.seg.segread(seg_path)
+    sources = sorted(
+        (dcmread(f, stop_before_pixels=True) for f in source_files),
+        key=lambda d: float(d.ImagePositionPatient[2]),
+    )
+    return np.asarray(
+        seg.get_pixels_by_source_instance(
+            source_sop_instance_uids=[str(d.SOPInstanceUID) for d in sources],
+            combine_segments=True,
+            assert_missing_frames_are_empty=True,
+        )
+    )
+
+
+@pytest.mark.parametrize("kind", ["BINARY", "LABELMAP"])
+def test_worker_results_reread_by_highdicom_and_reencode_identically(
+    tmp_path: Path, engine: OrtEngine, kind: str
+) -> None:
+    """The fast path's files: highdicom reads back the engine's label map (segment numbers in
+    ascending label value), the SR references the SEG's class, and running the job again (as
+    after a crash) writes the same bytes."""
+    import highdicom as hd
+
+    from node.config import ResultsConfig
+
+    cfg = replace(from_dict({}), data_dir=tmp_path, results=ResultsConfig(kind))
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    worker = Worker(cfg, ledger, engine, load_manifest(DEFAULT_MODEL))
+    spool = Spool(tmp_path / "spool")
+    files = write_synthetic_series(tmp_path / "in", rows=96, columns=96, slices=12, seed=33)
+    uid = ingest(ledger, spool, files)
+    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
+    assert jid is not None and worker.run_once()
+    seg_path, sr_path = sorted(result_paths(tmp_path, jid))  # seg-..., sr-...
+    first = (seg_path.read_bytes(), sr_path.read_bytes())
+    seg = dcmread(seg_path)
+    expected_class = {
+        "BINARY": "1.2.840.10008.5.1.4.1.1.66.4",
+        "LABELMAP": "1.2.840.10008.5.1.4.1.1.66.7",
+    }[kind]
+    assert seg.SOPClassUID == expected_class
+    from node.volume import assemble_volume
+
+    volume = assemble_volume(files)
+    labels = engine.segment(volume.hu)
+    present = [v for v in np.unique(labels).tolist() if v]
+    lut = np.zeros(len(present) + 1, dtype=np.uint8)
+    lut[1:] = present
+    assert np.array_equal(lut[_reread_labels(seg_path, files)], labels)
+    sr = hd.sr.srread(sr_path)
+    (ref,) = {
+        str(item.ReferencedSOPClassUID)
+        for item in sr.CurrentRequestedProcedureEvidenceSequence[0]
+        .ReferencedSeriesSequence[0]
+        .ReferencedSOPSequence
+        if item.ReferencedSOPInstanceUID == seg.SOPInstanceUID
+    } or {None}
+    assert ref == expected_class
+
+    # The same job again, as after a crash between writing the files and the ledger's commit
+    # (the ledger keeps the first run's outcome; the files are written again).
+    for p in (seg_path, sr_path):
+        p.unlink()
+    view = ledger.job(jid)
+    assert view is not None
+    worker.process(view)
+    assert (seg_path.read_bytes(), sr_path.read_bytes()) == first
