@@ -41,10 +41,12 @@ $(VENV)/.test-deps: pyproject.toml $(BIN)/segnode
 test: venv $(VENV)/.test-deps tools lint typecheck
 	$(BIN)/pytest -q
 
-# Ingest, completion-latency, end-to-end and memory benchmark on loopback (DCMTK storescu,
+# Results encoding (label map -> SEG and SR as checked bytes, bench/out/encode.json), then the
+# ingest, completion-latency, end-to-end and memory benchmark on loopback (DCMTK storescu,
 # pynetdicom storescp, Orthanc); writes bench/out/ingest.{json,md} and timeline.png.
 bench: venv tools
 	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python -m bench.encode --out bench/out
 	$(BIN)/python -m bench.ingest --out bench/out
 
 # GPU benchmark (H200 or any CUDA GPU with torch, CuPy, onnx2torch): U-Net patch throughput

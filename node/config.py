@@ -187,9 +187,9 @@ class MetricsConfig:
 class ResultsConfig:
     """``[results]``: how the results are encoded."""
 
-    #: "BINARY" (Segmentation Storage, one 1-bit frame per segment and slice: every viewer
-    #: that reads DICOM SEG) or "LABELMAP" (Label Map Segmentation Storage, PS3.3 A.51.5:
-    #: one 8-bit frame per slice; smaller, read only by recent viewers).
+    #: "BINARY" (Segmentation Storage, one 1-bit frame per non-empty segment and slice: every
+    #: viewer that reads DICOM SEG) or "LABELMAP" (Label Map Segmentation Storage: one 8-bit
+    #: frame per non-empty slice holding every segment; read only by recent viewers).
     segmentation_type: str = "BINARY"
 
 
