@@ -5,9 +5,9 @@ A manifest ``<model>.json`` sits next to ``<model>.onnx`` and holds::
     {
       "name": "tissue", "version": "1.0.0", "onnx": "tissue.onnx",
       "input_name": "ct", "output_name": "logits",
-      "output_kind": "logits",            # logits | probabilities
+      "output_kind": "logits",            # logits | probabilities | labels
       "patch_size": [64, 256, 256],       # (z, y, x) voxels
-      "overlap": 0.25,                    # fraction of the patch, per axis
+      "overlap": 0.25,                    # fraction of the patch: every axis, or [z, y, x]
       "batch": {"min": 1, "opt": 1, "max": 2},
       "fp16": false,                      # may a backend run it in half precision
       "preprocessing": {"clip": [-1024, 3071], "scale": 1.0, "offset": 0.0},
@@ -19,7 +19,8 @@ A manifest ``<model>.json`` sits next to ``<model>.onnx`` and holds::
 
 The network sees ``clip(HU) * scale + offset`` as a float32 tensor of shape
 ``(N, 1, Z, Y, X)`` and returns ``(N, C, Z, Y, X)`` with ``C = 1 + number of labels``;
-channel 0 is background, channel ``i`` is label value ``i``.
+channel 0 is background, channel ``i`` is label value ``i``. A model with ``"output_kind":
+"labels"`` returns the label value itself, ``(N, 1, Z, Y, X)``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class ModelManifest:
     onnx_path: Path
     labels: tuple[LabelSpec, ...]
     patch_size: tuple[int, int, int]
-    overlap: float = 0.5
+    overlap: float | tuple[float, float, float] = 0.5
+    """One fraction for every axis, or ``(z, y, x)``."""
     input_name: str = "input"
     output_name: str = "output"
     output_kind: str = "logits"
@@ -96,6 +98,19 @@ def _code(raw: Any, where: str) -> Code:
     return (raw[0], raw[1], raw[2])
 
 
+def _overlap(raw: Any, where: Path) -> float | tuple[float, float, float]:
+    """A number, or ``[z, y, x]``, each in ``[0, 1)``."""
+    if isinstance(raw, list) and len(raw) == 3:
+        values = [float(v) for v in raw]
+    elif isinstance(raw, int | float) and not isinstance(raw, bool):
+        values = [float(raw)]
+    else:
+        raise EngineError(f"{where}: overlap must be a number or [z, y, x], got {raw!r}")
+    if not all(0.0 <= v < 1.0 for v in values):
+        raise EngineError(f"{where}: overlap must be in [0, 1)")
+    return values[0] if len(values) == 1 else (values[0], values[1], values[2])
+
+
 def load_manifest(path: str | Path) -> ModelManifest:
     """Read and validate a model manifest.
 
@@ -128,9 +143,7 @@ def load_manifest(path: str | Path) -> ModelManifest:
         patch = tuple(int(v) for v in raw["patch_size"])
         if len(patch) != 3 or min(patch) < 1:
             raise EngineError(f"{p}: patch_size must be three positive integers")
-        overlap = float(raw.get("overlap", 0.5))
-        if not 0.0 <= overlap < 1.0:
-            raise EngineError(f"{p}: overlap must be in [0, 1)")
+        overlap = _overlap(raw.get("overlap", 0.5), p)
         batch = raw.get("batch", {})
         pre = raw.get("preprocessing", {})
         clip = pre.get("clip")

@@ -3,11 +3,19 @@
 Registered as ``"onnxruntime"`` in :mod:`engines.base`. Preprocessing follows the manifest
 (``clip(HU) * scale + offset``), inference goes through
 :func:`engines.sliding_window.sliding_window_segment` with NumPy arrays.
+
+On the CPU the threads share the work by patch, not by operator: each thread runs whole
+patches through the session with a single intra-op thread, and the sliding window hands over
+one batch per thread at a time. A small, memory-bound graph such as the default "tissue"
+model then keeps each core on its own patch, in its own cache, with no hand-over between
+threads at every operator (see docs/performance.md).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -19,7 +27,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from engines.base import EngineError
 from engines.manifest import ModelManifest
-from engines.sliding_window import OUTPUT_KINDS, sliding_window_segment
+from engines.sliding_window import OUTPUT_KINDS, output_channels, sliding_window_segment
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +44,9 @@ class OrtEngine:
     Parameters
     ----------
     threads
-        Intra-op threads (default: ONNX Runtime's choice, one per core).
+        CPU threads (default: one per core this process may use). With the CPU provider
+        alone, each thread runs whole patches; with other providers they are ONNX Runtime's
+        intra-op threads (default: its choice).
     providers
         Execution providers in order of preference (default ``["CPUExecutionProvider"]``).
     """
@@ -50,7 +60,9 @@ class OrtEngine:
         self._providers = list(providers) if providers else ["CPUExecutionProvider"]
         self._session: ort.InferenceSession | None = None
         self._manifest: ModelManifest | None = None
-        self._batch_size = 1
+        self._run_batch = 1
+        self._workers = 1
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def manifest(self) -> ModelManifest | None:
@@ -80,12 +92,17 @@ class OrtEngine:
             raise EngineError(
                 f"onnxruntime providers {missing} not available here; have {available}"
             )
+        workers = 1
+        if self._providers == ["CPUExecutionProvider"]:
+            workers = self._threads or _usable_cores()
         options = ort.SessionOptions()
-        # Idle pool threads sleep instead of spinning: on a small node the spinning costs as
-        # much CPU as the model and slows the DICOM side; the latency cost is negligible here
-        # (about 1.5 s vs 2.7 s CPU per 512x512x128 volume on 2 cores, same wall time).
+        # Idle pool threads (with one worker) sleep instead of spinning: on a small node the
+        # spinning costs as much CPU as the model and slows the DICOM side.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if self._threads is not None:
+        if workers > 1:
+            options.intra_op_num_threads = 1
+            options.inter_op_num_threads = 1
+        elif self._threads is not None:
             options.intra_op_num_threads = self._threads
             options.inter_op_num_threads = 1
         try:
@@ -94,17 +111,22 @@ class OrtEngine:
             )
         except _ORT_ERRORS as exc:
             raise EngineError(f"model {manifest.name!r}: cannot load {path}: {exc}") from exc
-        self._batch_size = _check_signature(session, manifest)
+        run_batch = _check_signature(session, manifest)
+        self.close()
+        self._run_batch, self._workers = run_batch, workers
+        if workers > 1:
+            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ort-patch")
         self._session = session
         self._manifest = manifest
         logger.info(
-            "loaded model %s %s (%s) on %s, patch %s, batch %d",
+            "loaded model %s %s (%s) on %s, patch %s, batch %d, %d patch thread(s)",
             manifest.name,
             manifest.version,
             path.name,
             ",".join(session.get_providers()),
             "x".join(map(str, manifest.patch_size)),
-            self._batch_size,
+            run_batch,
+            workers,
         )
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
@@ -121,24 +143,32 @@ class OrtEngine:
         volume = np.asarray(hu)
         if volume.ndim != 3 or min(volume.shape) < 1:
             raise EngineError(f"expected a non-empty (z, y, x) volume, got shape {volume.shape}")
-        x = preprocess(volume, manifest)
         input_name, output_name = manifest.input_name, manifest.output_name
+        run_batch, pool = self._run_batch, self._pool
 
-        def predict(batch: npt.NDArray[np.float32]) -> Any:
-            feed = {input_name: np.ascontiguousarray(batch, dtype=np.float32)}
+        def run(batch: npt.NDArray[np.float32]) -> Any:
+            # Preprocessed per batch, on the thread that runs it (edge padding and clipping
+            # commute): in parallel, and still in cache when the session reads it.
+            feed = {input_name: preprocess(batch, manifest)}
             try:
                 return session.run([output_name], feed)[0]
             except _ORT_ERRORS as exc:
                 raise EngineError(f"model {manifest.name!r}: inference failed: {exc}") from exc
 
+        def predict(batch: npt.NDArray[np.float32]) -> Any:
+            if pool is None or len(batch) <= run_batch:
+                return run(batch)
+            chunks = [batch[i : i + run_batch] for i in range(0, len(batch), run_batch)]
+            return np.concatenate(list(pool.map(run, chunks)))
+
         try:
             labels = sliding_window_segment(
-                x,
+                volume,
                 predict,
                 patch_size=manifest.patch_size,
                 overlap=manifest.overlap,
                 num_classes=manifest.num_classes,
-                batch_size=self._batch_size,
+                batch_size=run_batch * self._workers,
                 output_kind=manifest.output_kind,
             )
         except ValueError as exc:
@@ -147,7 +177,10 @@ class OrtEngine:
         return result
 
     def close(self) -> None:
-        """Drop the session (ONNX Runtime frees its memory with it)."""
+        """Drop the session (ONNX Runtime frees its memory with it) and the patch threads."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         self._session = None
         self._manifest = None
 
@@ -163,11 +196,21 @@ class OrtEngine:
         self.close()
 
 
+def _usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def preprocess(hu: npt.NDArray[Any], manifest: ModelManifest) -> npt.NDArray[np.float32]:
     """Apply the manifest's preprocessing: ``clip(hu) * scale + offset`` as float32."""
-    x = np.array(hu, dtype=np.float32, copy=True)
+    x = np.empty(np.shape(hu), dtype=np.float32)
     if manifest.clip is not None:
-        np.clip(x, manifest.clip[0], manifest.clip[1], out=x)
+        np.clip(hu, manifest.clip[0], manifest.clip[1], out=x, casting="unsafe")
+    else:
+        x[...] = hu
     if manifest.scale != 1.0:
         x *= np.float32(manifest.scale)
     if manifest.offset != 0.0:
@@ -191,7 +234,8 @@ def _check_signature(session: ort.InferenceSession, manifest: ModelManifest) -> 
     in_shape = list(inputs[manifest.input_name].shape)
     out_shape = list(outputs[manifest.output_name].shape)
     want_in = [None, 1, *manifest.patch_size]
-    want_out = [None, manifest.num_classes, *manifest.patch_size]
+    want_out = [None, output_channels(manifest.output_kind, manifest.num_classes)]
+    want_out += manifest.patch_size
     for label, shape, want in (("input", in_shape, want_in), ("output", out_shape, want_out)):
         if len(shape) != 5 or any(
             isinstance(got, int) and w is not None and got != w

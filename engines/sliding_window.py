@@ -23,6 +23,13 @@ favours the patch centre, summed, and the arg-max taken per voxel. Memory is kep
   (a model whose patch holds the whole slice, such as the default "tissue" model): there a
   slice covered by a single z position is labelled straight from that patch, and only the
   overlap slices are blended. With several in-plane windows every voxel is blended.
+
+A model may also return the label itself (``output_kind="labels"``: one channel holding the
+class index, as a model with the arg-max inside its graph does). Such a patch is copied where
+it alone covers a voxel; where patches overlap its one-hot encoding is blended, so the result
+is exactly that of a model returning one-hot probabilities. The overlap may differ per axis: a
+model that looks at each slice on its own (every kernel ``1 x k x k``) gains nothing from
+overlap along z, whereas in-plane overlap still matters where a matrix exceeds the patch.
 """
 
 from __future__ import annotations
@@ -42,9 +49,30 @@ Predict: TypeAlias = Callable[[Array], Array]
 
 Patch: TypeAlias = tuple[slice, slice, slice]
 
-OUTPUT_KINDS = ("logits", "probabilities")
+OUTPUT_KINDS = ("logits", "probabilities", "labels")
+"""What a model returns per patch: ``(N, C, ...)`` logits or probabilities, or ``(N, 1, ...)``
+class indices (``"labels"``)."""
 
 _SWEEP_MAX_CLASSES = 16
+
+
+def output_channels(output_kind: str, num_classes: int) -> int:
+    """Channels of a model's output: 1 for ``"labels"``, else ``num_classes``."""
+    return 1 if output_kind == "labels" else num_classes
+
+
+def axis_overlaps(overlap: float | Sequence[float]) -> tuple[float, float, float]:
+    """``(z, y, x)`` overlaps from one overlap for every axis or three per-axis ones.
+
+    Raises
+    ------
+    ValueError
+        If there are not three values or one is outside ``[0, 1)``.
+    """
+    values = [overlap] * 3 if isinstance(overlap, int | float) else list(overlap)
+    if len(values) != 3 or not all(0.0 <= float(v) < 1.0 for v in values):
+        raise ValueError(f"overlap must be in [0, 1), once or per axis (z, y, x), got {overlap}")
+    return (float(values[0]), float(values[1]), float(values[2]))
 
 
 def _axis_starts(size: int, patch: int, overlap: float) -> list[int]:
@@ -56,7 +84,9 @@ def _axis_starts(size: int, patch: int, overlap: float) -> list[int]:
     return starts
 
 
-def patch_grid(shape: Sequence[int], patch_size: Sequence[int], overlap: float) -> list[Patch]:
+def patch_grid(
+    shape: Sequence[int], patch_size: Sequence[int], overlap: float | Sequence[float]
+) -> list[Patch]:
     """Patches that tile a volume, in z-major order.
 
     Along each axis the patches start every ``floor(patch * (1 - overlap))`` voxels and the
@@ -71,7 +101,8 @@ def patch_grid(shape: Sequence[int], patch_size: Sequence[int], overlap: float) 
         Patch shape ``(pz, py, px)``. An axis shorter than the patch gets a single patch at 0
         that overhangs the end; :func:`sliding_window_segment` pads such axes first.
     overlap
-        Fraction of the patch shared by neighbours, in ``[0, 1)``.
+        Fraction of the patch shared by neighbours, in ``[0, 1)``: one value for every axis
+        or three, ``(z, y, x)``.
 
     Returns
     -------
@@ -80,11 +111,10 @@ def patch_grid(shape: Sequence[int], patch_size: Sequence[int], overlap: float) 
     """
     _check_triple(shape, "shape", minimum=1)
     _check_triple(patch_size, "patch_size", minimum=1)
-    if not 0.0 <= overlap < 1.0:
-        raise ValueError(f"overlap must be in [0, 1), got {overlap}")
+    overlaps = axis_overlaps(overlap)
     axes = [
-        [slice(s, s + p) for s in _axis_starts(n, p, overlap)]
-        for n, p in zip(shape, patch_size, strict=True)
+        [slice(s, s + p) for s in _axis_starts(n, p, o)]
+        for n, p, o in zip(shape, patch_size, overlaps, strict=True)
     ]
     return [(z, y, x) for z in axes[0] for y in axes[1] for x in axes[2]]
 
@@ -135,7 +165,7 @@ def sliding_window_segment(
     predict: Predict,
     *,
     patch_size: tuple[int, int, int],
-    overlap: float,
+    overlap: float | Sequence[float],
     num_classes: int,
     batch_size: int = 1,
     output_kind: str = "logits",
@@ -150,18 +180,22 @@ def sliding_window_segment(
     predict
         Called with float32 batches ``(N, 1, pz, py, px)`` (``N <= batch_size``) in the
         volume's namespace and device; returns ``(N, num_classes, pz, py, px)`` logits or
-        probabilities in the same namespace (any float dtype). The returned array is consumed:
-        it may be overwritten (softmax in place), so return a buffer the caller can spare.
+        probabilities in the same namespace (any float dtype), or ``(N, 1, pz, py, px)``
+        labels (any integer or float dtype holding ``0 .. num_classes - 1``). The returned
+        array is consumed: it may be overwritten (softmax in place), so return a buffer the
+        caller can spare.
     patch_size
         Patch shape ``(pz, py, px)`` the model takes.
     overlap
-        Fraction of the patch shared by neighbouring patches, in ``[0, 1)``.
+        Fraction of the patch shared by neighbouring patches, in ``[0, 1)``: one value for
+        every axis or three, ``(z, y, x)``.
     num_classes
         Output channels, background included (at most 256).
     batch_size
         Patches per ``predict`` call.
     output_kind
-        ``"logits"`` (softmax is applied before blending) or ``"probabilities"``.
+        ``"logits"`` (softmax is applied before blending), ``"probabilities"`` or
+        ``"labels"`` (one-hot encoded where patches overlap).
     sigma_scale
         Standard deviation of the Gaussian importance map as a fraction of the patch size.
 
@@ -174,7 +208,8 @@ def sliding_window_segment(
     Raises
     ------
     ValueError
-        On a malformed argument or when ``predict`` returns the wrong shape.
+        On a malformed argument, when ``predict`` returns the wrong shape, or labels outside
+        ``0 .. num_classes - 1``.
 
     Notes
     -----
@@ -195,9 +230,10 @@ def sliding_window_segment(
     shape = tuple(int(n) for n in volume.shape)
     padded, offsets = _pad_edge(xp.astype(volume, xp.float32, copy=False), patch_size, xp)
     grid = patch_grid(padded.shape, patch_size, overlap)
-    run = _Runner(predict, xp, num_classes, patch_size)
+    run = _Runner(predict, xp, num_classes, patch_size, output_kind)
     weights = gaussian_importance(patch_size, sigma_scale, xp, device=dev)
     labels = _blend(padded, grid, run, weights, num_classes, batch_size, output_kind, xp)
+    run.check_labels()
 
     if tuple(labels.shape) == shape:
         return labels
@@ -206,23 +242,52 @@ def sliding_window_segment(
 
 
 class _Runner:
-    """Calls ``predict`` on a list of patches and checks what comes back."""
+    """Calls ``predict`` on a list of patches and checks what comes back.
+
+    Scores come back as float32, labels as uint8. The largest label is kept on the device
+    and checked once, at the end (:meth:`check_labels`), so that a GPU is not synchronised
+    after every batch.
+    """
 
     def __init__(
-        self, predict: Predict, xp: Any, num_classes: int, patch_size: tuple[int, int, int]
+        self,
+        predict: Predict,
+        xp: Any,
+        num_classes: int,
+        patch_size: tuple[int, int, int],
+        output_kind: str,
     ) -> None:
         self._predict = predict
         self._xp = xp
-        self._channels_and_patch = (num_classes, *patch_size)
+        self._labels = output_kind == "labels"
+        self._num_classes = num_classes
+        self._channels_and_patch = (output_channels(output_kind, num_classes), *patch_size)
+        self._largest: Array = None
 
     def __call__(self, patches: list[Array]) -> Array:
         xp = self._xp
-        batch = xp.stack(patches)[:, None, ...]
+        if len(patches) == 1:  # a view: no copy of a contiguous patch
+            batch = patches[0][None, None, ...]
+        else:
+            batch = xp.stack(patches)[:, None, ...]
         out = self._predict(batch)
         want = (len(patches), *self._channels_and_patch)
         if tuple(out.shape) != want:
             raise ValueError(f"predict returned shape {tuple(out.shape)}, expected {want}")
-        return xp.astype(out, xp.float32, copy=False)
+        if not self._labels:
+            return xp.astype(out, xp.float32, copy=False)
+        out = xp.astype(out, xp.uint8, copy=False)
+        largest = xp.max(out)
+        self._largest = largest if self._largest is None else xp.maximum(self._largest, largest)
+        return out
+
+    def check_labels(self) -> None:
+        """Raise ``ValueError`` if a patch held a label outside ``0 .. num_classes - 1``."""
+        if self._largest is not None and int(self._largest) >= self._num_classes:
+            raise ValueError(
+                f"predict returned label {int(self._largest)}; "
+                f"the model has {self._num_classes} classes"
+            )
 
 
 def _blend(
@@ -251,10 +316,15 @@ def _blend(
             for begin, end, blended in _runs(shared, zs.start, zs.stop):
                 part = scores[index : index + 1, :, begin - zs.start : end - zs.start, ...]
                 if not blended:
-                    labels[begin:end, ys, xs] = _argmax(part[0, ...], xp)
+                    if output_kind == "labels":
+                        labels[begin:end, ys, xs] = part[0, 0, ...]
+                    else:
+                        labels[begin:end, ys, xs] = _argmax(part[0, ...], xp)
                     continue
                 if output_kind == "logits":
                     part = _softmax(part, xp)
+                elif output_kind == "labels":
+                    part = _one_hot(part[0, 0, ...], num_classes, xp)[None, ...]
                 part = part[0, ...] * weights[begin - zs.start : end - zs.start, ...]
                 if acc is None or end - low > acc.shape[1]:
                     depth_needed = max(end - low, zs.stop - zs.start)
@@ -327,6 +397,17 @@ def _argmax(scores: Array, xp: Any) -> Array:
         index = xp.where(better, xp.asarray(c, dtype=xp.uint8, device=dev), index)
         best = xp.where(better, scores[c, ...], best)
     return index
+
+
+def _one_hot(labels: Array, num_classes: int, xp: Any) -> Array:
+    """float32 ``(C, ...)`` one-hot encoding of uint8 ``labels``."""
+    dev = array_device(labels)
+    return xp.stack(
+        [
+            xp.astype(labels == xp.asarray(c, dtype=xp.uint8, device=dev), xp.float32)
+            for c in range(num_classes)
+        ]
+    )
 
 
 def _softmax(logits: Array, xp: Any) -> Array:

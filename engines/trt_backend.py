@@ -43,6 +43,7 @@ import numpy.typing as npt
 
 from engines.base import EngineError
 from engines.engine_cache import CachedEngine, EngineCache, EngineRecord, atomic_write
+from engines.sliding_window import output_channels
 from engines.trt_build import (
     PORTABLE,
     Flavour,
@@ -162,9 +163,8 @@ class TrtRunner:
             with self.device:
                 self.stream = cp.cuda.Stream(non_blocking=True)
                 self._inputs = cp.empty((2, batch_size, 1, *patch), dtype=input_dtype)
-                self._outputs = cp.empty(
-                    (2, batch_size, manifest.num_classes, *patch), dtype=output_dtype
-                )
+                channels = output_channels(manifest.output_kind, manifest.num_classes)
+                self._outputs = cp.empty((2, batch_size, channels, *patch), dtype=output_dtype)
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise EngineError(f"out of GPU memory for the TensorRT bindings: {exc}") from exc
         self._slot = 0

@@ -36,12 +36,14 @@ FloatArray = npt.NDArray[np.float32]
 # -- helpers -------------------------------------------------------------------------------
 
 
-def _one_hot_predict(classes: int, kind: str) -> Callable[[FloatArray], FloatArray]:
-    """A predict that returns the one-hot (or logits) of the rounded input values."""
+def _one_hot_predict(classes: int, kind: str) -> Callable[[FloatArray], Any]:
+    """A predict that returns the one-hot (logits, labels) of the rounded input values."""
 
-    def predict(batch: FloatArray) -> FloatArray:
+    def predict(batch: FloatArray) -> Any:
         assert batch.dtype == np.float32 and batch.ndim == 5 and batch.shape[1] == 1
         labels = np.rint(batch[:, 0]).astype(np.int64)
+        if kind == "labels":
+            return labels[:, None].astype(np.uint8)
         out = (labels[:, None] == np.arange(classes)[None, :, None, None, None]).astype(np.float32)
         result: FloatArray = out * np.float32(8.0) - np.float32(4.0) if kind == "logits" else out
         return result
@@ -61,7 +63,7 @@ def _write_one_hot_model(
 ) -> Path:
     """Write an ONNX model returning the one-hot of its rounded input, plus its manifest."""
     shape_in = [batch_dim, 1, *patch]
-    shape_out = [batch_dim, classes, *patch]
+    shape_out = [batch_dim, 1 if kind == "labels" else classes, *patch]
     codes = numpy_helper.from_array(
         np.arange(classes, dtype=np.float32).reshape(1, classes, 1, 1, 1), "codes"
     )
@@ -71,14 +73,21 @@ def _write_one_hot_model(
         helper.make_node("Cast", ["eq"], ["y" if kind == "probabilities" else "p"], to=1),
     ]
     inits = [codes]
+    out_type = TensorProto.FLOAT
     if kind == "logits":
         nodes.append(helper.make_node("Mul", ["p", "scale"], ["y"]))
         inits.append(numpy_helper.from_array(np.array(8.0, np.float32), "scale"))
+    if kind == "labels":
+        nodes = [
+            helper.make_node("Round", ["x"], ["r"]),
+            helper.make_node("Cast", ["r"], ["y"], to=TensorProto.UINT8),
+        ]
+        inits, out_type = [], TensorProto.UINT8
     graph = helper.make_graph(
         nodes,
         "one_hot",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape_in)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape_out)],
+        [helper.make_tensor_value_info("y", out_type, shape_out)],
         initializer=inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -157,6 +166,9 @@ def _valid_manifest() -> dict[str, Any]:
         (lambda m: m.update(patch_size=[16, 512]), "patch_size"),
         (lambda m: m.update(patch_size=[0, 512, 512]), "patch_size"),
         (lambda m: m.update(overlap=1.0), "overlap"),
+        (lambda m: m.update(overlap=[0.0, 0.5]), "overlap"),
+        (lambda m: m.update(overlap=[0.0, 0.5, -0.1]), "overlap"),
+        (lambda m: m.update(overlap="0.5"), "overlap"),
         (lambda m: m.pop("name"), "invalid manifest"),
         (lambda m: m["labels"][0].update(type=["38266002", "SCT"]), "labels[0].type"),
         (lambda m: m["labels"][1].update(category="Tissue"), "labels[1].category"),
@@ -187,7 +199,8 @@ def test_default_manifest() -> None:
     assert manifest.onnx_path.is_file()
     assert manifest.num_classes == 6
     assert manifest.patch_size == PATCH_SIZE
-    assert manifest.output_kind == "probabilities"
+    assert manifest.output_kind == "labels"
+    assert manifest.overlap == (0.0, 0.125, 0.125)
     assert manifest.clip == (-1024.0, 3071.0)
     assert [lab.name for lab in manifest.labels] == [
         "Body",
@@ -237,9 +250,19 @@ def test_patch_grid_covers_every_voxel(
             assert steps.max() <= max(1, int(patch[axis] * (1 - overlap)))
 
 
+def test_patch_grid_overlap_per_axis() -> None:
+    grid = patch_grid((128, 600, 512), (2, 512, 512), (0.0, 0.125, 0.125))
+    assert sorted({p[0].start for p in grid}) == list(range(0, 128, 2))
+    assert sorted({p[1].start for p in grid}) == [0, 88]
+    assert {p[2].start for p in grid} == {0}
+    assert patch_grid((9, 9, 9), (4, 4, 4), 0.5) == patch_grid((9, 9, 9), (4, 4, 4), [0.5] * 3)
+
+
 def test_patch_grid_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="overlap"):
         patch_grid((10, 10, 10), (4, 4, 4), 1.0)
+    with pytest.raises(ValueError, match="overlap"):
+        patch_grid((10, 10, 10), (4, 4, 4), (0.0, 0.5))
     with pytest.raises(ValueError, match="patch_size"):
         patch_grid((10, 10, 10), (4, 4), 0.5)
     with pytest.raises(ValueError, match="shape"):
@@ -274,7 +297,7 @@ def test_gaussian_importance(patch: tuple[int, int, int], sigma_scale: float) ->
         ((21, 12, 16), (8, 16, 16)),  # one in-plane window, several along z
     ],
 )
-@pytest.mark.parametrize("kind", ["logits", "probabilities"])
+@pytest.mark.parametrize("kind", ["logits", "probabilities", "labels"])
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_sliding_window_reproduces_label_map(
     shape: tuple[int, int, int], patch: tuple[int, int, int], kind: str, batch_size: int
@@ -297,8 +320,9 @@ def test_sliding_window_reproduces_label_map(
 @pytest.mark.parametrize(
     ("shape", "patch"), [((21, 45, 38), (8, 16, 16)), ((21, 12, 16), (8, 16, 16))]
 )
+@pytest.mark.parametrize("kind", ["logits", "labels"])
 def test_sliding_window_uses_only_the_array_api(
-    shape: tuple[int, int, int], patch: tuple[int, int, int]
+    shape: tuple[int, int, int], patch: tuple[int, int, int], kind: str
 ) -> None:
     """The same code runs on a strict, minimal array-API namespace (stand-in for CuPy/torch)."""
     xps = pytest.importorskip("array_api_strict")
@@ -306,6 +330,8 @@ def test_sliding_window_uses_only_the_array_api(
 
     def predict(batch: Any) -> Any:
         values = xps.round(batch[:, 0, ...])
+        if kind == "labels":
+            return xps.astype(values, xps.float32)[:, None, ...]  # as torch's .to(float32)
         one_hot = [xps.astype(values == float(c), xps.float32) for c in range(4)]
         return xps.stack(one_hot, axis=1) * 6.0 - 3.0
 
@@ -316,6 +342,7 @@ def test_sliding_window_uses_only_the_array_api(
         overlap=0.5,
         num_classes=4,
         batch_size=2,
+        output_kind=kind,
     )
     assert labels.dtype == xps.uint8
     np.testing.assert_array_equal(np.asarray(labels), expected)
@@ -364,6 +391,40 @@ def test_sliding_window_rejects_bad_input() -> None:
         sliding_window_segment(volume[0], predict, **common)
     with pytest.raises(ValueError, match="predict returned shape"):
         sliding_window_segment(volume, predict, **{**common, "num_classes": 4})
+    with pytest.raises(ValueError, match="predict returned shape"):
+        sliding_window_segment(volume, predict, output_kind="labels", **common)
+    with pytest.raises(ValueError, match="predict returned label 3"):
+        sliding_window_segment(
+            volume + 3.0, _one_hot_predict(3, "labels"), output_kind="labels", **common
+        )
+
+
+@pytest.mark.parametrize("overlap", [0.5, (0.5, 0.25, 0.5), (0.0, 0.5, 0.5)])
+def test_sliding_window_labels_blend_like_one_hot_probabilities(
+    overlap: float | tuple[float, float, float],
+) -> None:
+    """Where patches overlap, a labels model is blended as its one-hot probabilities: the
+    label maps are identical even when overlapping patches disagree."""
+    shape, patch = (19, 37, 30), (6, 16, 16)
+    rng = np.random.default_rng(5)
+    volume = rng.normal(0.0, 1.0, shape).astype(np.float32)
+
+    def votes(batch: FloatArray) -> npt.NDArray[np.uint8]:
+        # Each patch labels a voxel from its value and the patch's own mean: patches
+        # disagree where they overlap.
+        means = batch.mean(axis=(1, 2, 3, 4), keepdims=True)
+        return np.asarray((batch - means > 0).astype(np.uint8) + (batch > 1.0), np.uint8)
+
+    def one_hot(batch: FloatArray) -> FloatArray:
+        labels = votes(batch)[:, 0]
+        out = labels[:, None] == np.arange(3)[None, :, None, None, None]
+        return np.asarray(out, dtype=np.float32)
+
+    common: dict[str, Any] = {"patch_size": patch, "overlap": overlap, "num_classes": 3}
+    expected = sliding_window_segment(volume, one_hot, output_kind="probabilities", **common)
+    got = sliding_window_segment(volume, votes, output_kind="labels", batch_size=2, **common)
+    np.testing.assert_array_equal(got, expected)
+    assert len(np.unique(expected)) == 3
 
 
 # -- ONNX Runtime backend ------------------------------------------------------------------
@@ -376,18 +437,23 @@ def test_registry_creates_ort_engine() -> None:
     engine.close()
 
 
-@pytest.mark.parametrize("kind", ["logits", "probabilities"])
-def test_ort_engine_runs_a_model_through_the_sliding_window(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["logits", "probabilities", "labels"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_ort_engine_runs_a_model_through_the_sliding_window(
+    tmp_path: Path, kind: str, threads: int
+) -> None:
     manifest = load_manifest(
         _write_one_hot_model(tmp_path, (4, 16, 16), 4, kind=kind, batch={"opt": 2})
     )
     rng = np.random.default_rng(7)
     expected = rng.integers(0, 4, size=(9, 23, 40), dtype=np.uint8)
-    with OrtEngine(threads=1) as engine:
+    with OrtEngine(threads=threads) as engine:
         engine.load(manifest)
         labels = engine.segment(expected.astype(np.float32))
-    assert labels.dtype == np.uint8
-    np.testing.assert_array_equal(labels, expected)
+        assert labels.dtype == np.uint8
+        np.testing.assert_array_equal(labels, expected)
+        # int16 HU (a view, not a float32 copy) give the same labels
+        np.testing.assert_array_equal(engine.segment(expected.astype(np.int16)), expected)
 
 
 def test_ort_engine_applies_preprocessing(tmp_path: Path) -> None:
@@ -429,7 +495,7 @@ def test_ort_engine_load_errors(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="no input named 'ct'"):
         engine.load(load_manifest(wrong_input))
 
-    wrong_kind = _write_one_hot_model(tmp_path / "k", (2, 8, 8), 3, output_kind="labels")
+    wrong_kind = _write_one_hot_model(tmp_path / "k", (2, 8, 8), 3, output_kind="scores")
     with pytest.raises(EngineError, match="output_kind"):
         engine.load(load_manifest(wrong_kind))
 
@@ -522,12 +588,16 @@ def test_tissue_model_uses_tensorrt_friendly_graph() -> None:
         init.data_type in (TensorProto.FLOAT, TensorProto.INT64) for init in model.graph.initializer
     )
     allowed = {
-        "Greater", "Less", "Not", "And", "Or", "Cast", "Sub", "Mul", "Add", "Max",
-        "MaxPool", "AveragePool", "CumSum", "Reshape", "Expand", "Concat",
+        "Greater", "Less", "Not", "And", "Or", "Cast", "Neg", "Sub", "Mul", "Add", "Max",
+        "MaxPool", "AveragePool", "CumSum", "Reshape", "Expand", "DepthToSpace",
     }  # fmt: skip
     assert {node.op_type for node in model.graph.node} <= allowed
     (graph_input,) = model.graph.input
     dims = [d.dim_param or d.dim_value for d in graph_input.type.tensor_type.shape.dim]
+    assert dims == ["batch", 1, *PATCH_SIZE]
+    (graph_output,) = model.graph.output
+    assert graph_output.type.tensor_type.elem_type == TensorProto.UINT8
+    dims = [d.dim_param or d.dim_value for d in graph_output.type.tensor_type.shape.dim]
     assert dims == ["batch", 1, *PATCH_SIZE]
 
 

@@ -189,15 +189,24 @@ def test_fp16_conversion_keeps_float32_io_and_runs(
     half = onnx_to_fp16(model)
     onnx.checker.check_model(half)
     assert half.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
-    assert half.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
-    x = np.random.default_rng(0).normal(0, 400, (1, 1, *tissue.patch_size)).astype(np.float32)
+    # float32 outputs stay float32; the tissue model's uint8 labels stay uint8
+    out_type = model.graph.output[0].type.tensor_type.elem_type
+    assert half.graph.output[0].type.tensor_type.elem_type == out_type
+    x = np.random.default_rng(0).normal(0, 400, (1, 1, *tissue.patch_size))
+    x[..., 100:400, 80:430] += 700.0  # a body in the middle of the noise
+    # integer HU clipped as the manifest says (in half precision, the tissue model's
+    # thresholds on such values are exact; only its 3x3 mean is rounded)
+    x = np.clip(np.round(x), *(tissue.clip or (-1024.0, 3071.0))).astype(np.float32)
     ref, got = (
         ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
             None, {tissue.input_name: x}
         )[0]
         for m in (model, half)
     )
-    assert np.mean(ref.argmax(1) == got.argmax(1)) >= 0.999
+    if tissue.output_kind != "labels":
+        ref, got = ref.argmax(1), got.argmax(1)
+    assert np.mean(ref == got) >= 0.999
+    assert len(np.unique(ref)) > 2
 
 
 def test_targets(rtx: Flavour) -> None:
