@@ -302,6 +302,8 @@ def run_model(name: str, args: Any, tmp: Path) -> dict[str, Any]:
                     runs.append(r)
                 else:
                     result["warm_up"] = r
+                partial = args.out / f"partial-{Path(name).stem}.json"  # if cut short
+                partial.write_text(json.dumps({**result, "runs": runs}, indent=1) + "\n")
         result["objects_acknowledged"] = sorted({kind for _, kind, _, _ in scp.records})
     log = (work / "node.log").read_text(errors="replace").splitlines()
     result["engine_ready_log"] = [x for x in log if "engine ready" in x][-1:]

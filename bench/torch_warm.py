@@ -99,7 +99,8 @@ def run_child(
     t0 = time.time()
     try:
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, repr(t0), str(manifest), mode, str(cache), str(out)]
+            [sys.executable, "-X", "faulthandler", "-c", CHILD, repr(t0), str(manifest), mode]
+            + [str(cache), str(out)]
             + [args.shape, args.device],
             capture_output=True,
             text=True,
@@ -112,7 +113,8 @@ def run_child(
     wall = time.time() - t0
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
-        return {"mode": mode, "error": done.stderr[-1500:]}, out
+        status = f"signal {-done.returncode}" if done.returncode < 0 else done.returncode
+        return {"mode": mode, "error": f"exit {status}: {done.stderr[-1500:]}"}, out
     row: dict[str, Any] = {"mode": mode, **json.loads(lines[-1][7:]), "process_wall_s": wall}
     warnings = [x for x in done.stdout.splitlines() + done.stderr.splitlines() if "WARNING" in x]
     if warnings:

@@ -6,7 +6,7 @@ The node's CLI registers the sub-commands with :func:`add_engine_parser` and dis
     segnode engine build [--model NAME_OR_PATH] [--precision fp16|fp32]
                          [--flavour auto|tensorrt|tensorrt_rtx] [--target portable|current|sm86]
     segnode engine build --engine torch [--model ...] [--precision fp16|fp32]
-                         [--device cuda:0] [--kind aoti|inductor]
+                         [--device cuda:0]
     segnode engine list
 
 On a machine without a GPU ``auto`` builds with TensorRT-RTX ahead of time (a portable engine
@@ -59,12 +59,6 @@ def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="GPU target: portable (TensorRT-RTX default), current, or e.g. sm86",
     )
     build.add_argument("--device", default="cuda", help="torch only: the CUDA device")
-    build.add_argument(
-        "--kind",
-        choices=("aoti", "inductor"),
-        default="aoti",
-        help="torch only: AOTInductor package (default) or torch.compile caches",
-    )
     actions.add_parser("list", help="list cached engines and check their checksums")
     return engine  # type: ignore[no-any-return]
 
@@ -168,7 +162,6 @@ def _build_torch(
         precision=args.precision,
         compile=True,
         cache_dir=cache_dir,
-        compile_cache=args.kind,
     )
     try:
         engine.load(manifest)

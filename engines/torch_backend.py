@@ -120,9 +120,10 @@ class TorchEngine:
         With ``compile=True``: the engine cache folder (``<data_dir>/engines``); compiled
         artefacts go to its ``torch/`` sub-folder and are reused by later processes.
     compile_cache
-        Kind of artefact cached: ``"aoti"`` (AOTInductor package; falls back to
-        ``"inductor"`` for models ``torch.export`` cannot trace) or ``"inductor"``
-        (``torch.compile`` with its caches saved and restored).
+        Kind of artefact cached: ``"inductor"`` (``torch.compile`` with its caches saved and
+        restored) or ``"aoti"`` (AOTInductor package, test-run in a child process when
+        built; falls back to ``"inductor"`` when the model cannot be exported or the package
+        fails its test run). See :mod:`engines.torch_compile`.
 
     Attributes
     ----------
@@ -148,7 +149,7 @@ class TorchEngine:
         tf32: bool = False,
         compile_mode: str = "default",
         cache_dir: str | Path | None = None,
-        compile_cache: str = "aoti",
+        compile_cache: str = "inductor",
     ) -> None:
         if precision not in ("fp16", "fp32"):
             raise EngineError(f"precision must be fp16 or fp32, not {precision!r}")

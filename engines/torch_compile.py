@@ -4,18 +4,21 @@
 :func:`compile_cached`, which returns a predictor from the artefact cache of
 :mod:`engines.torch_cache`, building the artefact on a miss:
 
-``aoti`` (the default)
+``inductor`` (the default)
+    ``torch.compile`` as without a cache, after which ``torch.compiler.save_cache_artifacts``
+    serializes the FX graph, AOTAutograd and Triton caches; a restart feeds them to
+    ``torch.compiler.load_cache_artifacts`` before compiling, so every lookup hits (the
+    conversion, Dynamo's tracing and cuDNN's autotuning still run at every start).
+``aoti`` (opt-in)
     ``torch.export`` of the onnx2torch module (cast, moved and in its memory format), compiled by
     ``torch._inductor.aoti_compile_and_package`` into a ``.pt2`` package; a restart loads the
     package with ``torch._inductor.aoti_load_package`` and runs no converter and no compiler.
-``inductor``
-    ``torch.compile`` as without a cache, after which ``torch.compiler.save_cache_artifacts``
-    serializes the FX graph, AOTAutograd and Triton caches; a restart feeds them to
-    ``torch.compiler.load_cache_artifacts`` before compiling, so every lookup hits. This is the
-    fallback when ``torch.export`` cannot trace a model (``aoti`` then falls back to it).
+    Each new package is first loaded and run in a child process (:func:`probe_aoti`); if that
+    fails, or ``torch.export`` cannot trace the model, the ``inductor`` kind is used instead.
 
 Either way the artefact is warmed up once while loading (one forward pass at the engine's
-batch), so an artefact that loads but does not run is rebuilt, not used.
+batch), so an artefact that loads but does not run is rebuilt, not used. Why ``inductor`` is
+the default, with figures: docs/performance.md, "GPU: restart to ready".
 """
 
 from __future__ import annotations
@@ -201,7 +204,7 @@ def compile_cached(
     precision: str,
     channels_last: bool,
     compile_mode: str,
-    kind: str = "aoti",
+    kind: str = "inductor",
 ) -> Compiled:
     """Return the compiled predictor of ``manifest`` from ``cache``, building it on a miss.
 
@@ -252,7 +255,9 @@ def compile_cached(
             loaded = load_or_build(
                 cache,
                 key("aoti"),
-                lambda tmp: _build_aoti(torch, module(), example, tmp, compile_mode),
+                lambda tmp: probe_aoti(
+                    _build_aoti(torch, module(), example, tmp, compile_mode), example, channels_last
+                ),
                 lambda path: _load_aoti(torch, path, example, warm_up),
                 **extra,
             )
@@ -263,7 +268,7 @@ def compile_cached(
                 "artefacts instead",
                 manifest.name,
                 type(exc).__name__,
-                str(exc).splitlines()[0] if str(exc) else "",
+                str(exc)[:1500],
             )
     if kind not in ("aoti", "inductor"):
         raise EngineError(f"unknown compiled-artefact kind {kind!r}")
@@ -302,13 +307,64 @@ def _build_aoti(torch: Any, module: Any, example: Any, tmp: Path, compile_mode: 
     return out
 
 
+# Loads a package and runs it once, in a process of its own (see probe_aoti).
+_PROBE = """
+import sys, torch
+path, device, dtype, shape, channels_last = sys.argv[1:6]
+x = torch.zeros([int(v) for v in shape.split(",")], dtype=getattr(torch, dtype), device=device)
+if channels_last == "1":
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+index = torch.device(device).index
+runner = torch._inductor.aoti_load_package(path, device_index=-1 if index is None else index)
+with torch.inference_mode():
+    runner(x)
+if x.is_cuda:
+    torch.cuda.synchronize()
+"""
+
+
+def probe_aoti(path: Path, example: Any, channels_last: bool, timeout: float = 600) -> Path:
+    """Load the package at ``path`` and run it once in a separate Python process.
+
+    A package that crashes its process (seen on an H200 with torch 2.11: a segmentation
+    fault while loading or at the first run, cause not established) would take the node down
+    with it, where no ``except`` can help. It is tried in a child first: if the child fails,
+    :class:`EngineError` (with the child's exit status and the end of its output, Python's
+    fault handler on) makes :func:`compile_cached` fall back to the ``inductor`` kind.
+
+    Returns
+    -------
+    Path
+        ``path``, when the child loaded and ran the package.
+    """
+    import subprocess
+    import sys
+
+    device = str(example.device)
+    args = [str(path), device, str(example.dtype).removeprefix("torch."), ""]
+    args[3] = ",".join(str(int(v)) for v in example.shape)
+    cmd = [sys.executable, "-X", "faulthandler", "-c", _PROBE, *args, "1" if channels_last else "0"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise EngineError(f"the AOTInductor package did not run within {timeout:.0f} s") from exc
+    if done.returncode != 0:
+        code = done.returncode
+        status = f"signal {-code}" if code < 0 else f"exit status {code}"
+        tail = (done.stderr or done.stdout).strip()[-1500:]
+        raise EngineError(
+            f"the AOTInductor package failed a test run in a child ({status}): {tail}"
+        )
+    return path
+
+
 def _load_aoti(
     torch: Any, path: Path, example: Any, warm_up: Callable[[Callable[[Any], Any]], None]
 ) -> Callable[[Any], Any]:
     """Load an AOTInductor package for ``example``'s device and run it once."""
-    index = example.device.index if example.device.type == "cuda" else -1
-    if example.device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
+    index = -1  # the current device, as in probe_aoti for a device given without an index
+    if example.device.type == "cuda" and example.device.index != torch.cuda.current_device():
+        index = example.device.index
     runner = torch._inductor.aoti_load_package(str(path), device_index=index)
 
     def fn(x: Any) -> Any:
