@@ -19,8 +19,14 @@ on loopback, in one invocation, per model (``--models``; the nnU-Net-style U-Net
    the SCP, and the stages from the node's ledger (completion, queue, volume, inference,
    encode, delivery), as ``bench.ingest`` reads them for the CPU end-to-end figure.
 
+4. With several ``--prepare`` values (``[results] prepare``: ``concurrent``, ``before``) the
+   node is restarted once per value on the same engine build and fresh series, and each
+   variant is reported on its own row. The worker's per-job timing lines (``timing ms: ...``
+   in the node's log: inference, prepare, and the split of the work after inference) of the
+   measured series are kept, with their medians.
+
 Outputs in ``--out``: ``gpu_e2e.json``, ``gpu_e2e.md`` and ``timeline-<model>.png`` (the
-median run's stages).
+median run's stages; ``timeline-<model>-<prepare>.png`` with several ``--prepare`` values).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import sqlite3
 import statistics
 import subprocess
@@ -53,6 +60,12 @@ SEG_CLASSES = {
 }
 SR_CLASSES = {"1.2.840.10008.5.1.4.1.1.88.34": "SR"}  # Comprehensive 3D SR Storage
 KOS_CLASSES = {"1.2.840.10008.5.1.4.1.1.88.59": "KOS"}  # Key Object Selection Document
+
+#: The parts of the worker's per-job timing line (node.worker), in milliseconds.
+TIMING_PARTS = re.compile(
+    r"(inference waited|after inference|SEG encode|SR encode|inference|prepare|mark|check|"
+    r"statistics|files|notes|ledger) ([0-9.]+)"
+)
 
 
 # -- the results SCP ----------------------------------------------------------------------------
@@ -107,7 +120,9 @@ class ResultsSCP:
 # -- the node ---------------------------------------------------------------------------------
 
 
-def config_text(data: Path, port: int, scp_port: int, manifest: Path, args: Any) -> str:
+def config_text(
+    data: Path, port: int, scp_port: int, manifest: Path, args: Any, prepare: str = "concurrent"
+) -> str:
     """``segnode serve`` configuration: the torch engine, results to the SCP."""
     model = f'[model]\nmanifest = "{manifest}"\nengine = "{args.engine}"\n'
     if args.engine == "torch":
@@ -117,7 +132,8 @@ def config_text(data: Path, port: int, scp_port: int, manifest: Path, args: Any)
         f'data_dir = "{data}"\nlog_level = "INFO"\n\n'
         f'[node]\nae_title = "SEGNODE"\nhost = "{LOOPBACK}"\nport = {port}\n\n'
         f"{model}\n"
-        f'[dispatch]\ndestinations = ["RESULTS@{LOOPBACK}:{scp_port}"]\n'
+        f'[dispatch]\ndestinations = ["RESULTS@{LOOPBACK}:{scp_port}"]\n\n'
+        f'[results]\nprepare = "{prepare}"\n'
     )
 
 
@@ -276,37 +292,81 @@ def model_manifest(name: str, work: Path) -> Path:
     return Path(name).resolve()
 
 
-def run_model(name: str, args: Any, tmp: Path) -> dict[str, Any]:
+def worker_timings(log_text: str) -> list[dict[str, float]]:
+    """The worker's per-job timing lines (``timing ms: ...``) as ``{part: ms}``, in order."""
+    return [
+        {part: float(ms) for part, ms in TIMING_PARTS.findall(line.split("timing ms:", 1)[1])}
+        for line in log_text.splitlines()
+        if "timing ms:" in line
+    ]
+
+
+def run_model(name: str, args: Any, tmp: Path) -> list[dict[str, Any]]:
+    """One result per ``--prepare`` value: the node restarted for each, one engine build."""
     work = tmp / f"e2e-{Path(name).stem}"
     work.mkdir(parents=True)
     manifest = model_manifest(name, work)
-    print(f"[gpu-e2e] {name}: generating {args.runs + 1} series ...", flush=True)
-    series = [make_series(args.slices, args.seed + k) for k in range(args.runs + 1)]
-    result: dict[str, Any] = {"model": name, "manifest": str(manifest)}
+    out: list[dict[str, Any]] = []
     with ResultsSCP() as scp:
         port, data, cfg = free_port(), work / "data", work / "config.toml"
-        cfg.write_text(config_text(data, port, scp.port, manifest, args))
+        cfg.write_text(config_text(data, port, scp.port, manifest, args, args.prepare[0]))
         if args.engine_cache is not None:  # compiled artefacts shared with other runs
             args.engine_cache.mkdir(parents=True, exist_ok=True)
             data.mkdir(mode=0o700)
             (data / "engines").symlink_to(args.engine_cache.resolve(), target_is_directory=True)
         print(f"[gpu-e2e] {name}: segnode engine build ...", flush=True)
-        result["engine_build"] = engine_build(work, cfg, args)
-        with serve(work, cfg, port) as (_proc, ready_s):
-            result["serve_ready_s"] = round(ready_s, 2)
-            runs = []
-            for k, datasets in enumerate(series):
-                r = one_series(port, data, scp, datasets, args.timeout)
-                print(f"[gpu-e2e] {name}: series {k} {json.dumps(r)[:400]}", flush=True)
-                if k:  # the first series is the warm-up
-                    runs.append(r)
-                else:
-                    result["warm_up"] = r
-                partial = args.out / f"partial-{Path(name).stem}.json"  # if cut short
-                partial.write_text(json.dumps({**result, "runs": runs}, indent=1) + "\n")
-        result["objects_acknowledged"] = sorted({kind for _, kind, _, _ in scp.records})
-    log = (work / "node.log").read_text(errors="replace").splitlines()
-    result["engine_ready_log"] = [x for x in log if "engine ready" in x][-1:]
+        build = engine_build(work, cfg, args)
+        for index, prepare in enumerate(args.prepare):
+            try:
+                result = run_variant(name, args, work, scp, manifest, prepare, index)
+            except Exception as exc:  # one variant failing must not lose the other's figures
+                result = {"model": name, "error": f"{type(exc).__name__}: {exc}"}
+            result.update(prepare=prepare, engine_build=build)
+            out.append(result)
+    return out
+
+
+def run_variant(
+    name: str,
+    args: Any,
+    work: Path,
+    scp: ResultsSCP,
+    manifest: Path,
+    prepare: str,
+    index: int,
+) -> dict[str, Any]:
+    """Serve with ``[results] prepare = prepare`` and send the warm-up and measured series."""
+    print(f"[gpu-e2e] {name} ({prepare}): generating {args.runs + 1} series ...", flush=True)
+    seed = args.seed + 1000 * index
+    series = [make_series(args.slices, seed + k) for k in range(args.runs + 1)]
+    result: dict[str, Any] = {"model": name, "manifest": str(manifest), "prepare": prepare}
+    port, data, cfg = free_port(), work / "data", work / "config.toml"
+    cfg.write_text(config_text(data, port, scp.port, manifest, args, prepare))
+    node_log = work / "node.log"
+    log_start = node_log.stat().st_size if node_log.exists() else 0
+    stem = Path(name).stem
+    with serve(work, cfg, port) as (_proc, ready_s):
+        result["serve_ready_s"] = round(ready_s, 2)
+        runs = []
+        for k, datasets in enumerate(series):
+            r = one_series(port, data, scp, datasets, args.timeout)
+            print(f"[gpu-e2e] {name} ({prepare}): series {k} {json.dumps(r)[:400]}", flush=True)
+            if k:  # the first series is the warm-up
+                runs.append(r)
+            else:
+                result["warm_up"] = r
+            partial = args.out / f"partial-{stem}-{prepare}.json"  # if cut short
+            partial.write_text(json.dumps({**result, "runs": runs}, indent=1) + "\n")
+    with node_log.open("rb") as f:
+        f.seek(log_start)
+        log = f.read().decode(errors="replace")
+    result["engine_ready_log"] = [x for x in log.splitlines() if "engine ready" in x][-1:]
+    timings = worker_timings(log)[1:]  # the first job is the warm-up
+    result["worker_ms"] = timings
+    result["worker_ms_medians"] = {
+        part: round(statistics.median(t[part] for t in timings if part in t), 1)
+        for part in dict.fromkeys(p for t in timings for p in t)
+    }
     totals = [r["total_s"] for r in runs]
     median = sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2]
     per_stage: dict[str, list[float]] = {}
@@ -355,28 +415,62 @@ def markdown(report: dict[str, Any]) -> str:
         "both acknowledged by a pynetdicom SCP on loopback; one warm-up series, then "
         f"{report['runs']} fresh series (new UIDs), one association each; median.",
         "",
-        "| model | median s | runs s | engine build s | serve ready s | "
+        "| model | prepare | median s | runs s | engine build s | serve ready s | "
         + " | ".join(s for s, _, _ in STAGES)
         + " |",
-        "|---|---:|---|---:|---:|" + "---:|" * len(STAGES),
+        "|---|---|---:|---|---:|---:|" + "---:|" * len(STAGES),
     ]
     for r in report["models"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | error: {r['error'][-300:]!r} |")
+            lines.append(
+                f"| {r['model']} | {r.get('prepare', '-')} | error: {r['error'][-300:]!r} |"
+            )
             continue
         med = r["stage_medians_s"]
         build = r["engine_build"].get("seconds", "-")
         lines.append(
-            f"| {r['model']} | **{r['total_s']}** | {', '.join(map(str, r['runs_s']))} | "
+            f"| {r['model']} | {r.get('prepare', '-')} | **{r['total_s']}** | "
+            f"{', '.join(map(str, r['runs_s']))} | "
             f"{build} | {r['serve_ready_s']} | "
             + " | ".join(str(med.get(s, "-")) for s, _, _ in STAGES)
             + " |"
         )
     lines += ["", "Stage columns: median seconds over the measured runs (ledger timestamps).", ""]
+    parts = [p for p, _ in WORKER_COLUMNS]
+    lines += [
+        "Worker, per job (its `timing ms` log lines; medians, ms):",
+        "",
+        "| model | prepare | " + " | ".join(title for _, title in WORKER_COLUMNS) + " |",
+        "|---|---|" + "---:|" * len(parts),
+    ]
     for r in report["models"]:
         if "error" not in r:
-            lines.append(f"- {r['model']}: engine {r['engine_ready_log']}")
+            w = r.get("worker_ms_medians", {})
+            lines.append(
+                f"| {r['model']} | {r.get('prepare', '-')} | "
+                + " | ".join(str(w.get(p, "-")) for p in parts)
+                + " |"
+            )
+    lines.append("")
+    for r in report["models"]:
+        if "error" not in r:
+            lines.append(f"- {r['model']} ({r.get('prepare')}): engine {r['engine_ready_log']}")
     return "\n".join(lines) + "\n"
+
+
+#: The worker's timing parts shown in the report, and their column titles.
+WORKER_COLUMNS = (
+    ("inference", "inference"),
+    ("prepare", "prepare"),
+    ("inference waited", "waited for prepare"),
+    ("after inference", "after inference"),
+    ("SEG encode", "SEG encode"),
+    ("check", "check"),
+    ("statistics", "statistics"),
+    ("SR encode", "SR encode"),
+    ("files", "files"),
+    ("ledger", "ledger"),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,6 +489,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("torch", "onnxruntime"),
         default="torch",
         help="onnxruntime: the same run on the CPU (a smoke test of this script)",
+    )
+    p.add_argument(
+        "--prepare",
+        nargs="+",
+        choices=("concurrent", "before"),
+        default=["concurrent"],
+        help="[results] prepare of the node; several: one node start per value",
     )
     p.add_argument("--seed", type=int, default=4200)
     p.add_argument("--timeout", type=float, default=300, help="per series, seconds")
@@ -418,18 +519,27 @@ def main(argv: list[str] | None = None) -> int:
     tmp = args.work or Path(tempfile.mkdtemp(prefix="segnode-gpu-e2e-"))
     for name in args.models:
         try:
-            result = run_model(name, args, tmp)
+            results = run_model(name, args, tmp)
         except Exception as exc:  # one model failing must not lose the other's figures
-            result = {"model": name, "error": f"{type(exc).__name__}: {exc}"}
-        report["models"].append(result)
-        if "stages" in result:
-            plot(
-                {k: result[k] for k in ("series", "total_s", "stages", "receive_s")}
-                | {"series": f"{result['series']} ({Path(name).stem}, {args.engine})"},
-                args.out / f"timeline-{Path(name).stem}.png",
-            )
+            results = [{"model": name, "error": f"{type(exc).__name__}: {exc}"}]
+        for result in results:
+            report["models"].append(result)
+            if "stages" in result:
+                stem = Path(name).stem
+                if len(args.prepare) > 1:
+                    stem += f"-{result['prepare']}"
+                plot(
+                    {k: result[k] for k in ("series", "total_s", "stages", "receive_s")}
+                    | {
+                        "series": f"{result['series']} ({Path(name).stem}, {args.engine}, "
+                        f"prepare {result['prepare']})"
+                    },
+                    args.out / f"timeline-{stem}.png",
+                )
         (args.out / "gpu_e2e.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / "gpu_e2e.md").write_text(markdown(report))
+    for partial in args.out.glob("partial-*.json"):  # the report holds them now
+        partial.unlink()
     print(markdown(report))
     return 0 if all("error" not in r for r in report["models"]) else 1
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,39 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release sessions, device memory and streams."""
+
+
+@dataclass(frozen=True)
+class LabelSums:
+    """Per-label voxel count, sum and sum of squares of the HU of one label map.
+
+    Each array is indexed by label value ``0 .. len - 1`` (0: background) and covers every
+    value the map holds. A backend that has the label map and the HU on its device computes
+    them there (:class:`SumsEngine`), so that the node does not read the volume again;
+    :func:`node.statistics.statistics_from_sums` turns them into the SR's statistics.
+
+    Attributes
+    ----------
+    counts
+        int64 voxel counts.
+    sums, squares
+        float64 sums of the HU and of the squared HU (of the HU given to the engine, before
+        the model's own clipping and scaling).
+    """
+
+    counts: npt.NDArray[np.int64]
+    sums: npt.NDArray[np.float64]
+    squares: npt.NDArray[np.float64]
+
+
+@runtime_checkable
+class SumsEngine(Protocol):
+    """A backend that can also sum the HU per label where its label map is (optional)."""
+
+    def segment_with_sums(
+        self, hu: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.uint8], LabelSums]:
+        """The label map of :meth:`Engine.segment` and its :class:`LabelSums` over ``hu``."""
 
 
 Factory = Callable[..., Engine]

@@ -24,7 +24,10 @@ GPU and options (:mod:`engines.torch_compile`, :mod:`engines.torch_cache`): the 
 every process compiles again (``torch.compile`` at the first forward pass).
 
 The sliding window (:func:`engines.sliding_window.sliding_window_segment`) runs on torch
-tensors on the device; only the uint8 label map is copied back.
+tensors on the device; only the uint8 label map is copied back. With
+:meth:`TorchEngine.segment_with_sums` the per-label voxel counts and HU sums of the SR's
+statistics are computed there too (a few values copied back), so that the node does not
+read the label map and the volume again on the CPU.
 
 torch, onnx2torch and torchvision (an onnx2torch requirement) are imported inside
 :meth:`TorchEngine.load`, so importing this module needs none of them.
@@ -42,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import EngineError
+from engines.base import EngineError, LabelSums
 
 if TYPE_CHECKING:
     from engines.manifest import ModelManifest
@@ -396,6 +399,26 @@ class TorchEngine:
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Label map of a ``(z, y, x)`` HU volume, computed on the engine's device."""
+        labels, _ = self._segment(hu, sums=False)
+        return labels
+
+    def segment_with_sums(
+        self, hu: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.uint8], LabelSums]:
+        """The label map and, summed on the device, each label's voxel count, HU sum and
+        sum of squared HU (:class:`engines.base.SumsEngine`).
+
+        The sums are float64 on the device (``torch.bincount`` with float64 weights); for
+        integer HU, as CT stores them, they are exact and equal those of
+        :func:`node.statistics.segment_statistics` whatever the order of the additions.
+        """
+        labels, sums = self._segment(hu, sums=True)
+        assert sums is not None
+        return labels, sums
+
+    def _segment(
+        self, hu: npt.NDArray[np.float32], *, sums: bool
+    ) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
         from engines.sliding_window import sliding_window_segment
 
         if self.manifest is None:
@@ -405,7 +428,10 @@ class TorchEngine:
         torch, m = self._torch, self.manifest
         try:
             with torch.inference_mode():
-                volume = torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32)).to(self._dev)
+                raw = torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32)).to(self._dev)
+                # The model's clipping and scaling go to a copy when the HU are summed after,
+                # and on the CPU, where ``raw`` is the caller's array.
+                volume = raw.clone() if sums or raw.device.type == "cpu" else raw
                 if m.clip is not None:
                     volume.clamp_(m.clip[0], m.clip[1])
                 if m.scale != 1.0:
@@ -421,10 +447,34 @@ class TorchEngine:
                     batch_size=self._batch,
                     output_kind=m.output_kind,
                 )
-                result: npt.NDArray[np.uint8] = labels.to(torch.uint8).cpu().numpy()
+                del volume
+                labels = labels.to(torch.uint8)
+                totals = self._label_sums(labels, raw) if sums else None
+                del raw
+                result: npt.NDArray[np.uint8] = labels.cpu().numpy()
+                label_sums = None
+                if totals is not None:
+                    table = totals.cpu().numpy()
+                    label_sums = LabelSums(
+                        counts=table[0].astype(np.int64),
+                        sums=np.ascontiguousarray(table[1]),
+                        squares=np.ascontiguousarray(table[2]),
+                    )
         except torch.cuda.OutOfMemoryError as exc:
             raise EngineError(f"out of GPU memory segmenting a {hu.shape} volume: {exc}") from exc
-        return result
+        return result, label_sums
+
+    def _label_sums(self, labels: Any, hu: Any) -> Any:
+        """float64 ``(3, n)`` on the device: per label value 0..n-1 the voxel count, the sum
+        of ``hu`` and the sum of its squares (counts are exact in float64 up to 2**53)."""
+        torch = self._torch
+        index = labels.reshape(-1).to(torch.int64)
+        wide = hu.reshape(-1).to(torch.float64)
+        counts = torch.bincount(index).to(torch.float64)
+        total = torch.bincount(index, weights=wide)
+        wide.mul_(wide)
+        squares = torch.bincount(index, weights=wide)
+        return torch.stack([counts, total, squares])
 
     def close(self) -> None:
         """Drop the module, graphs and cached device memory."""

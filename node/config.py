@@ -191,6 +191,11 @@ class ResultsConfig:
     #: viewer that reads DICOM SEG) or "LABELMAP" (Label Map Segmentation Storage: one 8-bit
     #: frame per non-empty slice holding every segment; read only by recent viewers).
     segmentation_type: str = "BINARY"
+    #: When the SEG and SR are prepared (everything but what the label map decides):
+    #: "concurrent" (on a helper thread while the engine runs) or "before" (in the worker
+    #: thread, before the engine runs: the engine's Python then has the GIL to itself, which
+    #: a GPU engine launching kernels from Python needs; docs/performance.md).
+    prepare: str = "concurrent"
 
 
 @dataclass(frozen=True)
@@ -509,16 +514,20 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         retention=_retention(_table(raw, "retention", set(RetentionConfig.__dataclass_fields__))),
         streaming=_streaming(_table(raw, "streaming", set(StreamingConfig.__dataclass_fields__))),
         metrics=_metrics(_table(raw, "metrics", set(MetricsConfig.__dataclass_fields__))),
-        results=ResultsConfig(
-            segmentation_type=_str(
-                _table(raw, "results", set(ResultsConfig.__dataclass_fields__)).get(
-                    "segmentation_type", ResultsConfig.segmentation_type
-                ),
-                "results.segmentation_type",
-                ("BINARY", "LABELMAP"),
-            )
-        ),
+        results=_results(_table(raw, "results", set(ResultsConfig.__dataclass_fields__))),
         routing=parse_routing(raw, path, peer_table),
+    )
+
+
+def _results(t: dict[str, Any]) -> ResultsConfig:
+    d = ResultsConfig()
+    return ResultsConfig(
+        segmentation_type=_str(
+            t.get("segmentation_type", d.segmentation_type),
+            "results.segmentation_type",
+            ("BINARY", "LABELMAP"),
+        ),
+        prepare=_str(t.get("prepare", d.prepare), "results.prepare", ("concurrent", "before")),
     )
 
 

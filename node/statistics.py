@@ -6,18 +6,22 @@
   segment numbers of the SEG and the SR;
 * :class:`SegmentStatsAccumulator` sums voxel counts, HU and squared HU per label, slab by
   slab (the worker can feed it while inference produces slabs), and
-  :func:`segment_statistics` runs it over a whole volume for the TID 1500 report.
+  :func:`segment_statistics` runs it over a whole volume for the TID 1500 report;
+* :func:`statistics_from_sums` gives the same statistics from the sums an engine computed
+  where its label map is (:class:`engines.base.LabelSums`, summed on the GPU), with the same
+  checks of the label values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from engines.base import LabelSums
 from engines.manifest import LabelSpec, ModelManifest
 from node.errors import ResultError
 from node.volume import Volume
@@ -38,6 +42,8 @@ class _Shape:
 
     shape: tuple[int, ...]
 
+
+_T = TypeVar("_T", bound=np.generic)
 
 #: Voxels per step of the label scans: their temporaries stay in the CPU caches.
 _CHUNK_VOXELS = 1 << 18
@@ -258,22 +264,7 @@ class SegmentStatsAccumulator:
         voxel_volume_ml
             Volume of one voxel in millilitres (``Volume.voxel_volume_ml``).
         """
-        out = []
-        for value, number in numbering(self.counts, self.manifest).items():
-            n = int(self.counts[value])
-            mean = float(self.sums[value] / n)
-            variance = max(float(self.squares[value] / n) - mean * mean, 0.0)
-            out.append(
-                SegmentStatistics(
-                    segment_number=number,
-                    label=self.manifest.label(value),
-                    voxels=n,
-                    volume_ml=n * voxel_volume_ml,
-                    mean_hu=mean,
-                    std_hu=float(np.sqrt(variance)),
-                )
-            )
-        return out
+        return _statistics(self.counts, self.sums, self.squares, self.manifest, voxel_volume_ml)
 
     def _accumulate(self, labels: npt.NDArray[np.integer], hu: npt.NDArray[np.number]) -> bool:
         """Add a slab; False when it holds a value other than 0 and the manifest's."""
@@ -359,3 +350,92 @@ def segment_statistics(
         label_counts(volume, labels, manifest)  # raises, naming the values of the whole map
         raise ResultError("label map holds values the model does not describe")
     return accumulator.result(volume.voxel_volume_ml)
+
+
+def _statistics(
+    counts: npt.NDArray[np.integer],
+    sums: npt.NDArray[np.floating],
+    squares: npt.NDArray[np.floating],
+    manifest: ModelManifest,
+    voxel_volume_ml: float,
+) -> list[SegmentStatistics]:
+    """Statistics of every label with a count (arrays indexed by label value)."""
+    out = []
+    for value, number in numbering(counts, manifest).items():
+        n = int(counts[value])
+        mean = float(sums[value] / n)
+        variance = max(float(squares[value] / n) - mean * mean, 0.0)
+        out.append(
+            SegmentStatistics(
+                segment_number=number,
+                label=manifest.label(value),
+                voxels=n,
+                volume_ml=n * voxel_volume_ml,
+                mean_hu=mean,
+                std_hu=float(np.sqrt(variance)),
+            )
+        )
+    return out
+
+
+def statistics_from_sums(
+    volume: Volume, sums: LabelSums, manifest: ModelManifest
+) -> list[SegmentStatistics]:
+    """:func:`segment_statistics` of a label map from its per-label sums.
+
+    The label map itself is not read: ``sums`` (an engine's, computed where the map and the
+    HU are) hold every value the map has, so the checks and their messages are those of
+    :func:`label_counts`. Equal to :func:`segment_statistics` when the sums are (float64
+    sums of integer HU are exact in any order).
+
+    Parameters
+    ----------
+    volume
+        The volume the map labels (its shape and voxel volume are read).
+    sums
+        Per label value ``0 .. len - 1``: voxel count, sum and sum of squares of the HU.
+    manifest
+        The model whose label values the map uses; 0 is background.
+
+    Raises
+    ------
+    ResultError
+        The counts do not add up to the volume's voxels, or the map holds a value the
+        manifest does not describe.
+    """
+    counts = np.asarray(sums.counts, dtype=np.int64)
+    if not (len(counts) == len(sums.sums) == len(sums.squares)):
+        raise ResultError(
+            f"label sums have {len(counts)} counts, {len(sums.sums)} sums and "
+            f"{len(sums.squares)} sums of squares"
+        )
+    voxels = int(np.prod(volume.shape))
+    if int(counts.sum()) != voxels or bool(np.any(counts < 0)):
+        raise ResultError(
+            f"label sums count {int(counts.sum())} voxels, volume {volume.shape} has {voxels}"
+        )
+    known = {spec.value for spec in manifest.labels}
+    top = max(known)
+    present = np.flatnonzero(counts).tolist()
+    outside = [v for v in present if v > top]
+    unknown = outside or [v for v in present if v != 0 and v not in known]
+    if unknown:
+        raise ResultError(
+            f"label map contains values {unknown} that model {manifest.name} "
+            f"{manifest.version} does not describe (known: {sorted(known)})"
+        )
+    size = top + 1
+    return _statistics(
+        _fit(counts, size),
+        _fit(sums.sums, size),
+        _fit(sums.squares, size),
+        manifest,
+        volume.voxel_volume_ml,
+    )
+
+
+def _fit(values: npt.NDArray[_T], size: int) -> npt.NDArray[_T]:
+    """``values`` cut or zero-padded to ``size`` entries."""
+    if len(values) >= size:
+        return values[:size]
+    return np.concatenate([values, np.zeros(size - len(values), dtype=values.dtype)])

@@ -12,7 +12,14 @@ engine runs (:class:`node.seg_encode.SegPlan`, :class:`node.sr_encode.SrPlan`); 
 inference only the frames, the statistics and the measurement values are spliced in, and
 the SEG bytes are checked (:func:`node.seg_check.check_encoded`) before they are written.
 Their dates and times are the job's creation time, so a re-encoding after a crash writes the
-same bytes.
+same bytes. With ``[results] prepare = "before"`` the plans are prepared in the worker thread
+before the engine runs instead: a GPU engine launching kernels from Python then does not share
+the GIL with the ~0.1 s of pure Python the preparation is.
+
+An engine that can sum the HU per label where its label map is (:class:`engines.base.SumsEngine`,
+the torch backend on a GPU) hands those sums over, and the SR's statistics are derived from them
+(:func:`node.statistics.statistics_from_sums`) instead of reading the label map and the volume
+again on the CPU. One INFO line per job splits the work after inference into its parts.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ from datetime import UTC, datetime
 from io import BytesIO
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 from pydicom import Dataset
 
-from engines.base import Engine, EngineError
+from engines.base import Engine, EngineError, LabelSums, SumsEngine
 from engines.manifest import ModelManifest
 from node import __version__
 from node.config import Config, Peer
@@ -46,6 +55,7 @@ from node.rules import DEFAULT_MODEL_NAME, model_specs
 from node.seg_check import check_encoded
 from node.seg_encode import SegPlan
 from node.sr_encode import SrPlan
+from node.statistics import statistics_from_sums
 from node.streaming import StreamingAssembler
 from node.volume import Volume, VolumeError, assemble_volume
 from storage.ledger import JobView, Ledger
@@ -100,6 +110,7 @@ class Worker:
             if isinstance(t, Peer) and t.reject_superseded
         }
         self.segmentation_type = config.results.segmentation_type
+        self.prepare_mode = config.results.prepare
         # Prepares the SEG and SR of a job while its inference runs.
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="segnode-prepare")
         self.wake = threading.Event()
@@ -200,22 +211,42 @@ class Worker:
         # re-run, so a re-encoding after a crash gives the same bytes.
         queued = job.stages.get("queued") or datetime.now(UTC).replace(tzinfo=None)
         created = queued.replace(tzinfo=UTC).astimezone().replace(tzinfo=None)
-        plans = self._helper.submit(self._prepare, volume, manifest, uids, created)
-        try:
-            labels = engine.segment(volume.hu)
-        finally:
-            seg_plan, sr_plan = plans.result()  # its errors (ResultError) fail the job
+        clock = _Clock()
+        if self.prepare_mode == "before":
+            seg_plan, sr_plan = self._prepare(volume, manifest, uids, created)
+            clock.lap("prepare")
+            labels, sums = _segment(engine, volume)
+            clock.lap("inference")
+        else:
+            plans = self._helper.submit(self._timed_prepare, volume, manifest, uids, created)
+            try:
+                labels, sums = _segment(engine, volume)
+            finally:
+                clock.lap("inference")
+                (seg_plan, sr_plan), prepared = plans.result()  # its errors fail the job
+                clock.lap("waited")
+                clock.laps["prepare"] = prepared
         self.ledger.mark(job.id, "inference_at")
+        clock.lap("mark")
         seg = seg_plan.encode(labels)
+        clock.lap("seg")
         check_encoded(seg_plan, seg, labels)  # the bytes that will be sent
-        stats = segment_statistics(volume, labels, manifest)
+        clock.lap("check")
+        if sums is not None:
+            stats = statistics_from_sums(volume, sums, manifest)
+        else:
+            stats = segment_statistics(volume, labels, manifest)
+        clock.lap("statistics")
         sr_bytes = sr_plan.encode(stats, now=created)
+        clock.lap("sr")
         out = self.results_dir / str(job.id)
         seg_path = out / f"seg-{uids.seg_sop_uid}.dcm"
         sr_path = out / f"sr-{uids.sr_sop_uid}.dcm"
         write_atomic(seg_path, seg.data)
         write_atomic(sr_path, sr_bytes)
+        clock.lap("files")
         notes = self._rejection_notes(job, out)
+        clock.lap("notes")
         kept = self.ledger.save_results(
             job.id,
             [
@@ -224,6 +255,30 @@ class Worker:
             ],
             list(job.destinations),
             notes,
+        )
+        clock.lap("ledger")
+        ms = {name: seconds * 1e3 for name, seconds in clock.laps.items()}
+        after = ("mark", "seg", "check", "statistics", "sr", "files", "notes", "ledger")
+        log.info(
+            "job %d: timing ms: inference %.1f, prepare %.1f (%s, inference waited %.1f); "
+            "after inference %.1f = mark %.1f, SEG encode %.1f, check %.1f, statistics %.1f "
+            "(%s), SR encode %.1f, files %.1f (%.1f MB), notes %.1f, ledger %.1f",
+            job.id,
+            ms["inference"],
+            ms["prepare"],
+            self.prepare_mode,
+            ms.get("waited", 0.0),
+            sum(ms[name] for name in after),
+            ms["mark"],
+            ms["seg"],
+            ms["check"],
+            ms["statistics"],
+            "engine sums" if sums is not None else "CPU",
+            ms["sr"],
+            ms["files"],
+            (len(seg.data) + len(sr_bytes)) / 1e6,
+            ms["notes"],
+            ms["ledger"],
         )
         if not kept:
             log.info(
@@ -234,6 +289,14 @@ class Worker:
             return
         if self.on_encoded is not None:
             self.on_encoded(job.id)
+
+    def _timed_prepare(
+        self, volume: Volume, manifest: ModelManifest, uids: ResultUIDs, created: datetime
+    ) -> tuple[tuple[SegPlan, SrPlan], float]:
+        """:meth:`_prepare` and the seconds it took (on the helper thread)."""
+        started = time.perf_counter()
+        plans = self._prepare(volume, manifest, uids, created)
+        return plans, time.perf_counter() - started
 
     def _prepare(
         self, volume: Volume, manifest: ModelManifest, uids: ResultUIDs, created: datetime
@@ -302,6 +365,26 @@ class Worker:
             return None
         log.info("job %d: volume shared with the previous model's job", job.id)
         return volume
+
+
+def _segment(engine: Engine, volume: Volume) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
+    """The engine's label map, and its per-label HU sums when the engine computes them."""
+    if isinstance(engine, SumsEngine):
+        return engine.segment_with_sums(volume.hu)
+    return engine.segment(volume.hu), None
+
+
+class _Clock:
+    """Seconds between successive :meth:`lap` calls, by name (for the per-job timing line)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
 
 
 def result_paths(data_dir: Path, job_id: int) -> list[Path]:

@@ -1,0 +1,281 @@
+"""Statistics from an engine's per-label sums (engines.base.LabelSums), on the device and off.
+
+* :func:`node.statistics.statistics_from_sums` equals :func:`node.statistics.segment_statistics`
+  (and the SR's rounded values) and fails with the same messages;
+* the torch backend's :meth:`~engines.torch_backend.TorchEngine.segment_with_sums` runs on the
+  CPU device here (a hand-written model instead of an ONNX conversion, so that onnx2torch and
+  torchvision are not needed) and on CUDA where there is one (``gpu``);
+* the worker uses an engine's sums when it gives them, logs one timing line per job, and
+  prepares the SEG and SR before inference with ``[results] prepare = "before"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from pydicom import dcmread
+
+from engines.base import LabelSums, SumsEngine
+from engines.manifest import ModelManifest, load_manifest
+from engines.ort_backend import OrtEngine
+from node.config import DEFAULT_MODEL, ConfigError, from_dict
+from node.errors import ResultError
+from node.statistics import SegmentStatistics, segment_statistics, statistics_from_sums
+from node.synthetic import synthetic_datasets, write_synthetic_series
+from node.volume import Volume, assemble_from_datasets
+from node.worker import Worker, result_paths
+from storage.ledger import Ledger
+from storage.spool import Spool
+from tests.test_worker import ingest
+
+MANIFEST = load_manifest(DEFAULT_MODEL)
+
+
+def numpy_sums(labels: npt.NDArray[np.integer], hu: npt.NDArray[np.floating]) -> LabelSums:
+    index = labels.reshape(-1).astype(np.intp)
+    wide = hu.reshape(-1).astype(np.float64)
+    return LabelSums(
+        counts=np.bincount(index).astype(np.int64),
+        sums=np.bincount(index, weights=wide),
+        squares=np.bincount(index, weights=wide * wide),
+    )
+
+
+def sr_values(stats: list[SegmentStatistics]) -> list[tuple[Any, ...]]:
+    """What the SR stores of each segment (6 decimals mL, 4 decimals HU)."""
+    return [
+        (s.segment_number, s.label.value, s.voxels, round(s.volume_ml, 6))
+        + (round(s.mean_hu, 4), round(s.std_hu, 4))
+        for s in stats
+    ]
+
+
+@pytest.fixture(scope="module")
+def volume() -> Volume:
+    base = assemble_from_datasets(synthetic_datasets(rows=40, columns=36, slices=10, seed=5))
+    rng = np.random.default_rng(6)
+    # Integer HU beyond the model's clipping range: the sums are of the HU, not the model input.
+    hu = rng.integers(-2000, 4000, size=base.shape).astype(np.float32)
+    return replace(base, hu=hu)
+
+
+def fragmented(shape: tuple[int, ...], values: list[int], seed: int) -> npt.NDArray[np.uint8]:
+    rng = np.random.default_rng(seed)
+    return rng.choice(np.asarray(values, dtype=np.uint8), size=shape)
+
+
+@pytest.mark.parametrize("values", [[0, 1, 2, 3, 4, 5], [0, 2, 5], [3], [0]])
+def test_statistics_from_sums_equal_cpu_statistics(volume: Volume, values: list[int]) -> None:
+    labels = fragmented(volume.shape, values, seed=len(values))
+    expected = segment_statistics(volume, labels, MANIFEST)
+    got = statistics_from_sums(volume, numpy_sums(labels, volume.hu), MANIFEST)
+    assert got == expected
+    assert sr_values(got) == sr_values(expected)
+
+
+def test_statistics_from_short_sums(volume: Volume) -> None:
+    """Sums that end at the largest label present (a bincount's length) are enough."""
+    labels = fragmented(volume.shape, [0, 1, 2], seed=3)
+    sums = numpy_sums(labels, volume.hu)
+    assert len(sums.counts) == 3
+    assert statistics_from_sums(volume, sums, MANIFEST) == segment_statistics(
+        volume, labels, MANIFEST
+    )
+
+
+def _message(call: Any) -> str:
+    with pytest.raises(ResultError) as info:
+        call()
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "labels_of"),
+    [([0, 1, 7, 9], [1, 2, 3, 4, 5]), ([0, 1, 3], [1, 2, 4, 5])],
+    ids=["above the largest label", "a gap in the labels"],
+)
+def test_unknown_values_fail_with_the_cpu_message(
+    volume: Volume, values: list[int], labels_of: list[int]
+) -> None:
+    manifest = replace(MANIFEST, labels=tuple(s for s in MANIFEST.labels if s.value in labels_of))
+    labels = fragmented(volume.shape, values, seed=9)
+    sums = numpy_sums(labels, volume.hu)
+    cpu = _message(lambda: segment_statistics(volume, labels, manifest))
+    assert _message(lambda: statistics_from_sums(volume, sums, manifest)) == cpu
+    assert "does not describe" in cpu
+
+
+def test_sums_of_another_volume_fail(volume: Volume) -> None:
+    labels = fragmented((2, *volume.shape[1:]), [0, 1], seed=1)
+    message = _message(lambda: statistics_from_sums(volume, numpy_sums(labels, labels), MANIFEST))
+    assert "voxels" in message
+
+
+# --------------------------------------------------------------------- the torch backend
+
+
+def _torch() -> Any:
+    return pytest.importorskip("torch", reason="PyTorch not installed")
+
+
+def _nearest_level(torch: Any, centres: list[float]) -> Any:
+    """A stand-in model: logits ``-|x - centre|`` per class (a fragmented label map)."""
+    levels = torch.tensor(centres, dtype=torch.float32).reshape(1, -1, 1, 1, 1)
+
+    def predict(x: Any) -> Any:
+        return -(x - levels.to(x.device)).abs()
+
+    return predict
+
+
+def torch_engine(manifest: ModelManifest, device: str) -> Any:
+    """A :class:`TorchEngine` on ``device`` with a hand-written model in place of ``load``."""
+    torch = _torch()
+    from engines.torch_backend import TorchEngine
+
+    engine = TorchEngine(device=device, precision="fp32")
+    engine._torch, engine._dev, engine._dtype = torch, torch.device(device), torch.float32
+    engine.manifest, engine._batch, engine.channels_last = manifest, 2, False
+    engine._fn = _nearest_level(torch, [-900.0, -600.0, -100.0, 40.0, 300.0, 1500.0])
+    return engine
+
+
+def _check_engine_sums(volume: Volume, device: str) -> None:
+    manifest = replace(
+        MANIFEST, patch_size=(4, 16, 16), overlap=(0.5, 0.25, 0.25), output_kind="logits"
+    )
+    engine = torch_engine(manifest, device)
+    assert isinstance(engine, SumsEngine)
+    before = volume.hu.copy()
+    labels, sums = engine.segment_with_sums(volume.hu)
+    np.testing.assert_array_equal(labels, engine.segment(volume.hu))
+    np.testing.assert_array_equal(volume.hu, before)  # the model's clipping went to a copy
+    assert labels.dtype == np.uint8 and len(np.unique(labels)) == 6  # fragmented, every label
+    assert sums.counts.dtype == np.int64 and sums.sums.dtype == np.float64
+    expected = segment_statistics(volume, labels, manifest)
+    got = statistics_from_sums(volume, sums, manifest)
+    assert got == expected  # integer HU: float64 sums exact in any order
+    assert sr_values(got) == sr_values(expected)
+
+
+def test_torch_engine_sums_on_the_cpu_device(volume: Volume) -> None:
+    _check_engine_sums(volume, "cpu")
+
+
+@pytest.mark.gpu
+def test_torch_engine_sums_on_cuda(volume: Volume) -> None:
+    torch = _torch()
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU (torch.cuda.is_available() is False)")
+    _check_engine_sums(volume, "cuda")
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class SummingEngine:
+    """The ONNX Runtime engine, with the sums computed beside it (as a GPU engine would)."""
+
+    name = "onnxruntime"
+
+    def __init__(self, inner: OrtEngine) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def load(self, manifest: ModelManifest) -> None:
+        self.inner.load(manifest)
+
+    def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+        raise AssertionError("the worker should ask for the sums")
+
+    def segment_with_sums(
+        self, hu: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.uint8], LabelSums]:
+        self.calls += 1
+        labels = self.inner.segment(hu)
+        return labels, numpy_sums(labels, hu)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.fixture(scope="module")
+def ort() -> OrtEngine:
+    engine = OrtEngine()
+    engine.load(MANIFEST)
+    return engine
+
+
+def _run_job(tmp_path: Path, engine: Any, **results: str) -> tuple[int, Ledger]:
+    cfg = replace(from_dict({"results": results} if results else {}), data_dir=tmp_path)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    worker = Worker(cfg, ledger, engine, MANIFEST)
+    files = write_synthetic_series(tmp_path / "in", rows=96, columns=96, slices=10, seed=41)
+    uid = ingest(ledger, Spool(tmp_path / "spool"), files)
+    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
+    assert jid is not None and worker.run_once()
+    worker.stop()
+    view = ledger.job(jid)
+    assert view is not None and view.state == "done", view
+    return jid, ledger
+
+
+def test_worker_uses_engine_sums(
+    tmp_path: Path, ort: OrtEngine, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    # Reference: the same job with the CPU statistics.
+    ref_jid, _ = _run_job(tmp_path / "cpu", ort)
+
+    def no_cpu_statistics(*args: object) -> None:
+        raise AssertionError("statistics recomputed on the CPU")
+
+    monkeypatch.setattr("node.worker.segment_statistics", no_cpu_statistics)
+    engine = SummingEngine(ort)
+    with caplog.at_level(logging.INFO, logger="node.worker"):
+        jid, _ = _run_job(tmp_path / "sums", engine)
+    assert engine.calls == 1
+    # The UIDs differ between the two ledgers: compare the SRs' measured values.
+    assert _sr_values(tmp_path / "sums", jid) == _sr_values(tmp_path / "cpu", ref_jid)
+    line = next(r.getMessage() for r in caplog.records if "timing ms" in r.getMessage())
+    assert "statistics" in line and "(engine sums)" in line and "(concurrent" in line
+    for part in ("SEG encode", "check", "SR encode", "files", "ledger", "inference waited"):
+        assert part in line
+
+
+def _sr_values(data_dir: Path, jid: int) -> list[str]:
+    (sr,) = (p for p in result_paths(data_dir, jid) if p.name.startswith("sr-"))
+    values = [str(v) for v in _numeric_values(dcmread(sr))]
+    assert values
+    return values
+
+
+def _numeric_values(ds: Any) -> list[Any]:
+    out = []
+    for item in ds.get("ContentSequence", []):
+        if "MeasuredValueSequence" in item:
+            out.append(item.MeasuredValueSequence[0].NumericValue)
+        out += _numeric_values(item)
+    return out
+
+
+def test_worker_prepares_before_inference_on_request(
+    tmp_path: Path, ort: OrtEngine, caplog: Any
+) -> None:
+    with caplog.at_level(logging.INFO, logger="node.worker"):
+        jid, _ = _run_job(tmp_path, ort, prepare="before")
+    assert len(result_paths(tmp_path, jid)) == 2
+    line = next(r.getMessage() for r in caplog.records if "timing ms" in r.getMessage())
+    assert "(before" in line and "(CPU)" in line
+
+
+def test_prepare_setting() -> None:
+    assert from_dict({}).results.prepare == "concurrent"
+    assert from_dict({"results": {"prepare": "before"}}).results.prepare == "before"
+    with pytest.raises(ConfigError, match="results.prepare"):
+        from_dict({"results": {"prepare": "after"}})
