@@ -19,21 +19,35 @@ does that part while inference runs:
   measured values) and the sequences and items around them, whose lengths are recomputed.
   The template rendered with the placeholders must reproduce pydicom's bytes exactly, or
   ``prepare`` fails.
+* The first plan of a model, SEG class and equipment keeps what does not depend on the job
+  (a :class:`_Template`: the top-level elements but the base modules and the evidence, the
+  groups with the SEG's SOP Instance UID and the source series UID as slots too), once the
+  same job spliced from it gives the same elements. Later plans of that key are spliced:
+  highdicom's base class sets the SOP Common, Patient, Study, Series and Equipment modules
+  from the SEG header as ``Comprehensive3DSR`` does and pydicom writes those few elements
+  and the File Meta Information; the Current Requested Procedure Evidence Sequence is
+  encoded here as ``collect_evidence`` fills it. A job it does not cover (evidence from
+  another study, a UID pydicom would clean up) takes the full path.
 * :meth:`SrPlan.encode` fills the template with the statistics of the segments present and
   the current time: a few dozen short elements, no highdicom or pydicom objects.
 
 The result is byte for byte what ``build_sr`` and ``node.worker.encode`` write for the same
-label map and clock (``tests/test_sr_encode.py``). Explicit VR Little Endian, defined
-lengths, as pydicom writes (PS3.5 7.1.2, 7.5).
+label map and clock (``tests/test_sr_encode.py``; spliced plans in
+``tests/test_sr_template.py``). Explicit VR Little Endian, defined lengths, as pydicom
+writes (PS3.5 7.1.2, 7.5).
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from io import BytesIO
+from typing import Any
 
 import highdicom as hd
 from pydicom.dataelem import DataElement
@@ -69,6 +83,13 @@ _UID = 0x0040A124
 _FLOATING_POINT_VALUE = 0x0040A161
 _NUMERIC_VALUE = 0x0040A30A
 _REFERENCED_SEGMENT_NUMBER = 0x0062000B
+_REFERENCED_SOP_CLASS_UID = 0x00081150
+_REFERENCED_SOP_INSTANCE_UID = 0x00081155
+_REFERENCED_SERIES_SEQUENCE = 0x00081115
+_REFERENCED_SOP_SEQUENCE = 0x00081199
+_STUDY_INSTANCE_UID = 0x0020000D
+_SERIES_INSTANCE_UID = 0x0020000E
+_EVIDENCE_SEQUENCE = 0x0040A375  # Current Requested Procedure Evidence Sequence
 _CLOCK = {
     _INSTANCE_CREATION_DATE: "instance_date",
     _INSTANCE_CREATION_TIME: "instance_time",
@@ -90,7 +111,7 @@ _TEMPLATE_MEAN = -2345.25
 _TEMPLATE_STD = 3456.75
 _MEASUREMENTS = (("volume", _TEMPLATE_VOLUME), ("mean", _TEMPLATE_MEAN), ("std", _TEMPLATE_STD))
 _GROUP_SLOTS = frozenset(
-    {"tracking_uid", "segment_number"}
+    {"tracking_uid", "segment_number", "seg_sop_uid", "source_series_uid"}
     | {f"{name}_{vr}" for name, _ in _MEASUREMENTS for vr in ("ds", "fd")}
 )
 
@@ -169,22 +190,31 @@ def _tag_bytes(tag: int) -> tuple[int, int]:
 def _compile(ds: Dataset, encodings: str | list[str], hook: _Hook) -> list[_Part]:
     """The elements of ``ds`` in tag order (as pydicom's ``write_dataset``), the ones
     ``hook`` answers for replaced, sequences holding a replacement kept open."""
+    return [part for _, part in _compile_items(ds, encodings, hook)]
+
+
+def _compile_items(ds: Dataset, encodings: str | list[str], hook: _Hook) -> list[tuple[int, _Part]]:
+    """:func:`_compile`, each part with its element's tag."""
     encodings = ds.get("SpecificCharacterSet", encodings)
-    parts: list[_Part] = []
+    parts: list[tuple[int, _Part]] = []
     for tag in sorted(ds.keys()):
         if tag.element == 0 and tag.group > 6:
             continue  # retired group lengths are not written
         element = ds[tag]
         replaced = hook(ds, element, encodings)
         if replaced is not None:
-            parts.append(replaced)
+            parts.append((tag, replaced))
             continue
         if element.VR == "SQ" and not element.is_undefined_length:
             items = [_nested(_ITEM, _compile(item, encodings, hook)) for item in element.value]
-            parts.append(_nested(_sequence_header(tag), items))
+            parts.append((tag, _nested(_sequence_header(tag), items)))
         else:
-            parts.append(_element_bytes(element, encodings))
+            parts.append((tag, _element_bytes(element, encodings)))
     return parts
+
+
+def _no_hook(parent: Dataset, element: DataElement, encodings: str | list[str]) -> None:
+    return None
 
 
 def _sequence_header(tag: int) -> bytes:
@@ -223,6 +253,111 @@ def _is_imaging_measurements(item: Dataset) -> bool:
         and (str(concept[0].CodeValue), str(concept[0].CodingSchemeDesignator))
         == _IMAGING_MEASUREMENTS
     )
+
+
+_PLAIN_UID = re.compile(r"[0-9.]{1,64}")
+
+
+def _wrap(header: bytes, body: bytes) -> bytes:
+    """A sequence or item of defined length around ``body``."""
+    return header + _UL.pack(len(body)) + body
+
+
+def _evidence(evidence: Sequence[Dataset], study_uid: str) -> bytes | None:
+    """The Current Requested Procedure Evidence Sequence as highdicom's ``collect_evidence``
+    fills it (duplicates dropped, series in order of appearance), encoded; None where it
+    would not be the only evidence sequence (another study) or a UID is not plain digits
+    and dots (left to pydicom's writer)."""
+    seen: set[str] = set()
+    series: dict[str, list[bytes]] = {}
+    for ds in evidence:
+        uids = [str(ds.get(k, "")) for k in ("StudyInstanceUID", "SeriesInstanceUID")]
+        sop_class, sop = str(ds.get("SOPClassUID", "")), str(ds.get("SOPInstanceUID", ""))
+        if uids[0] != study_uid or not all(
+            _PLAIN_UID.fullmatch(uid) for uid in (*uids, sop_class, sop)
+        ):
+            return None
+        if sop in seen:
+            continue
+        seen.add(sop)
+        item = _ui(_REFERENCED_SOP_CLASS_UID, sop_class) + _ui(_REFERENCED_SOP_INSTANCE_UID, sop)
+        series.setdefault(uids[1], []).append(_wrap(_ITEM, item))
+    items = b"".join(
+        _wrap(
+            _ITEM,
+            _wrap(_sequence_header(_REFERENCED_SOP_SEQUENCE), b"".join(references))
+            + _ui(_SERIES_INSTANCE_UID, uid),
+        )
+        for uid, references in series.items()
+    )
+    study = _wrap(_sequence_header(_REFERENCED_SERIES_SEQUENCE), items)
+    study += _ui(_STUDY_INSTANCE_UID, study_uid)
+    return _wrap(_sequence_header(_EVIDENCE_SEQUENCE), _wrap(_ITEM, study))
+
+
+def _sr_base(seg: Dataset, uids: ResultUIDs, **kwargs: Any) -> hd.SOPClass:
+    """The SR's SOP Common, Patient, Study, Series and Equipment modules as
+    ``Comprehensive3DSR`` sets them from ``seg`` (its first evidence): highdicom's base
+    class with the same arguments, then the Patient and Study modules copied."""
+    try:
+        sr = hd.SOPClass(
+            study_instance_uid=seg.StudyInstanceUID,
+            series_instance_uid=uids.sr_series_uid,
+            sop_instance_uid=uids.sr_sop_uid,
+            sop_class_uid=Comprehensive3DSRStorage,
+            modality="SR",
+            transfer_syntax_uid=ExplicitVRLittleEndian,
+            patient_id=seg.PatientID,
+            patient_name=seg.PatientName,
+            patient_birth_date=seg.PatientBirthDate,
+            patient_sex=seg.PatientSex,
+            accession_number=seg.AccessionNumber,
+            study_id=seg.StudyID,
+            study_date=seg.StudyDate,
+            study_time=seg.StudyTime,
+            referring_physician_name=getattr(seg, "ReferringPhysicianName", None),
+            **kwargs,
+        )
+    except (ValueError, TypeError) as exc:
+        raise ResultError(f"cannot encode the measurement report: {exc}") from exc
+    sr.copy_patient_and_study_information(seg)
+    return sr
+
+
+def _file_head(ds: Dataset) -> bytes:
+    """Preamble, prefix and File Meta Information as pydicom writes them for ``ds``."""
+    buffer = BytesIO()
+    dcmwrite(buffer, ds, enforce_file_format=True)
+    written = buffer.getvalue()
+    # (0002,0000) File Meta Information Group Length (UL) follows the 132-byte prefix.
+    return written[: 144 + _UL.unpack_from(written, 140)[0]]
+
+
+def _job_values(uids: ResultUIDs, source_series_uid: str) -> dict[str, bytes]:
+    """The elements of every group that name this job's SEG and source series."""
+    return {
+        "seg_sop_uid": _element_bytes(
+            DataElement(_REFERENCED_SOP_INSTANCE_UID, "UI", uids.seg_sop_uid), "iso8859"
+        ),
+        "source_series_uid": _element_bytes(DataElement(_UID, "UI", source_series_uid), "iso8859"),
+    }
+
+
+@dataclass(frozen=True)
+class _Template:
+    """What every plan of one key shares: the SR's top-level elements that depend only on
+    the model, the SEG class and the equipment (date/time and groups as slots), and one
+    group per label value."""
+
+    items: tuple[tuple[int, _Part], ...]
+    groups: Mapping[int, _Part]
+    encodings: str | list[str]
+
+
+#: Templates by :func:`_template_key`, most recently used last; bounded, shared by threads.
+_TEMPLATES: OrderedDict[tuple[object, ...], _Template] = OrderedDict()
+_TEMPLATES_LOCK = threading.Lock()
+_TEMPLATES_MAX = 8
 
 
 def _seg_header(
@@ -288,6 +423,7 @@ class SrPlan:
     _body: tuple[_Part, ...] = field(repr=False)
     _groups: Mapping[int, _Part] = field(repr=False)
     _encodings: str | list[str] = field(repr=False)
+    _job: Mapping[str, bytes] = field(repr=False)
 
     @classmethod
     def prepare(
@@ -329,6 +465,12 @@ class SrPlan:
         ResultError
             highdicom rejects the input, the SEG class is neither of the two, or the
             template does not reproduce pydicom's bytes.
+
+        Notes
+        -----
+        The first call for a model (name, version, labels), SEG class and equipment takes
+        highdicom's full path and keeps a template; later calls for the same key splice
+        the job's modules and evidence into it (see the module docstring).
         """
         if seg_sop_class_uid not in (SEGMENTATION_STORAGE, LABEL_MAP_SEGMENTATION_STORAGE):
             raise ResultError(f"{seg_sop_class_uid} is not a Segmentation SOP Class")
@@ -344,6 +486,37 @@ class SrPlan:
             device_serial=device_serial,
             specific_character_set=charset,
         )
+        # The keywords sr_document gives Comprehensive3DSR that its base class keeps.
+        base_kwargs: dict[str, Any] = {
+            "series_number": series_number,
+            "instance_number": instance_number,
+            "manufacturer": manufacturer,
+            "specific_character_set": charset,
+            "series_description": f"SR {manifest.name}"[:64],
+            "manufacturer_model_name": "segnode",
+            "software_versions": software_version,
+            "device_serial_number": device_serial,
+        }
+        key = (
+            manifest.name,
+            manifest.version,
+            manifest.labels,
+            seg_sop_class_uid,
+            seg_manufacturer_model_name,
+            *((k, v if not isinstance(v, list) else tuple(v)) for k, v in base_kwargs.items()),
+        )
+        evidence = [seg, *sources]
+        source_series_uid = volume.series_instance_uid
+        with _TEMPLATES_LOCK:
+            template = _TEMPLATES.get(key)
+            if template is not None:
+                _TEMPLATES.move_to_end(key)
+        if template is not None:
+            plan = cls._from_template(
+                template, manifest, uids, seg, evidence, source_series_uid, base_kwargs
+            )
+            if plan is not None:
+                return plan
         specs = sorted(manifest.labels, key=lambda spec: spec.value)
         placeholders = [
             SegmentStatistics(
@@ -361,12 +534,12 @@ class SrPlan:
             manifest,
             uids,
             seg_sop_class_uid=seg_sop_class_uid,
-            source_series_uid=volume.series_instance_uid,
+            source_series_uid=source_series_uid,
             manufacturer=manufacturer,
             device_serial=device_serial,
         )
         model = sr_document(
-            [seg, *sources],
+            evidence,
             report,
             manifest,
             uids,
@@ -377,13 +550,79 @@ class SrPlan:
             device_serial=device_serial,
             instance_number=instance_number,
         )
-        return cls._from_model(model, manifest, uids, [spec.value for spec in specs])
+        plan, items = cls._from_model(
+            model, manifest, uids, [spec.value for spec in specs], source_series_uid
+        )
+        if template is None:
+            # What is not the job's (the base modules, the evidence) is the template,
+            # kept once the splice gives this job's document back element for element.
+            base = _sr_base(seg, uids, **base_kwargs)
+            job_tags = {e.tag for e in base if e.tag not in _CLOCK} | {_EVIDENCE_SEQUENCE}
+            template = _Template(
+                items=tuple((tag, part) for tag, part in items if tag not in job_tags),
+                groups=plan._groups,
+                encodings=plan._encodings,
+            )
+            spliced = cls._from_template(
+                template, manifest, uids, seg, evidence, source_series_uid, base_kwargs
+            )
+            if spliced == plan:
+                with _TEMPLATES_LOCK:
+                    _TEMPLATES[key] = template
+                    while len(_TEMPLATES) > _TEMPLATES_MAX:
+                        _TEMPLATES.popitem(last=False)
+        return plan
+
+    @classmethod
+    def _from_template(
+        cls,
+        template: _Template,
+        manifest: ModelManifest,
+        uids: ResultUIDs,
+        seg: Dataset,
+        evidence: Sequence[Dataset],
+        source_series_uid: str,
+        base_kwargs: Mapping[str, Any],
+    ) -> SrPlan | None:
+        """The plan of this job from a template: the base modules set by highdicom and
+        written by pydicom (a few dozen elements), the evidence encoded here; None where
+        the job needs what the template does not cover (see :func:`_evidence`)."""
+        base = _sr_base(seg, uids, **base_kwargs)
+        evidence_sequence = _evidence(evidence, str(base.StudyInstanceUID))
+        if evidence_sequence is None:
+            return None
+        fixed = {tag for tag, _ in template.items}
+        items = [
+            (tag, part)
+            for tag, part in _compile_items(base, template.encodings, _no_hook)
+            if tag not in _CLOCK
+        ]
+        if _EVIDENCE_SEQUENCE in fixed or any(tag in fixed for tag, _ in items):
+            return None
+        items += [*template.items, (_EVIDENCE_SEQUENCE, evidence_sequence)]
+        items.sort(key=lambda item: item[0])
+        return cls(
+            manifest=manifest,
+            uids=uids,
+            sop_class_uid=str(Comprehensive3DSRStorage),
+            _head=_file_head(base),
+            _body=tuple(part for _, part in items),
+            _groups=template.groups,
+            _encodings=template.encodings,
+            _job=_job_values(uids, source_series_uid),
+        )
 
     @classmethod
     def _from_model(
-        cls, model: Dataset, manifest: ModelManifest, uids: ResultUIDs, values: list[int]
-    ) -> SrPlan:
-        """Cut the written ``model`` into the template (see the module docstring)."""
+        cls,
+        model: Dataset,
+        manifest: ModelManifest,
+        uids: ResultUIDs,
+        values: list[int],
+        source_series_uid: str,
+    ) -> tuple[SrPlan, list[tuple[int, _Part]]]:
+        """Cut the written ``model`` into the template (see the module docstring); the
+        plan and its top-level parts by tag."""
         placeholder_uid = derived_uid(uids.sr_sop_uid, "segment", str(_TEMPLATE_NUMBER))
         equipment = [id(item) for item in model.get("ContributingEquipmentSequence", [])]
         found: dict[str, bytes] = {}
@@ -398,6 +637,10 @@ class SrPlan:
                 name = "tracking_uid"
             elif element.tag == _REFERENCED_SEGMENT_NUMBER and element.value == _TEMPLATE_NUMBER:
                 name = "segment_number"
+            elif element.tag == _REFERENCED_SOP_INSTANCE_UID and element.value == uids.seg_sop_uid:
+                name = "seg_sop_uid"
+            elif element.tag == _UID and element.value == source_series_uid:
+                name = "source_series_uid"
             elif element.tag in (_NUMERIC_VALUE, _FLOATING_POINT_VALUE):
                 vr = "ds" if element.tag == _NUMERIC_VALUE else "fd"
                 for measurement, value in _MEASUREMENTS:
@@ -430,20 +673,24 @@ class SrPlan:
             return _Slot(name)
 
         encodings: str | list[str] = model.get("SpecificCharacterSet", "iso8859")
-        body = tuple(_compile(model, encodings, hook))
+        items = _compile_items(model, encodings, hook)
+        body = tuple(part for _, part in items)
         missing = {*_CLOCK.values(), "contribution_datetime", "groups"} - set(found)
         if missing or len(groups) != len(values):
             raise ResultError(f"the SR template lacks {sorted(missing) or 'groups'}")
         for group in groups:
             if sorted(_slots([group])) != sorted(_GROUP_SLOTS):
                 raise ResultError(f"a template group holds {_slots([group])}")
+        job = _job_values(uids, source_series_uid)
+        if any(v[name] != job[name] for v in group_values for name in job):
+            raise ResultError("the SR template's SEG or source series reference differs")
         buffer = BytesIO()
         dcmwrite(buffer, model, enforce_file_format=True)
         written = buffer.getvalue()
         rendered = _render(body, found)
         if not written.endswith(rendered):
             raise ResultError("the SR template does not reproduce pydicom's encoding")
-        return cls(
+        plan = cls(
             manifest=manifest,
             uids=uids,
             sop_class_uid=str(Comprehensive3DSRStorage),
@@ -451,7 +698,9 @@ class SrPlan:
             _body=body,
             _groups=dict(zip(values, groups, strict=True)),
             _encodings=encodings,
+            _job=job,
         )
+        return plan, items
 
     def encode(
         self, stats: Sequence[SegmentStatistics], *, now: datetime.datetime | None = None
@@ -491,7 +740,7 @@ class SrPlan:
             if s.label != self.manifest.label(value):
                 raise ResultError(f"label {value} is not {self.manifest.name}'s")
             previous = value
-            groups.append(_render([template], self._group_values(s)))
+            groups.append(_render([template], {**self._job, **self._group_values(s)}))
         now = now if now is not None else datetime.datetime.now()
         clock = {
             "instance_date": DataElement(_INSTANCE_CREATION_DATE, "DA", DA(now.date())),
