@@ -58,7 +58,8 @@ def seg_sources(seg: bytes) -> set[str]:
 
 
 def series_jobs(node: NodeProcess, series_uid: str) -> list[dict[str, Any]]:
-    return [j for j in node.jobs()["jobs"] if j["series"] == series_uid]
+    jobs = [j for j in node.jobs()["jobs"] if j["series"] == series_uid]
+    return sorted(jobs, key=lambda j: int(j["id"]))
 
 
 def node_sending_to_orthanc(
@@ -250,11 +251,20 @@ def test_interleaved_per_instance_and_whole_series_senders(make_node: Any, tmp_p
     t_ct = time.monotonic()
     wait_for(lambda: series_jobs(node, ct_series), 10, "CT's job")
     ct_queued = time.monotonic() - t_ct
-    assert not series_jobs(node, pi_series) or not sender.is_alive()  # PI: none while sending
     sender.join(120)
-    wait_for(lambda: [j["state"] for j in series_jobs(node, pi_series)] == ["done"], 60, "PI's job")
+
+    def pi_settled() -> bool:
+        states = [j["state"] for j in series_jobs(node, pi_series)]
+        return bool(states) and states[-1] == "done" and set(states[:-1]) <= {"superseded"}
+
+    # While CT's job runs inference on both cores, PI's next storescu may start late enough
+    # for its hold to expire: a job for part of PI's series is then allowed, as long as it
+    # is superseded (never encoded, never sent) and one job covers the whole series.
+    wait_for(pi_settled, 60, "PI's job")
     wait_for(lambda: [j["state"] for j in series_jobs(node, ct_series)] == ["done"], 60, "CT")
-    (pi_job,) = series_jobs(node, pi_series)
+    pi_job = series_jobs(node, pi_series)[-1]
+    for partial in series_jobs(node, pi_series)[:-1]:
+        assert partial["state"] == "superseded" and partial["instances"] < 60
     (ct_job,) = series_jobs(node, ct_series)
     assert (pi_job["instances"], pi_job["trigger"]) == (60, "sender-gap")
     assert (ct_job["instances"], ct_job["trigger"]) == (30, "association-release")
