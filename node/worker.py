@@ -57,7 +57,7 @@ from node.seg_encode import SegPlan
 from node.sr_encode import SrPlan
 from node.statistics import statistics_from_sums
 from node.streaming import StreamingAssembler
-from node.volume import Volume, VolumeError, assemble_volume
+from node.volume import Volume, VolumeError, assemble_from_datasets, assemble_volume
 from storage.ledger import JobView, Ledger
 from storage.spool import write_atomic
 
@@ -124,9 +124,22 @@ class Worker:
         self.on_encoded: Callable[[int], None] | None = None
 
     def start(self) -> None:
-        """Start the worker thread."""
+        """Start the worker thread; the helper thread prepares a tiny result once, so that
+        the default model's SR template is cached before the first job."""
+        self._helper.submit(self._warm)
         self._thread = threading.Thread(target=self._run, name="segnode-worker", daemon=True)
         self._thread.start()
+
+    def _warm(self) -> None:
+        from node.synthetic import synthetic_datasets
+
+        try:
+            volume = assemble_from_datasets(
+                synthetic_datasets(rows=8, columns=8, slices=2, seed=1), min_slices=2
+            )
+            self._prepare(volume, self.manifest, ResultUIDs.new(), datetime.now())
+        except Exception as exc:  # the first job then prepares the slow way
+            log.debug("preparing the result templates at start failed: %s", exc)
 
     def stop(self, timeout: float | None = None) -> None:
         """Ask the thread to stop after the job in progress and wait for it."""
