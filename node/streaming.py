@@ -489,6 +489,15 @@ class StreamingAssembler:
             if state is not None:
                 self._spill(state)
 
+    def recycle(self, volume: Volume) -> None:
+        """Take back the memory of a volume whose job is done (the caller keeps no reference
+        to ``volume.hu``): the next series decodes into memory that is already touched, not
+        into fresh pages whose faults slow the decoder behind a fast sender. Within the
+        memory cap; an array the pool did not hand out is ignored."""
+        self.pool.give(volume.hu)
+        with self._cond:
+            self.pool.trim(self.max_bytes - self._bytes)
+
     def take(self, series_uid: str, paths: Sequence[Path], timeout: float = 60.0) -> Volume | None:
         """The prebuilt volume of exactly ``paths`` (ledger order), or None.
 

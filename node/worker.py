@@ -102,6 +102,8 @@ class Worker:
         )
         #: The last volume, kept while other models' jobs of the same series version wait.
         self._volume: tuple[str, int, list[Path], Volume] | None = None
+        #: The volume of the job in progress, handed back to the assembler's pool after it.
+        self._prebuilt: Volume | None = None
         self.results_dir = config.data_dir / "results"
         # Destinations that take IOCM rejection notes for superseded results.
         self._rejecting = {
@@ -165,7 +167,16 @@ class Worker:
             self.process(job)
         finally:
             self.current_job = None
+            self._recycle_volume()
         return True
+
+    def _recycle_volume(self) -> None:
+        """Hand the finished job's prebuilt volume back to the streaming assembler's pool,
+        unless it is kept for the next model's job of the same series."""
+        volume, self._prebuilt = self._prebuilt, None
+        kept = self._volume[3] if self._volume is not None else None
+        if volume is not None and volume is not kept and self.volumes is not None:
+            self.volumes.recycle(volume)
 
     def process(self, job: JobView) -> None:
         """Run every stage of ``job``; failures end it as failed with a reason."""
@@ -209,6 +220,7 @@ class Worker:
             volume = self.volumes.take(job.series_instance_uid, paths)
             if volume is not None:
                 log.info("job %d: volume prebuilt while the series arrived", job.id)
+        self._prebuilt = volume
         if volume is None:
             volume = assemble_volume(paths, min_slices=self.config.series.min_slices)
         if self.ledger.queued_siblings(job.id):  # another model will need the same volume

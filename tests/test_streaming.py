@@ -295,6 +295,36 @@ def test_slabs_are_reused_by_the_next_series(tmp_path: Path) -> None:
     assert asm.pool.idle_bytes == 0
 
 
+def test_recycled_volumes_make_the_next_series_decode_into_touched_memory(
+    tmp_path: Path,
+) -> None:
+    """Without a count hint a 128-slice series decodes into two 64-slice slabs and is
+    gathered into a new 128-slice array; once the job hands that volume back (the worker's
+    recycle), every later series of that size finds all three blocks in the pool: no fresh
+    memory at all, and the volumes stay exact."""
+    asm = StreamingAssembler(workers=1, max_bytes=256 * 2**20)
+    asm.start()
+    try:
+        fresh = []
+        for k, seed in enumerate((71, 72, 73)):
+            paths = write_synthetic_series(
+                tmp_path / str(k), rows=16, columns=16, slices=128, seed=seed
+            )
+            uid = series_uid_of(paths[0])
+            reused = asm.pool.reused
+            feed(asm, paths, uid, list(range(len(paths))))
+            got = asm.take(uid, paths)
+            assert got is not None
+            assert_same_volume(got, assemble_volume(paths))
+            fresh.append(3 - (asm.pool.reused - reused))  # blocks not found in the pool
+            asm.recycle(got)
+        assert fresh[1:] == [0, 0], fresh
+        asm.recycle(got)  # twice: the pool keeps one reference to a block
+        assert asm.pool.idle_bytes == (64 + 64 + 128) * 16 * 16 * 4
+    finally:
+        asm.stop()
+
+
 def test_warm_slabs_count_against_the_memory_cap() -> None:
     asm = StreamingAssembler(workers=1, max_bytes=200 * 2**20, warm_bytes=1 << 40)
     assert asm.warm_bytes == 200 * 2**20  # never more than the cap

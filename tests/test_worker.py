@@ -170,3 +170,29 @@ def test_worker_results_reread_by_highdicom_and_reencode_identically(
     assert view is not None
     worker.process(view)
     assert (seg_path.read_bytes(), sr_path.read_bytes()) == first
+
+
+def test_prebuilt_volume_goes_back_to_the_pool_after_its_job(
+    tmp_path: Path, engine: OrtEngine
+) -> None:
+    """The worker hands the job's prebuilt volume back to the streaming assembler, so the
+    next series decodes into memory already touched."""
+    from node.streaming import Arrival, StreamingAssembler
+
+    worker, ledger, spool = make(tmp_path, engine)
+    asm = StreamingAssembler(workers=1, max_bytes=256 * 2**20)
+    asm.start()
+    worker.volumes = asm
+    try:
+        files = write_synthetic_series(tmp_path / "in", rows=32, columns=32, slices=70, seed=34)
+        uid = ingest(ledger, spool, files)
+        for i, path in enumerate(ledger.instance_paths(uid)):
+            asm.submit(Arrival(uid, f"sop{i}", path, "TEST", 0))
+        assert asm.wait_idle()
+        jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
+        assert jid is not None and worker.run_once()
+        assert asm.taken == 1  # the job used the prebuilt volume
+        # the two 64-slice slabs went back while gathering, the 70-slice volume after the job
+        assert asm.pool.idle_bytes == (64 + 64 + 70) * 32 * 32 * 4
+    finally:
+        asm.stop()
