@@ -90,14 +90,15 @@ def test_completion_policies_split_series_and_late_instance(make_node: Any, tmp_
 def test_urgent_series_waits_only_for_the_job_in_progress(make_node: Any, tmp_path: Path) -> None:
     node = start_with_senders(make_node)
     routine = tmp_path / "routine"
-    for k in range(3):
-        write_synthetic_series(routine / str(k), rows=128, columns=128, slices=32, seed=70 + k)
-    urgent = write_synthetic_series(tmp_path / "urgent", rows=32, columns=32, slices=6, seed=75)
-    # One association delivers the routine backlog: three jobs queued at its release.
+    # A backlog that outlasts the CLI polls below (each routine job takes about 0.3 s now).
+    for k in range(6):
+        write_synthetic_series(routine / str(k), rows=512, columns=512, slices=48, seed=70 + k)
+    urgent = write_synthetic_series(tmp_path / "urgent", rows=32, columns=32, slices=6, seed=95)
+    # One association delivers the routine backlog: six jobs queued at its release.
     assert storescu(node, routine, calling="ROUTINE").returncode == 0
     wait_for(lambda: any(j["stages"]["started"] for j in jobs_of(node)), 30, "first job started")
     assert storescu(node, *urgent, calling="URGENT").returncode == 0
-    wait_for(lambda: [j["state"] for j in jobs_of(node)] == ["done"] * 4, 120, "all jobs done")
+    wait_for(lambda: [j["state"] for j in jobs_of(node)] == ["done"] * 7, 120, "all jobs done")
     jobs = jobs_of(node)
     (hot,) = [j for j in jobs if j["priority"] == 10]
     cold = [j for j in jobs if j["priority"] == 0]
