@@ -102,7 +102,8 @@ class SlabPool:
             fits = [b for b in self._idle if n <= b.size <= 3 * n]
             if fits:
                 block = min(fits, key=lambda b: b.size)
-                self._idle.remove(block)
+                # By identity: list.remove compares with ==, elementwise for arrays.
+                del self._idle[next(i for i, b in enumerate(self._idle) if b is block)]
                 self.idle_bytes -= block.nbytes
                 self.reused += 1
                 return block[:n].reshape(shape)

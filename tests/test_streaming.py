@@ -295,6 +295,22 @@ def test_slabs_are_reused_by_the_next_series(tmp_path: Path) -> None:
     assert asm.pool.idle_bytes == 0
 
 
+def test_slab_pool_hands_out_the_best_fit_among_blocks_of_several_sizes() -> None:
+    """Idle blocks of different sizes (slabs and recycled volumes): the smallest that fits
+    is handed out and removed by identity (comparing arrays would fail or match wrongly)."""
+    pool = SlabPool()
+    blocks = [pool.take((n, 8, 8)) for n in (30, 64, 64, 128)]
+    for b in blocks:
+        pool.give(b)
+    got = pool.take((60, 8, 8))
+    assert np.shares_memory(got, blocks[1]) and pool.reused == 1
+    assert pool.idle_bytes == (30 + 64 + 128) * 8 * 8 * 4
+    got = pool.take((100, 8, 8))
+    assert np.shares_memory(got, blocks[3])
+    got = pool.take((30, 8, 8))
+    assert np.shares_memory(got, blocks[0])
+
+
 def test_recycled_volumes_make_the_next_series_decode_into_touched_memory(
     tmp_path: Path,
 ) -> None:
