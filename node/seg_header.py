@@ -16,6 +16,7 @@ import datetime
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import highdicom as hd
 import numpy as np
@@ -33,11 +34,16 @@ from pydicom.uid import ExplicitVRLittleEndian
 from pydicom.valuerep import DA, DT, TM, format_number_as_ds
 
 from engines.manifest import LabelSpec, ModelManifest
-from node.results import ResultError, ResultUIDs, _code, derived_uid
+from node.results import (
+    LABEL_MAP_SEGMENTATION_STORAGE,
+    SEGMENTATION_STORAGE,
+    ResultError,
+    ResultUIDs,
+    _code,
+    derived_uid,
+)
 from node.volume import Volume
 
-SEGMENTATION_STORAGE = "1.2.840.10008.5.1.4.1.1.66.4"
-LABEL_MAP_SEGMENTATION_STORAGE = "1.2.840.10008.5.1.4.1.1.66.7"
 #: highdicom matches a frame to a source plane closer than this (mm)
 MATCH_TOLERANCE_MM = 1e-3
 
@@ -128,6 +134,50 @@ def encode_elements(ds: Dataset, encoding: str | list[str]) -> dict[int, bytes]:
 # ------------------------------------------------------------------------------ header
 
 
+def seg_base(
+    src: Dataset,
+    uids: ResultUIDs,
+    sop_class_uid: str,
+    *,
+    series_number: int,
+    instance_number: int,
+    manufacturer: str,
+    manufacturer_model_name: str,
+    software_version: str,
+    device_serial: str,
+    charset: str | list[str] | None,
+    **more: Any,
+) -> Dataset:
+    """The SEG's SOP Common, Patient, Study, Series and Equipment attributes as
+    ``hd.seg.Segmentation`` sets them on its base class from the first source ``src``
+    (``more``: further base-class arguments, e.g. the series description)."""
+    return SOPClass(
+        study_instance_uid=src.StudyInstanceUID,
+        series_instance_uid=uids.seg_series_uid,
+        series_number=series_number,
+        sop_instance_uid=uids.seg_sop_uid,
+        sop_class_uid=sop_class_uid,
+        instance_number=instance_number,
+        manufacturer=manufacturer,
+        modality="SEG",
+        transfer_syntax_uid=ExplicitVRLittleEndian,
+        patient_id=src.PatientID,
+        patient_name=src.PatientName,
+        patient_birth_date=src.PatientBirthDate,
+        patient_sex=src.PatientSex,
+        accession_number=src.AccessionNumber,
+        study_id=src.StudyID,
+        study_date=src.StudyDate,
+        study_time=src.StudyTime,
+        referring_physician_name=getattr(src, "ReferringPhysicianName", None),
+        manufacturer_model_name=manufacturer_model_name,
+        device_serial_number=device_serial,
+        software_versions=software_version,
+        specific_character_set=charset,
+        **more,
+    )
+
+
 def build_header(
     sources: Sequence[Dataset],
     shape: tuple[int, int, int],
@@ -156,29 +206,17 @@ def build_header(
     """
     src = sources[0]
     sop_class = LABEL_MAP_SEGMENTATION_STORAGE if labelmap else SEGMENTATION_STORAGE
-    header = SOPClass(
-        study_instance_uid=src.StudyInstanceUID,
-        series_instance_uid=uids.seg_series_uid,
+    header = seg_base(
+        src,
+        uids,
+        sop_class,
         series_number=series_number,
-        sop_instance_uid=uids.seg_sop_uid,
-        sop_class_uid=sop_class,
         instance_number=instance_number,
         manufacturer=manufacturer,
-        modality="SEG",
-        transfer_syntax_uid=ExplicitVRLittleEndian,
-        patient_id=src.PatientID,
-        patient_name=src.PatientName,
-        patient_birth_date=src.PatientBirthDate,
-        patient_sex=src.PatientSex,
-        accession_number=src.AccessionNumber,
-        study_id=src.StudyID,
-        study_date=src.StudyDate,
-        study_time=src.StudyTime,
-        referring_physician_name=getattr(src, "ReferringPhysicianName", None),
         manufacturer_model_name=manufacturer_model_name,
-        device_serial_number=device_serial,
-        software_versions=software_version,
-        specific_character_set=charset,
+        software_version=software_version,
+        device_serial=device_serial,
+        charset=charset,
         series_description=f"SEG {manifest.name}"[:64],
         content_date=created.date(),
         content_time=created.time(),

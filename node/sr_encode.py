@@ -69,6 +69,7 @@ from node.results import (
     measurement_report,
     sr_document,
 )
+from node.seg_header import seg_base
 from node.statistics import SegmentStatistics
 from node.volume import Volume
 
@@ -373,29 +374,17 @@ def _seg_header(
 ) -> Dataset:
     """The attributes of the SEG that highdicom's SR reads (its evidence, Patient and Study
     modules, equipment), set as ``hd.seg.Segmentation`` sets them from the first source."""
-    seg = hd.SOPClass(
-        study_instance_uid=first.StudyInstanceUID,
-        series_instance_uid=uids.seg_series_uid,
+    seg = seg_base(
+        first,
+        uids,
+        sop_class_uid,
         series_number=1,
-        sop_instance_uid=uids.seg_sop_uid,
-        sop_class_uid=sop_class_uid,
         instance_number=1,
-        modality="SEG",
         manufacturer=manufacturer,
-        transfer_syntax_uid=ExplicitVRLittleEndian,
-        patient_id=first.PatientID,
-        patient_name=first.PatientName,
-        patient_birth_date=first.PatientBirthDate,
-        patient_sex=first.PatientSex,
-        accession_number=first.AccessionNumber,
-        study_id=first.StudyID,
-        study_date=first.StudyDate,
-        study_time=first.StudyTime,
-        referring_physician_name=getattr(first, "ReferringPhysicianName", None),
         manufacturer_model_name=manufacturer_model_name,
-        device_serial_number=device_serial,
-        software_versions=software_version,
-        specific_character_set=specific_character_set,
+        software_version=software_version,
+        device_serial=device_serial,
+        charset=specific_character_set,
     )
     seg.copy_patient_and_study_information(first)
     return seg
