@@ -25,11 +25,13 @@ use are decoded and compared with the volume's geometry and sources.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from pydicom.datadict import keyword_for_tag
 
+from node.parallel import map_blocks
 from node.results import POSITION_TOLERANCE_MM, ResultError
 from node.seg_encode import EncodedSeg, SegPlan
 from node.seg_header import (
@@ -435,9 +437,13 @@ def _check_bit_planes(
     slices, pixels = flat.shape
     index = np.full((len(values), slices), -1, dtype=np.intp)
     index[frame_segments - 1, frame_slices] = np.arange(len(frame_slices))
-    scratch = np.empty((_SLICES_AT_ONCE, pixels), dtype=flat.dtype)
-    for z in range(0, slices, _SLICES_AT_ONCE):
-        part = flat[z : z + _SLICES_AT_ONCE]
+
+    def block(start: int, stop: int) -> None:
+        scratch = np.empty((_SLICES_AT_ONCE, pixels), dtype=flat.dtype)
+        for z in range(start, stop, _SLICES_AT_ONCE):
+            _check_slices(z, flat[z : min(stop, z + _SLICES_AT_ONCE)], scratch)
+
+    def _check_slices(z: int, part: npt.NDArray[np.integer], scratch: npt.NDArray[Any]) -> None:
         n = len(part)
         planes = np.empty((width, n, pixels // 8), dtype=np.uint8)
         for j in range(width):
@@ -458,6 +464,9 @@ def _check_bit_planes(
         labelled = np.bitwise_or.reduce(planes, axis=0)
         if not np.array_equal(np.bitwise_or.reduce(expected, axis=0), labelled):
             raise _fail(f"slices {z}..{z + n - 1} hold label values the SEG does not describe")
+
+    # blocks of slices on several threads; the first failing block's error is raised
+    map_blocks(block, slices, _SLICES_AT_ONCE)
 
 
 def _popcount(data: npt.NDArray[np.uint8]) -> int:

@@ -40,6 +40,7 @@ from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 
 from engines.manifest import ModelManifest
+from node.parallel import map_blocks
 from node.results import (
     NoSegmentsError,
     ResultError,
@@ -488,7 +489,8 @@ class SegPlan:
 def _scan(
     flat: npt.NDArray[np.integer], values: Sequence[int], *, pack: bool
 ) -> tuple[npt.NDArray[np.bool_], dict[tuple[int, int], npt.NDArray[np.generic]]]:
-    """Compare ``flat`` (slices x pixels) with each value, a few slices at a time.
+    """Compare ``flat`` (slices x pixels) with each value, a few slices at a time, in blocks
+    of slices on several threads (:func:`node.parallel.map_blocks`).
 
     Returns the presence of every value on every slice and, with ``pack``, the frame of
     every present (value index, slice): 1-bit packed when a frame is a whole number of bytes,
@@ -496,26 +498,33 @@ def _scan(
     """
     slices, pixels = flat.shape
     step = max(1, _CHUNK_BYTES // max(1, pixels * flat.itemsize))
-    buffer = np.empty((step, pixels), dtype=np.bool_)
     presence = np.zeros((len(values), slices), dtype=np.bool_)
-    rows: dict[tuple[int, int], npt.NDArray[np.generic]] = {}
     limit = np.iinfo(flat.dtype).max
     aligned = pixels % 8 == 0
-    for z in range(0, slices, step):
-        part = flat[z : z + step]
-        mask = buffer[: len(part)]
-        for i, value in enumerate(values):
-            if value > limit:
-                continue
-            np.equal(part, value, out=mask)
-            if not pack:
-                presence[i, z : z + len(part)] = mask.any(axis=1)
-                continue
-            packed = np.packbits(mask, axis=1, bitorder="little")
-            hit = packed.any(axis=1)
-            presence[i, z : z + len(part)] = hit
-            for j in np.flatnonzero(hit).tolist():
-                rows[(i, z + j)] = packed[j] if aligned else mask[j].copy()
+
+    def block(start: int, stop: int) -> dict[tuple[int, int], npt.NDArray[np.generic]]:
+        buffer = np.empty((step, pixels), dtype=np.bool_)
+        rows: dict[tuple[int, int], npt.NDArray[np.generic]] = {}
+        for z in range(start, stop, step):
+            part = flat[z : min(stop, z + step)]
+            mask = buffer[: len(part)]
+            for i, value in enumerate(values):
+                if value > limit:
+                    continue
+                np.equal(part, value, out=mask)
+                if not pack:
+                    presence[i, z : z + len(part)] = mask.any(axis=1)
+                    continue
+                packed = np.packbits(mask, axis=1, bitorder="little")
+                hit = packed.any(axis=1)
+                presence[i, z : z + len(part)] = hit
+                for j in np.flatnonzero(hit).tolist():
+                    rows[(i, z + j)] = packed[j] if aligned else mask[j].copy()
+        return rows
+
+    rows: dict[tuple[int, int], npt.NDArray[np.generic]] = {}
+    for found in map_blocks(block, slices, step):  # each block writes its own presence columns
+        rows.update(found)
     return presence, rows
 
 
