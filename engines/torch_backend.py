@@ -470,7 +470,7 @@ class TorchEngine:
                 labels = labels.to(torch.uint8)
                 totals = self._label_sums(labels, raw) if sums else None
                 del raw
-                result: npt.NDArray[np.uint8] = labels.cpu().numpy()
+                result: npt.NDArray[np.uint8] = self._to_host(labels)
                 label_sums = None
                 if totals is not None:
                     table = totals.cpu().numpy()
@@ -484,16 +484,43 @@ class TorchEngine:
         return result, label_sums
 
     def _label_sums(self, labels: Any, hu: Any) -> Any:
-        """float64 ``(3, n)`` on the device: per label value 0..n-1 the voxel count, the sum
-        of ``hu`` and the sum of its squares (counts are exact in float64 up to 2**53)."""
+        """float64 ``(3, n)`` on the device: per label value 0..n-1 (n: the model's classes,
+        or more if the label map holds larger values) the voxel count, the sum of ``hu`` and
+        the sum of its squares (counts are exact in float64 up to 2**53).
+
+        One masked reduction per label value rather than ``torch.bincount`` with weights:
+        bincount adds every voxel into one of a handful of bins with atomic float64 adds,
+        which serialise on a GPU (10.2 ms against 3.9 ms for 128 x 512 x 512 on the H200).
+        """
         torch = self._torch
-        index = labels.reshape(-1).to(torch.int64)
+        assert self.manifest is not None
         wide = hu.reshape(-1).to(torch.float64)
-        counts = torch.bincount(index).to(torch.float64)
-        total = torch.bincount(index, weights=wide)
-        wide.mul_(wide)
-        squares = torch.bincount(index, weights=wide)
-        return torch.stack([counts, total, squares])
+        flat = labels.reshape(-1)
+        n = max(self.manifest.num_classes, int(flat.max()) + 1)
+        zero = wide.new_zeros(())
+        rows = []
+        for value in range(n):
+            hit = flat == value
+            picked = torch.where(hit, wide, zero)
+            rows.append(
+                torch.stack([hit.sum(dtype=torch.float64), picked.sum(), picked.mul_(picked).sum()])
+            )
+        return torch.stack(rows, dim=1)
+
+    def _to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
+        """The uint8 label map as a NumPy array, copied from the GPU through page-locked
+        memory (torch's caching host allocator hands the same block back next time; the
+        array keeps it until it is dropped). A copy from the device into pageable memory
+        runs at about a tenth of the speed (20.7 ms against ~2 ms for 33.6 MB, H200)."""
+        torch = self._torch
+        if labels.device.type != "cuda":
+            array: npt.NDArray[np.uint8] = labels.numpy()
+            return array
+        host = torch.empty(labels.shape, dtype=labels.dtype, pin_memory=True)
+        host.copy_(labels, non_blocking=True)
+        torch.cuda.current_stream(labels.device).synchronize()
+        array = host.numpy()
+        return array
 
     def close(self) -> None:
         """Drop the module, graphs and cached device memory."""

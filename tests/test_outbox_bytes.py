@@ -246,6 +246,10 @@ def test_two_jobs_share_one_kept_open_association(
         run_until_sent(d, ledger, [first])
         time.sleep(0.3)  # the association idles, open
         assert len(wire.open_associations()) == 1
+        # Its socket sends each PDU at once (no Nagle stall before the next object's data).
+        (kept,) = d.kept._idle.values()
+        sock = kept[0].dul.socket.socket
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
         second = encoded_job(ledger, tmp_path, [wire.peer])
         d.wake.set()
         run_until_sent(d, ledger, [second])
