@@ -198,6 +198,10 @@ class ResultsConfig:
     prepare: str = "concurrent"
 
 
+ENGINE_LOAD_MODES = ("background", "before")
+"""``[model] load``: when the default model's engine loads relative to listening."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """``[model]``: which model runs on which backend."""
@@ -207,6 +211,9 @@ class ModelConfig:
     threads: int = 0
     precision: str = "fp32"
     compile: bool = False
+    #: "background" (listen at once; jobs wait until the engine is loaded) or "before" (listen
+    #: only once the engine is loaded).
+    load: str = "background"
 
 
 @dataclass(frozen=True)
@@ -455,6 +462,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         threads=_int(m.get("threads", 0), "model.threads", 0, 256),
         precision=_str(m.get("precision", "fp32"), "model.precision", ("fp32", "fp16")),
         compile=_bool(m.get("compile", False), "model.compile"),
+        load=_str(m.get("load", d.model.load), "model.load", ENGINE_LOAD_MODES),
     )
     if not model.manifest.exists():
         raise ConfigError(f"model.manifest: file not found: {model.manifest}")

@@ -12,11 +12,12 @@ from typing import Any
 
 from pydicom.errors import InvalidDicomError
 
-from engines.base import Engine, create_engine
+from engines.base import Engine, EngineError, create_engine
 from engines.manifest import ModelManifest, load_manifest
 from node.config import Config
 from node.engine_pool import EnginePool
 from node.engine_pool import engine_options as pool_engine_options
+from node.errors import SegnodeError
 from node.metrics import Metrics
 from node.notify import Notifier
 from node.retention import Retention
@@ -67,9 +68,17 @@ class Node:
         self.config = config
         self.ledger, self.spool = open_state(config)
         self.manifest: ModelManifest = load_manifest(config.model.manifest)
+        #: The engine still to load in the background (``[model] load = "background"``).
+        self._unloaded: Engine | None = None
+        self._loader: threading.Thread | None = None
+        #: Why the engine could not be loaded in the background (the node then stops).
+        self.engine_failure: str | None = None
         if engine is None:
             engine = create_engine(config.model.engine, **engine_options(config))
-            engine.load(self.manifest)
+            if config.model.load == "background":
+                self._unloaded = engine
+            else:
+                engine.load(self.manifest)
         self.engine = engine
         self.pool = EnginePool(
             model_specs(config), config.data_dir, {DEFAULT_MODEL_NAME: (engine, self.manifest)}
@@ -228,6 +237,12 @@ class Node:
         if self.metrics is not None:
             mc = self.config.metrics
             self.metrics.start(mc.host, mc.port)
+        if self._unloaded is not None:
+            self.worker.engine_ready.clear()
+            self._loader = threading.Thread(
+                target=self._load_engine, name="segnode-engine-load", daemon=True
+            )
+            self._loader.start()
         self.scp.start()
         self.worker.start()
         self.dispatcher.start()
@@ -252,13 +267,44 @@ class Node:
         )
         self.notifier.send("READY=1", f"STATUS={self.status_line()}")
 
+    def _load_engine(self) -> None:
+        """Load the default model's engine while the node already listens; jobs start when
+        it is ready. A failure stops the node with the reason (:meth:`run_forever` raises)."""
+        engine, started = self._unloaded, time.monotonic()
+        assert engine is not None
+        try:
+            engine.load(self.manifest)
+        except Exception as exc:  # any failure of the backend: the node cannot segment
+            why = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+            self.engine_failure = f"engine {self.config.model.engine} could not load model "
+            self.engine_failure += f"{self.manifest.name}: {why}"
+            log.error("%s; stopping (received series stay queued)", self.engine_failure)
+            self.request_stop()
+            return
+        log.info(
+            "engine %s ready for model %s %s after %.1f s; jobs start",
+            self.config.model.engine,
+            self.manifest.name,
+            self.manifest.version,
+            time.monotonic() - started,
+        )
+        self.worker.engine_ready.set()
+        self.worker.wake.set()
+        self.notifier.send(f"STATUS={self.status_line()}")
+
+    @property
+    def engine_loading(self) -> bool:
+        """Whether the default engine is still loading in the background."""
+        return self._unloaded is not None and not self.worker.engine_ready.is_set()
+
     def status_line(self) -> str:
         """One line for systemd's STATUS= and ``segnode status``."""
         c = self.ledger.counts()
         jobs = c["jobs"]
         queued = jobs.get("queued", 0) + jobs.get("running", 0)
+        loading = "; engine loading" if self.engine_loading else ""
         return (
-            f"listening on {self.config.node.host}:{self.scp.port}; queue {queued}; "
+            f"listening on {self.config.node.host}:{self.scp.port}{loading}; queue {queued}; "
             f"outbox {c['deliveries_pending']}; last: {self.worker.last_result}"
         )
 
@@ -279,6 +325,8 @@ class Node:
                 last_status = time.monotonic()
                 self.notifier.send(f"STATUS={self.status_line()}")
         self.shutdown()
+        if self.engine_failure is not None:
+            raise SegnodeError(self.engine_failure)
 
     def healthy(self) -> bool:
         """Whether the listener, worker and outbox threads are alive (gates WATCHDOG=1).
@@ -313,6 +361,8 @@ class Node:
         self.streaming.stop()
         if self.metrics is not None:
             self.metrics.stop()
+        if self._loader is not None:  # a load in progress ends before its engine is closed
+            self._loader.join()
         try:
             self.pool.close()  # every loaded engine, the default one included
         finally:

@@ -125,6 +125,10 @@ class Worker:
         # Prepares the SEG and SR of a job while its inference runs.
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="segnode-prepare")
         self.wake = threading.Event()
+        #: Set once the default model's engine is loaded; jobs wait for it (a node that
+        #: loads its engine in the background clears it until then).
+        self.engine_ready = threading.Event()
+        self.engine_ready.set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.current_job: int | None = None
@@ -167,7 +171,10 @@ class Worker:
                 self.wake.clear()
 
     def run_once(self) -> bool:
-        """Take and run one job; return False when the queue was empty."""
+        """Take and run one job; return False when the queue was empty (or the engine is
+        still loading: jobs stay queued)."""
+        if not self.engine_ready.is_set():
+            return False
         job = self.ledger.claim_next_job()
         if job is None:
             return False
