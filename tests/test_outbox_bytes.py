@@ -30,6 +30,7 @@ from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, generate_uid
 from pynetdicom import AE, evt
 from pynetdicom import _config as pynetdicom_config
+from pynetdicom.pdu import P_DATA_TF
 from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Comprehensive3DSRStorage,
     SegmentationStorage,
@@ -39,7 +40,7 @@ from sqlalchemy import select
 
 import node.scu
 from node.config import ConfigError, from_dict
-from node.scu import Dispatcher
+from node.scu import SEND_PDU_BYTES, Dispatcher
 from storage.ledger import Ledger
 from storage.migrations import SchemaError
 from storage.models import SCHEMA_VERSION, Delivery, Result
@@ -59,15 +60,20 @@ class WireSCP:
     """
 
     def __init__(
-        self, syntaxes: tuple[str, ...] = (ExplicitVRLittleEndian, ImplicitVRLittleEndian)
+        self,
+        syntaxes: tuple[str, ...] = (ExplicitVRLittleEndian, ImplicitVRLittleEndian),
+        max_pdu: int | None = None,
     ):
         self.received: list[tuple[str, bytes, str]] = []  # (SOP Instance UID, bytes, syntax)
+        self.pdata_lengths: list[int] = []  # PDU length of every P-DATA-TF received
         self.associations = 0
         self.ended: list[str] = []  # "released" / "aborted", as seen by the SCP
         self.abort_next_on_reused = False  # abort (no answer) the 1st store of a used assoc
         self._stores: dict[int, int] = {}
         self._lock = threading.Lock()
         ae = AE(ae_title="WIRE")
+        if max_pdu is not None:
+            ae.maximum_pdu_size = max_pdu
         for cls in (SegmentationStorage, Comprehensive3DSRStorage):
             ae.add_supported_context(cls, list(syntaxes))
         ae.add_supported_context(Verification)
@@ -79,6 +85,7 @@ class WireSCP:
                 (evt.EVT_ACCEPTED, self._accepted),
                 (evt.EVT_RELEASED, lambda e: self._end("released")),
                 (evt.EVT_ABORTED, lambda e: self._end("aborted")),
+                (evt.EVT_PDU_RECV, self._pdu),
             ],
         )
         self.port = int(self._server.server_address[1])
@@ -91,6 +98,11 @@ class WireSCP:
     def _accepted(self, event: evt.Event) -> None:
         with self._lock:
             self.associations += 1
+
+    def _pdu(self, event: evt.Event) -> None:
+        if isinstance(event.pdu, P_DATA_TF):
+            with self._lock:
+                self.pdata_lengths.append(int(event.pdu.pdu_length))
 
     def _end(self, how: str) -> None:
         with self._lock:
@@ -213,6 +225,27 @@ def test_wire_bytes_are_the_stored_dataset_bytes(
     assert len(wire.received[0][1]) > 3 * 2**20  # many P-DATA-TF PDUs
     # pynetdicom's process-wide switch is back to its default after the sends.
     assert pynetdicom_config.STORE_SEND_CHUNKED_DATASET is False
+
+
+def test_peer_without_a_pdu_limit_gets_1_mib_pdus(tmp_path: Path, ledger: Ledger) -> None:
+    """A destination that takes PDUs of any length (maximum 0) still gets the SEG in PDUs of
+    at most SEND_PDU_BYTES (not one PDU of the whole file), and the same bytes."""
+    wire = WireSCP(max_pdu=0)
+    try:
+        job_id = encoded_job(ledger, tmp_path, [wire.peer])
+        seg, _ = result_paths(ledger, job_id)
+        view = ledger.job(job_id)
+        assert view is not None
+        big_seg(seg, view.seg_sop_uid, view.study_instance_uid, 3 * 2**20)
+        d = Dispatcher(outbox_config(tmp_path, [wire.peer], keep_open_s=0), ledger)
+        assert d.run_once() == 2
+        d.stop()
+        assert wire.received[0][1] == dataset_bytes(seg)
+        # PDU length = PDV items (4-byte length + context + header byte + fragment)
+        assert max(wire.pdata_lengths) <= SEND_PDU_BYTES
+        assert sum(n > SEND_PDU_BYTES // 2 for n in wire.pdata_lengths) >= 3
+    finally:
+        wire.stop()
 
 
 def test_implicit_only_destination_gets_a_reencoded_copy(tmp_path: Path, ledger: Ledger) -> None:
