@@ -24,7 +24,9 @@ again on the CPU. One INFO line per job splits the work after inference into its
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -61,7 +63,7 @@ from node.statistics import statistics_from_sums
 from node.streaming import StreamingAssembler
 from node.volume import Volume, VolumeError, assemble_from_datasets, assemble_volume
 from storage.ledger import JobView, Ledger
-from storage.spool import write_atomic
+from storage.spool import write_atomic, write_synced
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +274,18 @@ class Worker:
         clock.lap("mark")
         seg = seg_plan.encode(labels)
         clock.lap("seg")
-        check_encoded(seg_plan, seg, labels)  # the bytes that will be sent
+        out = self.results_dir / str(job.id)
+        seg_path = out / f"seg-{uids.seg_sop_uid}.dcm"
+        sr_path = out / f"sr-{uids.sr_sop_uid}.dcm"
+        # The SEG goes to disk (a synced temp file) on the helper thread while it is checked;
+        # it gets its name only once the check passed.
+        written = self._helper.submit(write_synced, seg_path, seg.data)
+        try:
+            check_encoded(seg_plan, seg, labels)  # the bytes that will be sent
+        except BaseException:
+            with contextlib.suppress(Exception):
+                written.result()[0].unlink(missing_ok=True)
+            raise
         clock.lap("check")
         if sums is not None:
             stats = statistics_from_sums(volume, sums, manifest)
@@ -281,11 +294,8 @@ class Worker:
         clock.lap("statistics")
         sr_bytes = sr_plan.encode(stats, now=created)
         clock.lap("sr")
-        out = self.results_dir / str(job.id)
-        seg_path = out / f"seg-{uids.seg_sop_uid}.dcm"
-        sr_path = out / f"sr-{uids.sr_sop_uid}.dcm"
-        write_atomic(seg_path, seg.data)
-        write_atomic(sr_path, sr_bytes)
+        os.replace(written.result()[0], seg_path)
+        write_atomic(sr_path, sr_bytes)  # its fsync of the folder makes both names durable
         clock.lap("files")
         notes = self._rejection_notes(job, out)
         clock.lap("notes")

@@ -47,11 +47,22 @@ def write_atomic(path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o
 
     Returns the number of bytes written.
     """
+    tmp, size = write_synced(path, chunks, mode=mode)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return size
+
+
+def write_synced(
+    path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o600
+) -> tuple[Path, int]:
+    """The first half of :func:`write_atomic`: ``chunks`` written and fsynced to a temp file
+    next to ``path``; returns it and the bytes written. The caller renames it to ``path``
+    (``os.replace``) and fsyncs the folder, or unlinks it."""
     if isinstance(chunks, bytes):
         chunks = [chunks]
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(chunks)}.tmp")
-    size = 0
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         size = _write_all(fd, chunks)
@@ -61,9 +72,7 @@ def write_atomic(path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return size
+    return tmp, size
 
 
 INCOMING = ".incoming"

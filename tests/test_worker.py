@@ -12,6 +12,7 @@ from pydicom import dcmread
 from engines.manifest import load_manifest
 from engines.ort_backend import OrtEngine
 from node.config import DEFAULT_MODEL, from_dict
+from node.results import ResultError
 from node.synthetic import synthetic_datasets, write_synthetic_series
 from node.worker import Worker, result_paths
 from storage.ledger import InstanceRecord, Ledger
@@ -196,3 +197,26 @@ def test_prebuilt_volume_goes_back_to_the_pool_after_its_job(
         assert asm.pool.idle_bytes == (64 + 64 + 70) * 32 * 32 * 4
     finally:
         asm.stop()
+
+
+def test_seg_that_fails_its_check_leaves_no_file(
+    tmp_path: Path, engine: OrtEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SEG is written while it is checked; a failed check fails the job and removes
+    the written bytes (no result file under any name)."""
+    import node.worker
+
+    def corrupt(*_: object) -> None:
+        raise ResultError("frame 3 does not reproduce the label map on slice 2")
+
+    monkeypatch.setattr(node.worker, "check_encoded", corrupt)
+    worker, ledger, spool = make(tmp_path, engine)
+    files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=6, seed=34)
+    uid = ingest(ledger, spool, files)
+    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
+    assert jid is not None and worker.run_once()
+    view = ledger.job(jid)
+    assert view is not None and view.state == "failed"
+    assert "does not reproduce the label map" in (view.reason or "")
+    folder = tmp_path / "results" / str(jid)
+    assert not folder.exists() or list(folder.iterdir()) == []
