@@ -231,14 +231,60 @@ def sliding_window_segment(
     padded, offsets = _pad_edge(xp.astype(volume, xp.float32, copy=False), patch_size, xp)
     grid = patch_grid(padded.shape, patch_size, overlap)
     run = _Runner(predict, xp, num_classes, patch_size, output_kind)
-    weights = gaussian_importance(patch_size, sigma_scale, xp, device=dev)
-    labels = _blend(padded, grid, run, weights, num_classes, batch_size, output_kind, xp)
+    if _slabs_tile(grid, padded.shape, patch_size):
+        labels = _tiled(padded, run, patch_size, batch_size, output_kind, xp)
+    else:
+        weights = gaussian_importance(patch_size, sigma_scale, xp, device=dev)
+        labels = _blend(padded, grid, run, weights, num_classes, batch_size, output_kind, xp)
     run.check_labels()
 
     if tuple(labels.shape) == shape:
         return labels
     crop = tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
     return xp.asarray(labels[crop], copy=True)
+
+
+def _slabs_tile(grid: list[Patch], shape: Sequence[int], patch_size: Sequence[int]) -> bool:
+    """Whether the patches are whole slices stacked without overlap: each covers every row
+    and column, and their z ranges follow each other from 0 to the end."""
+    depth, rows, cols = (int(n) for n in shape)
+    pz = int(patch_size[0])
+    if depth % pz or len(grid) != depth // pz:
+        return False
+    return all(
+        zs.start == k * pz and (ys.start, ys.stop, xs.start, xs.stop) == (0, rows, 0, cols)
+        for k, (zs, ys, xs) in enumerate(grid)
+    )
+
+
+def _tiled(
+    padded: Array,
+    run: _Runner,
+    patch_size: Sequence[int],
+    batch_size: int,
+    output_kind: str,
+    xp: Any,
+) -> Array:
+    """Label map of a volume that whole-slice patches tile without overlap (every voxel in
+    one patch): each batch is a reshaped view of consecutive slices (no stacking) and its
+    labels go back in one assignment, a handful of array operations per batch instead of
+    several per patch (the default tissue model on a GPU: 2 batches of 32 two-slice patches
+    for 128 slices). The labels equal those of the general path, which labels a voxel that
+    only one patch covers straight from that patch (module docstring)."""
+    depth, rows, cols = (int(n) for n in padded.shape)
+    pz = int(patch_size[0])
+    labels = xp.zeros((depth, rows, cols), dtype=xp.uint8, device=array_device(padded))
+    per_batch = batch_size * pz
+    for z0 in range(0, depth, per_batch):
+        z1 = min(depth, z0 + per_batch)
+        n = (z1 - z0) // pz
+        scores = run.batch(xp.reshape(padded[z0:z1, ...], (n, 1, pz, rows, cols)))
+        if output_kind == "labels":
+            labels[z0:z1, ...] = xp.reshape(scores, (z1 - z0, rows, cols))
+            continue
+        for i in range(n):
+            labels[z0 + i * pz : z0 + (i + 1) * pz, ...] = _argmax(scores[i, ...], xp)
+    return labels
 
 
 class _Runner:
@@ -270,8 +316,13 @@ class _Runner:
             batch = patches[0][None, None, ...]
         else:
             batch = xp.stack(patches)[:, None, ...]
+        return self.batch(batch)
+
+    def batch(self, batch: Array) -> Array:
+        """The checked output of ``predict`` for a ``(N, 1, pz, py, px)`` batch."""
+        xp = self._xp
         out = self._predict(batch)
-        want = (len(patches), *self._channels_and_patch)
+        want = (int(batch.shape[0]), *self._channels_and_patch)
         if tuple(out.shape) != want:
             raise ValueError(f"predict returned shape {tuple(out.shape)}, expected {want}")
         if not self._labels:

@@ -427,6 +427,39 @@ def test_sliding_window_labels_blend_like_one_hot_probabilities(
     assert len(np.unique(expected)) == 3
 
 
+@pytest.mark.parametrize("kind", ["labels", "logits"])
+@pytest.mark.parametrize("batch_size", [1, 5, 64])
+def test_whole_slice_patches_run_as_views_of_the_volume(kind: str, batch_size: int) -> None:
+    """Patches that are whole slices stacked without overlap go to ``predict`` as reshaped
+    views of the volume (no copies), and label every voxel from its one patch."""
+    shape, patch = (24, 20, 18), (2, 20, 18)
+    rng = np.random.default_rng(7)
+    volume = rng.normal(0.0, 1.0, shape).astype(np.float32)
+    slice_means = volume.mean(axis=(1, 2), keepdims=True)
+    expected = ((volume > slice_means).astype(np.uint8) + (volume > 1.0)).astype(np.uint8)
+    views: list[bool] = []
+
+    def predict(batch: FloatArray) -> npt.NDArray[Any]:
+        views.append(np.shares_memory(batch, volume))
+        means = batch.mean(axis=(3, 4), keepdims=True)  # per slice: z positions independent
+        labels = ((batch > means).astype(np.uint8) + (batch > 1.0)).astype(np.uint8)
+        if kind == "labels":
+            return labels
+        return np.concatenate([labels == c for c in range(3)], axis=1).astype(np.float32)
+
+    got = sliding_window_segment(
+        volume,
+        predict,
+        patch_size=patch,
+        overlap=(0.0, 0.5, 0.5),
+        num_classes=3,
+        batch_size=batch_size,
+        output_kind=kind,
+    )
+    np.testing.assert_array_equal(got, expected)
+    assert views and all(views) and len(views) == -(-12 // batch_size)
+
+
 # -- ONNX Runtime backend ------------------------------------------------------------------
 
 
