@@ -18,7 +18,7 @@ from pathlib import Path
 from node import __version__
 from node.config import Config, load_config, parse_peer
 from node.errors import ConfigError, SegnodeError
-from node.senders import load_patterns
+from node.web.facts import jobs_facts, ledger_status, send_seconds
 
 log = logging.getLogger("segnode")
 
@@ -220,13 +220,6 @@ def _fmt_stage(stages: dict[str, datetime | None]) -> str:
     return ", ".join(parts)
 
 
-def _send_s(start: datetime | None, ack: datetime | None) -> float | None:
-    """Seconds from the start of a delivery's last attempt to its acknowledgement."""
-    if start is None or ack is None or ack < start:
-        return None
-    return round((ack - start).total_seconds(), 4)
-
-
 def cmd_jobs(args: argparse.Namespace) -> int:
     """Print recent jobs and ignored series."""
     from node.service import open_state
@@ -234,60 +227,14 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ledger, _ = open_state(cfg)
     try:
+        if args.json:
+            print(json.dumps(jobs_facts(ledger, args.limit), indent=2))
+            return 0
         jobs = ledger.jobs(args.limit)
         ignored = ledger.ignored_series(args.limit)
         waiting = ledger.held_series(args.limit)
     finally:
         ledger.close()
-    if args.json:
-        out = [
-            {
-                "id": j.id,
-                "state": j.state,
-                "version": j.version,
-                "series": j.series_instance_uid,
-                "instances": j.instance_count,
-                "trigger": j.trigger,
-                "model": j.model,
-                "model_name": j.model_name,
-                "rule": j.rule,
-                "destinations": list(j.destinations),
-                "reason": j.reason,
-                "attempts": j.attempts,
-                "stages": {k: v.isoformat() if v else None for k, v in j.stages.items()},
-                "seg_sop_uid": j.seg_sop_uid,
-                "sr_sop_uid": j.sr_sop_uid,
-                "deliveries": [
-                    {
-                        "kind": k,
-                        "destination": d,
-                        "status": s,
-                        "attempts": a,
-                        "last_error": e,
-                        "sending_at": t0.isoformat() if t0 else None,
-                        "acked_at": t.isoformat() if t else None,
-                        "send_s": _send_s(t0, t) if s == "sent" else None,
-                    }
-                    for (k, d, s, a), e, t0, t in zip(
-                        j.deliveries,
-                        j.delivery_errors or (None,) * len(j.deliveries),
-                        j.delivery_starts or (None,) * len(j.deliveries),
-                        j.delivery_acks or (None,) * len(j.deliveries),
-                        strict=False,
-                    )
-                ],
-                "priority": j.priority,
-                "superseded_by": j.superseded_by,
-            }
-            for j in jobs
-        ]
-        ign = [{"series": s, "calling_ae": ae, "reason": r} for s, ae, r in ignored]
-        pend = [
-            {"series": s, "instances": n, "held": r or None, "pending_since": t.isoformat()}
-            for s, n, r, t in waiting
-        ]
-        print(json.dumps({"jobs": out, "ignored": ign, "waiting": pend}, indent=2))
-        return 0
     print(
         f"{'JOB':>5} {'STATE':<10} {'VER':>3} {'N':>5} {'TRIGGER':<20} "
         "SERIES / TIMES (after last instance)"
@@ -315,7 +262,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         ):
             last = f"; last error: {err}" if err and status != "sent" else ""
             acked = f", acked +{(ack - last_in).total_seconds():.2f}s" if ack and last_in else ""
-            took = _send_s(start, ack) if status == "sent" else None
+            took = send_seconds(start, ack) if status == "sent" else None
             sent_in = f" in {took:.2f}s" if took is not None else ""
             print(
                 f"{'':>47}{kind} -> {dest}: {status} ({attempts} attempt(s)){acked}{sent_in}{last}"
@@ -338,22 +285,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ledger, _ = open_state(cfg)
     try:
-        counts = ledger.counts()
-        senders = load_patterns(ledger)
+        facts = ledger_status(ledger)
     finally:
         ledger.close()
-    learnt = {
-        p.calling_ae: {
-            "pattern": p.describe(),
-            "associations": p.associations,
-            "instances": p.instances,
-            "splits_series": p.splits_series,
-            "gap_ms": None if p.gap_s is None else round(p.gap_s * 1000, 1),
-            "wait_after_release_s": round(p.wait_s(), 2) if p.splits_series else 0.0,
-        }
-        for p in senders
-    }
-    print(json.dumps({"data_dir": str(cfg.data_dir), **counts, "senders": learnt}, indent=2))
+    print(json.dumps({"data_dir": str(cfg.data_dir), **facts}, indent=2))
     return 0
 
 

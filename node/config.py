@@ -184,6 +184,40 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class WebConfig:
+    """``[web]``: the web console and HTTP API (off by default; ``docs/web.md``).
+
+    ``token_file`` holds the bearer token that the actions (retry, cancel) need, and that
+    every request needs when ``host`` is not a loopback address. ``tls`` serves HTTPS with
+    the certificate and key of ``[tls]``.
+    """
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8080
+    token_file: Path | None = None
+    tls: bool = False
+    preview: bool = True
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the console listens on a loopback address only."""
+        return is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback address."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+@dataclass(frozen=True)
 class ResultsConfig:
     """``[results]``: how the results are encoded."""
 
@@ -248,6 +282,7 @@ class Config:
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     results: ResultsConfig = field(default_factory=ResultsConfig)
+    web: WebConfig = field(default_factory=WebConfig)
     routing: Routing = field(default_factory=lambda: _default_routing())
 
     def configured_destinations(self) -> list[Destination]:
@@ -374,6 +409,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         "streaming",
         "metrics",
         "results",
+        "web",
         "routing",
         "rules",
         "models",
@@ -510,6 +546,8 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         ),
     )
     level = _str(raw.get("log_level", "INFO"), "log_level", ("DEBUG", "INFO", "WARNING", "ERROR"))
+    tls = _tls(_table(raw, "tls", set(TLSConfig.__dataclass_fields__)), path)
+    web = _web(_table(raw, "web", {"enabled", "listen", "token_file", "tls", "preview"}), path, tls)
     return Config(
         data_dir=path(raw["data_dir"], "data_dir") if "data_dir" in raw else d.data_dir,
         log_level=level,
@@ -518,13 +556,52 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         model=model,
         dispatch=dispatch,
         job_max_attempts=_int(raw.get("job_max_attempts", 3), "job_max_attempts", 1, 100),
-        tls=_tls(_table(raw, "tls", set(TLSConfig.__dataclass_fields__)), path),
+        tls=tls,
         retention=_retention(_table(raw, "retention", set(RetentionConfig.__dataclass_fields__))),
         streaming=_streaming(_table(raw, "streaming", set(StreamingConfig.__dataclass_fields__))),
         metrics=_metrics(_table(raw, "metrics", set(MetricsConfig.__dataclass_fields__))),
         results=_results(_table(raw, "results", set(ResultsConfig.__dataclass_fields__))),
+        web=web,
         routing=parse_routing(raw, path, peer_table),
     )
+
+
+def _web(t: dict[str, Any], path: PathFn, tls: TLSConfig) -> WebConfig:
+    """``[web]``: ``listen = "HOST:PORT"`` (``[::1]:PORT`` for IPv6), a token file, TLS."""
+    d = WebConfig()
+    listen = _str(t.get("listen", f"{d.host}:{d.port}"), "web.listen")
+    m = re.fullmatch(r"(\[[^\]]+\]|[^:\[\]]+):(\d{1,5})", listen.strip())
+    if not m:
+        raise ConfigError(f'web.listen: expected "HOST:PORT" or "[IPV6]:PORT", got {listen!r}')
+    port = int(m.group(2))
+    if port > 65535:  # 0 (any free port) is allowed: tests and `segnode serve` log the port
+        raise ConfigError(f"web.listen: port must be 0-65535, got {port}")
+    token = _str(t.get("token_file", ""), "web.token_file")
+    cfg = WebConfig(
+        enabled=_bool(t.get("enabled", d.enabled), "web.enabled"),
+        host=m.group(1).strip("[]"),
+        port=port,
+        token_file=path(token, "web.token_file") if token else None,
+        tls=_bool(t.get("tls", d.tls), "web.tls"),
+        preview=_bool(t.get("preview", d.preview), "web.preview"),
+    )
+    if not cfg.enabled:
+        return cfg
+    if cfg.token_file is None and not cfg.loopback:
+        raise ConfigError(
+            f"web.token_file: required when web.listen is not a loopback address "
+            f"({cfg.host}): every request then needs the bearer token"
+        )
+    if cfg.token_file is not None and not cfg.token_file.is_file():
+        raise ConfigError(f"web.token_file: file not found: {cfg.token_file}")
+    if cfg.tls:
+        for name in ("cert_file", "key_file"):
+            p = getattr(tls, name)
+            if p is None:
+                raise ConfigError(f"tls.{name}: required when web.tls = true")
+            if not p.exists():
+                raise ConfigError(f"tls.{name}: file not found: {p}")
+    return cfg
 
 
 def _results(t: dict[str, Any]) -> ResultsConfig:

@@ -8,7 +8,7 @@ import threading
 import time
 from datetime import timedelta
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydicom.errors import InvalidDicomError
 
@@ -37,6 +37,9 @@ from node.streaming import Arrival, StreamingAssembler
 from node.worker import Worker
 from storage.ledger import Ledger, NewJob, utcnow
 from storage.spool import POOL_FILE_BYTES, Spool
+
+if TYPE_CHECKING:
+    from node.web.console import WebConsole
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,12 @@ class Node:
         self.scp.busy_elsewhere = lambda: self.worker.current_job is not None
         self.worker.volumes = self.streaming  # (geometry-only when disabled: take() is None)
         self.worker.on_encoded = lambda _job_id: self.dispatcher.wake.set()
+        self.web: WebConsole | None = None  # [web]: the console and the result previews
+        if config.web.enabled:
+            from node.web.console import WebConsole  # needs the web extra
+
+            self.web = WebConsole(self)
+            self.worker.on_encoded = self.web.chain(self.worker.on_encoded)
         self.metrics: Metrics | None = None
         if config.metrics.enabled:
             self.metrics = Metrics(
@@ -246,6 +255,8 @@ class Node:
         self.scp.start()
         self.worker.start()
         self.dispatcher.start()
+        if self.web is not None:
+            self.web.start()
         nc = self.config.node
         log.info(
             "segnode listening as %s on %s:%d; engine %s, model %s %s; data in %s",
@@ -354,6 +365,8 @@ class Node:
     def shutdown(self) -> None:
         """Stop accepting, let the association and job in flight finish, close the ledger."""
         self.notifier.send("STOPPING=1")
+        if self.web is not None:
+            self.web.stop()
         self.scp.stop()
         self.tracker.stop()
         self.worker.stop()

@@ -1,0 +1,97 @@
+"""The web console of a running node: the HTTP server and the previewer, started and stopped
+with the node (:class:`node.service.Node`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from node.errors import ConfigError
+
+if TYPE_CHECKING:
+    from node.service import Node
+
+log = logging.getLogger(__name__)
+
+
+class WebConsole:
+    """``[web]`` of one node.
+
+    Parameters
+    ----------
+    node
+        The node whose ledger and components the console shows.
+
+    Raises
+    ------
+    ConfigError
+        If the ``web`` extra (Starlette, uvicorn, Pillow) is not installed, or the token file
+        or the TLS files cannot be read.
+    """
+
+    def __init__(self, node: Node) -> None:
+        try:
+            from node.web.app import Access, Console, create_app
+            from node.web.preview import Previewer
+            from node.web.server import WebServer, https_context, read_token
+        except ImportError as exc:
+            raise ConfigError(
+                f"web.enabled = true needs the web extra (pip install 'segnode[web]'): {exc}"
+            ) from exc
+        from node.web.status import node_ready, node_status
+
+        cfg = node.config.web
+        self.node = node
+        access = Access(read_token(cfg), reads_need_token=not cfg.loopback)
+        self.previewer = Previewer(node.config.data_dir, node.ledger) if cfg.preview else None
+
+        def requeued() -> None:
+            node.worker.wake.set()
+            node.dispatcher.wake.set()
+
+        app = create_app(
+            Console(
+                ledger=node.ledger,
+                data_dir=node.config.data_dir,
+                access=access,
+                status=lambda: node_status(node),
+                ready=lambda: node_ready(node),
+                requeued=requeued,
+            )
+        )
+        tls = https_context(node.config.tls) if cfg.tls else None
+        self.server = WebServer(app, cfg.host, cfg.port, tls)
+
+    def chain(self, on_encoded: Callable[[int], None] | None) -> Callable[[int], None]:
+        """``Worker.on_encoded`` that calls ``on_encoded`` first, then queues the preview."""
+
+        def encoded(job_id: int) -> None:
+            if on_encoded is not None:
+                on_encoded(job_id)
+            if self.previewer is not None:
+                self.previewer.submit(job_id)
+
+        return encoded
+
+    def start(self) -> None:
+        """Start the previewer and the server.
+
+        Raises
+        ------
+        OSError
+            If ``web.listen`` cannot be bound (the message names it).
+        """
+        if self.previewer is not None:
+            self.previewer.start()
+        try:
+            self.server.start()
+        except OSError as exc:
+            listen = f"{self.server.host}:{self.server.port}"
+            raise OSError(exc.errno, f"web.listen {listen}: {exc.strerror or exc}") from exc
+
+    def stop(self) -> None:
+        """Stop the server (requests in flight finish), then the previewer."""
+        self.server.stop()
+        if self.previewer is not None:
+            self.previewer.stop()

@@ -1,0 +1,79 @@
+"""The live facts of a running node for ``/api/v1/status`` and ``/readyz``."""
+
+from __future__ import annotations
+
+import shutil
+from typing import TYPE_CHECKING, Any
+
+from node import __version__
+from node.web.facts import ledger_status
+
+if TYPE_CHECKING:  # node.service imports node.web lazily
+    from node.service import Node
+
+
+def node_status(node: Node) -> dict[str, Any]:
+    """Listening, engine and models, queue, outbox, disk, destinations and their breakers.
+
+    The ledger's part (``ledger``) is what ``segnode status`` prints. Only AE titles,
+    addresses, states and counts: no patient data.
+    """
+    cfg = node.config
+    ledger = ledger_status(node.ledger)
+    jobs = ledger["jobs"]
+    try:
+        usage = shutil.disk_usage(cfg.data_dir)
+        disk: dict[str, Any] = {"free_bytes": usage.free, "total_bytes": usage.total}
+    except OSError as exc:
+        disk = {"error": str(exc)}
+    disk["min_free_bytes"] = cfg.node.min_free_disk_mb * 2**20
+    breakers = node.dispatcher.breakers
+    destinations = []
+    for dest in cfg.configured_destinations():
+        name = dest.name
+        blocked = breakers.blocked_for(name)
+        state = "open" if breakers.is_open(name) else ("backing-off" if blocked > 0 else "closed")
+        destinations.append({"name": name, "breaker": state, "blocked_for_s": round(blocked, 1)})
+    nc = cfg.node
+    return {
+        "version": __version__,
+        "listening": {
+            "ae_title": nc.ae_title,
+            "host": nc.host,
+            "port": node.scp.port if node.scp.server is not None else None,
+            "tls_port": node.scp.tls_port,
+        },
+        "healthy": node.healthy(),
+        "engine": {
+            "name": cfg.model.engine,
+            "loading": node.engine_loading,
+            "failure": node.engine_failure,
+            "model": {"name": node.manifest.name, "version": node.manifest.version},
+            "models": {name: node.pool.label(name) for name in node.pool.specs},
+        },
+        "queue": {
+            "depth": jobs.get("queued", 0) + jobs.get("running", 0),
+            "queued": jobs.get("queued", 0),
+            "running": jobs.get("running", 0),
+            "current_job": node.worker.current_job,
+            "last_result": node.worker.last_result,
+        },
+        "outbox": {
+            "pending": ledger["deliveries_pending"],
+            "failed": ledger["deliveries_failed"],
+        },
+        "disk": disk,
+        "destinations": destinations,
+        "ledger": ledger,
+    }
+
+
+def node_ready(node: Node) -> tuple[bool, str]:
+    """Whether the node can take and finish jobs, and why not."""
+    if node.engine_failure is not None:
+        return False, node.engine_failure
+    if node.engine_loading:
+        return False, "engine loading"
+    if not node.healthy():
+        return False, "a node thread (listener, worker or outbox) is not running"
+    return True, "ready"
