@@ -26,7 +26,7 @@ class WebConsole:
     Raises
     ------
     ConfigError
-        If the ``web`` extra (Starlette, uvicorn, Pillow) is not installed, or the token file
+        If the ``web`` extra (Starlette, uvicorn) is not installed, or the token file
         or the TLS files cannot be read.
     """
 

@@ -12,7 +12,7 @@ preview is read back from what the node sends, not from the worker's memory:
 The slices pass through the centre of the segmented voxels (the middle of the volume when
 nothing is segmented); soft-tissue window (W 400, L 40); superior at the top of the coronal
 and sagittal views. The file is ``<data_dir>/results/<job id>/preview.png``, written
-atomically. It needs Pillow (the ``web`` extra).
+atomically, with Pillow (a dependency of highdicom).
 """
 
 from __future__ import annotations
