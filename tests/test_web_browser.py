@@ -1,0 +1,138 @@
+"""The console page in a real headless browser (Debian's ``chromium`` and ``chromium-driver``
+through Selenium) against a real node: the job row, its timeline and its preview are on the
+page; Retry on a failed job requeues it and the page shows the new state; a screenshot is
+saved (``console.png`` in the test's temporary folder)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.harness import CountingSCP
+from tests.conftest import free_port, wait_for
+from tests.test_web import TOKEN, job_states, send_series, web_node
+
+
+def _require(what: str, found: object) -> None:
+    if found:
+        return
+    msg = f"{what} not installed (apt-get install chromium chromium-driver; pip install selenium)"
+    if os.environ.get("SEGNODE_REQUIRE_TOOLS"):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    """Headless Chromium driven by chromedriver."""
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        _require("selenium", False)
+        raise
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    _require("chromium", chromium)
+    _require("chromedriver", driver_path)
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(chromium)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1500,1300", "--no-first-run", "--disable-extensions"):  # fmt: skip
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=str(driver_path)))
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_console_shows_jobs_timeline_preview_and_retries(
+    make_node: Any, tmp_path: Path, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    scp = CountingSCP(free_port())  # the PACS is down: the first job's delivery fails
+    node, http = web_node(
+        make_node,
+        tmp_path,
+        dispatch={
+            "destinations": [scp.peer],
+            "max_age_s": 2,
+            "retry_initial_s": 0.1,
+            "retry_max_s": 0.5,
+            "breaker_failures": 100,
+        },
+    )
+    send_series(node.port, tmp_path, 51, rows=128, columns=128, slices=16)
+    wait_for(lambda: job_states(http) == {1: "failed"}, 60, "job 1 failed (PACS down)")
+    wait_for(lambda: http.json("/api/v1/jobs/1")["preview"], 60, "the preview of job 1")
+
+    def find(css: str) -> Any:
+        found = browser.find_elements(By.CSS_SELECTOR, css)
+        return found[0] if found else None
+
+    browser.get(f"{http.base}/?refresh=500")
+    row = wait_for(lambda: find("#job-1"), 20, "the job row")
+    assert row.get_attribute("data-state") == "failed"
+    assert "not delivered within dispatch.max_age_s" in row.text
+    stages = {
+        s.get_attribute("data-stage") for s in row.find_elements(By.CSS_SELECTOR, ".timeline .seg")
+    }
+    assert {"received", "volume", "inference", "encoded"} <= stages, stages
+    assert row.find_elements(By.CSS_SELECTOR, ".st-delivery-failed")  # the failed delivery
+
+    row.click()  # the job's detail, with its preview
+    image = wait_for(
+        lambda: (img := find("#preview")) and img.is_displayed() and img, 20, "the preview"
+    )
+    wait_for(
+        lambda: browser.execute_script("return arguments[0].naturalWidth", image) > 600,
+        20,
+        "the preview decoded",
+    )
+    assert image.get_attribute("data-job") == "1"
+
+    # Retry without the token is refused and says so; with it the job is requeued.
+    find("#job-1 button.retry").click()
+    wait_for(lambda: "needs the bearer token" in find("#message").text, 20, "the 401 message")
+    assert job_states(http) == {1: "failed"}
+    scp.start()
+    try:
+        browser.find_element(By.ID, "token").send_keys(TOKEN)
+        browser.find_element(By.CSS_SELECTOR, "#token-form button").click()
+        wait_for(lambda: find("#job-1 button.retry"), 20, "the retry button").click()
+        wait_for(
+            lambda: (r := find("#job-1")) and r.get_attribute("data-state") == "sent",
+            60,
+            "the page showing job 1 sent",
+        )
+        assert len(scp.counts()) == 2
+        # a second series goes straight through; the page shows it without a reload
+        send_series(node.port, tmp_path, 52, rows=128, columns=128, slices=16)
+        wait_for(
+            lambda: (r := find("#job-2")) and r.get_attribute("data-state") == "sent",
+            60,
+            "job 2 sent on the page",
+        )
+        wait_for(
+            lambda: (
+                browser.execute_script("return document.querySelector('#preview').naturalWidth")
+                > 600
+            ),
+            20,
+            "the preview still shown",
+        )
+    finally:
+        scp.stop()
+    assert "retry done, now encoded" in find("#message").text
+    shot = tmp_path / "console.png"
+    assert browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+    print(f"screenshot: {shot}")
