@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -404,6 +405,31 @@ except ConfigError as exc:
     )
     assert out.returncode == 0, out.stderr
     assert "refused: web.enabled = true needs the web extra" in out.stdout
+
+
+def test_grafana_dashboard_uses_the_node_metrics(tmp_path: Path) -> None:
+    """Every series the dashboard queries is one the node exports (names and stages)."""
+    from node.metrics import STAGES, Metrics
+    from storage.ledger import Ledger
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    gauges = {"segnode_streaming_bytes": lambda: 0, "segnode_streaming_series": lambda: 0}
+    exported: set[str] = set()
+    for family in Metrics(ledger, gauges).registry.collect():
+        if family.type == "counter":
+            exported.add(family.name + "_total")
+        elif family.type == "histogram":
+            exported |= {family.name + s for s in ("_bucket", "_sum", "_count")}
+        else:
+            exported.add(family.name)
+    ledger.close()
+    dash = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    used = {name for e in exprs for name in re.findall(r"segnode_[a-z_]+", e)}
+    assert used <= exported, used - exported
+    assert {"segnode_stage_seconds_bucket", "segnode_jobs_finished_total"} <= used
+    stages = set(re.findall(r'stage="(\w+)"', " ".join(exprs)))
+    assert stages and stages <= {s for s, *_ in STAGES} | {"delivery"}
 
 
 # -- the preview -----------------------------------------------------------------------------
