@@ -407,6 +407,21 @@ except ConfigError as exc:
     assert "refused: web.enabled = true needs the web extra" in out.stdout
 
 
+def test_static_files_ship_in_the_wheel() -> None:
+    """Every file of the page matches the package-data patterns of pyproject.toml."""
+    import fnmatch
+    import tomllib
+
+    from node.web.app import STATIC
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setup["package-data"]["node.web"]
+    files = [p.relative_to(STATIC.parent).as_posix() for p in STATIC.rglob("*") if p.is_file()]
+    assert {"static/index.html", "static/app.js", "static/style.css"} <= set(files)
+    for f in files:
+        assert any(fnmatch.fnmatch(f, pat) for pat in patterns), f
+
+
 def test_grafana_dashboard_uses_the_node_metrics(tmp_path: Path) -> None:
     """Every series the dashboard queries is one the node exports (names and stages)."""
     from node.metrics import STAGES, Metrics
