@@ -503,7 +503,9 @@ def test_sr_volumes_read_back(tmp_path: Path) -> None:
     infos = segment_infos(seg, sr)
     assert [i.volume_ml for i in infos] == [volumes[i.number] for i in infos]
     assert all(max(i.rgb) > 0 for i in infos)
+    assert Previewer(tmp_path, ledger).missing() == [jid]  # drawn at the next start
     path = Previewer(tmp_path, ledger).render_job(jid)
+    assert Previewer(tmp_path, ledger).missing() == []
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert Previewer(tmp_path, ledger).render_job(999) is None
     ledger.close()

@@ -269,10 +269,29 @@ class Previewer:
         self._thread.join(timeout)
         self._thread = None
 
+    def missing(self, recent: int = 20) -> list[int]:
+        """Of the ``recent`` latest jobs, those with results on disk and no preview (encoded
+        before a restart, or while ``[web]`` was off), oldest first."""
+        out = []
+        for view in self.ledger.jobs(recent):
+            if view.state in ("encoded", "sent", "done") and view.seg_sop_uid:
+                folder = self.data_dir / "results" / str(view.id)
+                seg = folder / f"seg-{view.seg_sop_uid}.dcm"
+                if seg.is_file() and not preview_path(self.data_dir, view.id).is_file():
+                    out.append(view.id)
+        return sorted(out)
+
     def _run(self) -> None:
         with contextlib.suppress(OSError, AttributeError):  # Linux: per-thread niceness
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        try:
+            for missing in self.missing():
+                self.submit(missing)
+        except Exception as exc:  # the ledger is closing: nothing to catch up
+            log.warning("previews: cannot list the jobs without one: %s", exc)
         while (job_id := self._queue.get()) is not None:
+            if preview_path(self.data_dir, job_id).is_file():
+                continue  # a retried job: its results (same UIDs) were drawn already
             try:
                 self.render_job(job_id)
             except Exception as exc:  # a preview must never stop the node
