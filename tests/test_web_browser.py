@@ -56,6 +56,7 @@ def browser() -> Iterator[Any]:
 def test_console_shows_jobs_timeline_preview_and_retries(
     make_node: Any, tmp_path: Path, browser: Any
 ) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     scp = CountingSCP(free_port())  # the PACS is down: the first job's delivery fails
@@ -78,17 +79,38 @@ def test_console_shows_jobs_timeline_preview_and_retries(
         found = browser.find_elements(By.CSS_SELECTOR, css)
         return found[0] if found else None
 
-    browser.get(f"{http.base}/?refresh=500")
-    row = wait_for(lambda: find("#job-1"), 20, "the job row")
-    assert row.get_attribute("data-state") == "failed"
-    assert "not delivered within dispatch.max_age_s" in row.text
-    stages = {
-        s.get_attribute("data-stage") for s in row.find_elements(By.CSS_SELECTOR, ".timeline .seg")
-    }
-    assert {"received", "volume", "inference", "encoded"} <= stages, stages
-    assert row.find_elements(By.CSS_SELECTOR, ".st-delivery-failed")  # the failed delivery
+    def click(css: str) -> None:
+        """Click ``css`` once it is there (the page may replace it while refreshing)."""
 
-    row.click()  # the job's detail, with its preview
+        def attempt() -> bool:
+            try:
+                found = find(css)
+                if found is None:
+                    return False
+                found.click()
+                return True
+            except StaleElementReferenceException:
+                return False
+
+        wait_for(attempt, 20, f"a click on {css}")
+
+    def state(job: int) -> Any:
+        return browser.execute_script(
+            f"return document.querySelector('#job-{job}')?.dataset.state ?? null"
+        )
+
+    browser.get(f"{http.base}/?refresh=500")
+    wait_for(lambda: state(1) == "failed", 20, "the job row")
+    row = browser.execute_script(
+        "const r = document.querySelector('#job-1'); return [r.innerText, "
+        "[...r.querySelectorAll('.timeline .seg')].map((s) => s.dataset.stage), "
+        "r.querySelectorAll('.st-delivery-failed').length]"
+    )
+    assert "not delivered within dispatch.max_age_s" in row[0]
+    assert {"received", "volume", "inference", "encoded"} <= set(row[1]), row[1]
+    assert row[2] > 0  # the failed delivery on the timeline
+
+    click("#job-1")  # the job's detail, with its preview
     image = wait_for(
         lambda: (img := find("#preview")) and img.is_displayed() and img, 20, "the preview"
     )
@@ -100,27 +122,19 @@ def test_console_shows_jobs_timeline_preview_and_retries(
     assert image.get_attribute("data-job") == "1"
 
     # Retry without the token is refused and says so; with it the job is requeued.
-    find("#job-1 button.retry").click()
+    click("#job-1 button.retry")
     wait_for(lambda: "needs the bearer token" in find("#message").text, 20, "the 401 message")
     assert job_states(http) == {1: "failed"}
     scp.start()
     try:
         browser.find_element(By.ID, "token").send_keys(TOKEN)
         browser.find_element(By.CSS_SELECTOR, "#token-form button").click()
-        wait_for(lambda: find("#job-1 button.retry"), 20, "the retry button").click()
-        wait_for(
-            lambda: (r := find("#job-1")) and r.get_attribute("data-state") == "sent",
-            60,
-            "the page showing job 1 sent",
-        )
+        click("#job-1 button.retry")
+        wait_for(lambda: state(1) == "sent", 60, "the page showing job 1 sent")
         assert len(scp.counts()) == 2
         # a second series goes straight through; the page shows it without a reload
         send_series(node.port, tmp_path, 52, rows=128, columns=128, slices=16)
-        wait_for(
-            lambda: (r := find("#job-2")) and r.get_attribute("data-state") == "sent",
-            60,
-            "job 2 sent on the page",
-        )
+        wait_for(lambda: state(2) == "sent", 60, "job 2 sent on the page")
         wait_for(
             lambda: (
                 browser.execute_script("return document.querySelector('#preview').naturalWidth")

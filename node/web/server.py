@@ -87,6 +87,7 @@ class WebServer:
         self._config = uvicorn.Config(
             app,
             log_level="warning",
+            log_config=None,  # uvicorn's loggers propagate to the handlers of the entry point
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=2,

@@ -116,7 +116,14 @@ async function act(ev, id, what) {
   refresh();
 }
 
+let lastPage = "";
+
 function renderJobs(page) {
+  // Rows are rebuilt only when something changed (or a job is active: its bar grows), so
+  // that a click does not land on a row that is being replaced.
+  const key = JSON.stringify(page) + selected;
+  if (key === lastPage && !page.jobs.some((j) => ACTIVE.has(j.state))) return;
+  lastPage = key;
   const body = document.querySelector("#jobs tbody");
   body.replaceChildren();
   for (const job of page.jobs) {
