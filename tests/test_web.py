@@ -377,6 +377,34 @@ def test_short_token_refused(tmp_path: Path) -> None:
     assert read_token(cfg) == TOKEN
 
 
+def test_web_address_in_use_stops_the_start(tmp_path: Path) -> None:
+    """``segnode serve`` exits 1 naming web.listen; nothing was started."""
+    import socket
+
+    from scripts.harness import write_config
+
+    with socket.socket() as busy:
+        busy.bind((LOOPBACK, 0))
+        busy.listen(1)
+        listen = f"{LOOPBACK}:{busy.getsockname()[1]}"
+        cfg = write_config(
+            tmp_path / "config.toml",
+            tmp_path / "data",
+            free_port(),
+            web={"enabled": True, "listen": listen},
+        )
+        out = subprocess.run(
+            [sys.executable, "-m", "node.cli", "serve", "--config", str(cfg)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 1, out.stdout[-2000:]
+    assert f"segnode: web.listen {listen}: cannot listen: Address already in use" in out.stderr
+    assert "listening as" not in out.stdout
+
+
 def test_node_runs_without_the_web_extra(tmp_path: Path) -> None:
     """With ``[web]`` off the node imports nothing of Starlette or uvicorn; with it on and
     the extra missing, the error says what to install."""

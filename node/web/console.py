@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from node.errors import ConfigError
+from node.errors import ConfigError, SegnodeError
 
 if TYPE_CHECKING:
     from node.service import Node
@@ -28,6 +28,8 @@ class WebConsole:
     ConfigError
         If the ``web`` extra (Starlette, uvicorn) is not installed, or the token file
         or the TLS files cannot be read.
+    SegnodeError
+        If ``web.listen`` cannot be bound.
     """
 
     def __init__(self, node: Node) -> None:
@@ -62,6 +64,12 @@ class WebConsole:
         )
         tls = https_context(node.config.tls) if cfg.tls else None
         self.server = WebServer(app, cfg.host, cfg.port, tls)
+        try:
+            self.server.bind()  # before the node starts anything: a clean error
+        except OSError as exc:
+            raise SegnodeError(
+                f"web.listen {cfg.host}:{cfg.port}: cannot listen: {exc.strerror or exc}"
+            ) from exc
 
     def chain(self, on_encoded: Callable[[int], None] | None) -> Callable[[int], None]:
         """``Worker.on_encoded`` that calls ``on_encoded`` first, then queues the preview."""
@@ -75,20 +83,10 @@ class WebConsole:
         return encoded
 
     def start(self) -> None:
-        """Start the previewer and the server.
-
-        Raises
-        ------
-        OSError
-            If ``web.listen`` cannot be bound (the message names it).
-        """
+        """Start the previewer and the server (bound already)."""
         if self.previewer is not None:
             self.previewer.start()
-        try:
-            self.server.start()
-        except OSError as exc:
-            listen = f"{self.server.host}:{self.server.port}"
-            raise OSError(exc.errno, f"web.listen {listen}: {exc.strerror or exc}") from exc
+        self.server.start()
 
     def stop(self) -> None:
         """Stop the server (requests in flight finish), then the previewer."""

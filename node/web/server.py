@@ -1,7 +1,8 @@
 """The console's HTTP server: uvicorn in a thread of the node process, with its own loop.
 
-The listening socket is bound in :meth:`WebServer.start` (in the caller's thread), so that
-an address in use is an error at start, like the DICOM port. uvicorn installs no signal
+The listening socket is bound by :meth:`WebServer.bind` (in the caller's thread, before the
+node starts anything), so that an address in use is an error at start that names
+``web.listen``. uvicorn installs no signal
 handlers outside the main thread; the node's own handlers stop it through
 :meth:`WebServer.stop`.
 """
@@ -110,16 +111,16 @@ class WebServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{'https' if self._ssl else 'http'}://{host}:{self.port}/"
 
-    def start(self, timeout: float = 10.0) -> None:
-        """Bind, then serve in a thread; return once uvicorn accepts connections.
+    def bind(self) -> None:
+        """Bind and listen (connections wait in the backlog until :meth:`start`).
 
         Raises
         ------
         OSError
             If the address cannot be bound.
-        RuntimeError
-            If uvicorn did not start within ``timeout`` seconds.
         """
+        if self._socket is not None:
+            return
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -132,6 +133,21 @@ class WebServer:
         sock.setblocking(False)
         self._socket = sock
         self._bound_port = int(sock.getsockname()[1])
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Bind (unless :meth:`bind` did), then serve in a thread; return once uvicorn
+        accepts connections.
+
+        Raises
+        ------
+        OSError
+            If the address cannot be bound.
+        RuntimeError
+            If uvicorn did not start within ``timeout`` seconds.
+        """
+        self.bind()
+        sock = self._socket
+        assert sock is not None
         self._config.load()
         self._config.ssl = self._ssl  # after load(): our context, not one built from file names
         self._thread = threading.Thread(
