@@ -16,8 +16,9 @@ from datetime import datetime
 from pathlib import Path
 
 from node import __version__
-from node.config import Config, load_config, parse_peer
+from node.config import Config, load_config
 from node.errors import ConfigError, SegnodeError
+from node.peers import parse_peer
 from node.web.facts import jobs_facts, ledger_status, send_seconds
 
 log = logging.getLogger("segnode")

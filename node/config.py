@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from node.errors import ConfigError
+from node.peers import ClientTLS, Peer, parse_peer
+from node.peers import ae_title as _ae
+from node.peers import port as _port
 
 if TYPE_CHECKING:  # node.rules and node.destinations import this module
     from node.destinations import Destination
@@ -23,40 +26,6 @@ _ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = _ROOT / "engines" / "models" / "tissue" / "tissue.json"
 #: The documented default configuration at the repository root.
 ROOT_CONFIG = _ROOT / "config.toml"
-_AE_OK = re.compile(r"^[\x20-\x5b\x5d-\x7e]{1,16}$")  # PS3.5 §6.2 AE: no backslash, no controls
-
-
-@dataclass(frozen=True)
-class ClientTLS:
-    """TLS for an outgoing association (PS3.15 Annex B.1, The Basic TLS Secure Transport).
-
-    ``ca_file`` verifies the destination's certificate (system CAs when None);
-    ``cert_file``/``key_file`` are our client certificate when the destination asks for one;
-    ``server_name`` is the name checked against its certificate (default: the host).
-    """
-
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
-    server_name: str | None = None
-    verify: bool = True
-
-
-@dataclass(frozen=True)
-class Peer:
-    """A remote DICOM application entity."""
-
-    ae_title: str
-    host: str
-    port: int
-    tls: ClientTLS | None = None
-    #: Send an IHE IOCM rejection note for results a newer version of the series replaced.
-    reject_superseded: bool = False
-
-    @property
-    def name(self) -> str:
-        """``AE@host:port``: the destination's name in the ledger."""
-        return f"{self.ae_title}@{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -317,18 +286,6 @@ class Config:
         )
 
 
-def _ae(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not _AE_OK.match(value) or not value.strip():
-        raise ConfigError(f"{key}: AE title must be 1-16 printable characters, got {value!r}")
-    return value.strip()
-
-
-def _port(value: Any, key: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65535:
-        raise ConfigError(f"{key}: port must be an integer 1-65535, got {value!r}")
-    return value
-
-
 def _num(value: Any, key: str, lo: float, hi: float = float("inf")) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool) or not lo <= value <= hi:
         raise ConfigError(f"{key}: must be a number in [{lo}, {hi}], got {value!r}")
@@ -368,15 +325,6 @@ def _str(value: Any, key: str, choices: tuple[str, ...] | None = None) -> str:
         allowed = f" (one of {', '.join(choices)})" if choices else ""
         raise ConfigError(f"{key}: must be a string{allowed}, got {value!r}")
     return value
-
-
-def parse_peer(text: str, key: str = "destination") -> Peer:
-    """Parse ``AE@HOST:PORT``."""
-    m = re.fullmatch(r"([^@]{1,16})@(\[[^\]]+\]|[^:@]+):(\d{1,5})", text)
-    if not m:
-        raise ConfigError(f"{key}: expected AE@HOST:PORT, got {text!r}")
-    host = m.group(2).strip("[]")
-    return Peer(_ae(m.group(1), key), host, _port(int(m.group(3)), key))
 
 
 def _table(raw: dict[str, Any], name: str, known: set[str]) -> dict[str, Any]:

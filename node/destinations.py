@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from node.config import Peer, parse_peer
 from node.errors import ConfigError
+from node.peers import Peer, parse_peer
 from node.stow import STOW_PREFIX, StowTarget
 
 #: The destination that means "back to the AE that sent the series".

@@ -59,14 +59,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pynetdicom.sop_class
 from pydicom import Dataset, dcmread
 from pydicom.errors import InvalidDicomError
 from pydicom.uid import UID
 
-from node.config import Config, Peer
 from node.destinations import (
     SENDER,
     Destination,
@@ -76,7 +75,11 @@ from node.destinations import (
     resolve,
 )
 from node.errors import ConfigError
+from node.peers import Peer, ae_title
 from node.volume import CT_IMAGE_STORAGE, ENHANCED_CT_IMAGE_STORAGE
+
+if TYPE_CHECKING:
+    from node.config import Config
 
 ROUTING_MODES = ("first", "all")
 DEFAULT_MODEL_NAME = "default"
@@ -275,7 +278,6 @@ def _sop_class(value: str, key: str) -> str:
 
 
 def _parse_match(t: Mapping[str, Any], key: str) -> Match:
-    from node.config import _ae
 
     regex = None
     if "series_description" in t:
@@ -291,7 +293,7 @@ def _parse_match(t: Mapping[str, Any], key: str) -> Match:
     max_slices = _count(t["max_slices"], f"{key}.max_slices") if "max_slices" in t else None
     match = Match(
         calling_ae=tuple(
-            _ae(a, f"{key}.calling_ae")
+            ae_title(a, f"{key}.calling_ae")
             for a in _strings(t.get("calling_ae", []), f"{key}.calling_ae")
         )
         if "calling_ae" in t

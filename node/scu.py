@@ -59,8 +59,9 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Verification,
 )
 
-from node.config import Config, Peer
+from node.config import Config
 from node.destinations import SENDER, Target, from_name, index
+from node.peers import Peer
 from node.results import LABEL_MAP_SEGMENTATION_STORAGE
 from node.stow import StowFailed, StowTarget, StowUnreachable
 from node.stow import store as stow_store

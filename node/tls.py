@@ -16,8 +16,9 @@ import logging
 import socket
 import ssl
 
-from node.config import ClientTLS, Peer, TLSConfig
+from node.config import TLSConfig
 from node.errors import ConfigError
+from node.peers import ClientTLS, Peer
 
 log = logging.getLogger(__name__)
 

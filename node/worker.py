@@ -44,9 +44,10 @@ from pydicom import Dataset
 from engines.base import Engine, EngineError, LabelSums, SumsEngine
 from engines.manifest import ModelManifest
 from node import __version__
-from node.config import Config, Peer
+from node.config import Config
 from node.engine_pool import EnginePool
 from node.errors import JobError
+from node.peers import Peer
 from node.rejection import KOS_SOP_CLASS, build_rejection_note
 from node.results import (
     NoSegmentsError,

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 from pydicom import dcmread
 
-from node.config import DEFAULT_MODEL, Peer, from_dict
+from node.config import DEFAULT_MODEL, from_dict
 from node.destinations import SenderRef, from_name, resolve
 from node.errors import ConfigError
+from node.peers import Peer
 from node.rules import (
     IMPLICIT_RULE,
     Router,
