@@ -150,3 +150,54 @@ def test_console_shows_jobs_timeline_preview_and_retries(
     assert browser.save_screenshot(str(shot))
     assert shot.stat().st_size > 10_000
     print(f"screenshot: {shot}")
+
+
+def test_console_asks_for_the_token_when_reads_need_it(tmp_path: Path, browser: Any) -> None:
+    """What a console on a non-loopback address does (served on loopback here): the page
+    says it needs the token, and shows the node once the token is given."""
+    from selenium.webdriver.common.by import By
+
+    from node.config import from_dict
+    from node.service import Node
+    from node.web.app import Access, Console, create_app
+    from node.web.server import WebServer
+    from node.web.status import node_ready, node_status
+    from tests.conftest import LOOPBACK
+
+    cfg = from_dict(
+        {"data_dir": str(tmp_path / "data"), "node": {"port": free_port(), "staging_pool_mb": 8}}
+    )
+    node = Node(cfg)
+    node.start()
+    console = Console(
+        node.ledger,
+        cfg.data_dir,
+        Access(TOKEN, reads_need_token=True),
+        lambda: node_status(node),
+        lambda: node_ready(node),
+    )
+    server = WebServer(create_app(console), LOOPBACK, 0)
+    server.start()
+    try:
+        browser.get(server.url + "?refresh=500")
+        wait_for(
+            lambda: "needs the bearer token" in browser.find_element(By.ID, "message").text,
+            20,
+            "the page asking for the token",
+        )
+        assert "SEGNODE" not in browser.find_element(By.ID, "status").text
+        browser.find_element(By.ID, "token").send_keys(TOKEN)
+        browser.find_element(By.CSS_SELECTOR, "#token-form button").click()
+        wait_for(
+            lambda: (
+                f"SEGNODE @ 127.0.0.1:{node.scp.port}" in browser.find_element(By.ID, "status").text
+            ),
+            20,
+            "the status once the token is given",
+        )
+        assert browser.find_element(By.ID, "page").text == "no jobs"
+        assert browser.find_element(By.ID, "message").text == ""
+    finally:
+        server.stop()
+        node.request_stop()
+        node.shutdown()

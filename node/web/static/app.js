@@ -14,6 +14,7 @@ const STAGES = [
   ["encoded", "encoded", "inference", "encoded"],
 ];
 const ACTIVE = new Set(["queued", "running", "encoded"]);
+const NEEDS_TOKEN = "this console needs the bearer token";
 
 let offset = 0;
 let selected = null;          // job id shown in the detail panel
@@ -231,8 +232,9 @@ async function refresh() {
     if (state) q.set("state", state);
     const [status, jobs] = await Promise.all([api("/api/v1/status"), api(`/api/v1/jobs?${q}`)]);
     if (status.status === 401 || jobs.status === 401) {
-      message("this console needs the bearer token", "error");
+      message(NEEDS_TOKEN, "error");
     } else {
+      if (document.getElementById("message").textContent === NEEDS_TOKEN) message("");
       if (status.ok) renderStatus(status.body);
       if (jobs.ok) renderJobs(jobs.body);
       await renderDetail();
