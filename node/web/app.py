@@ -1,16 +1,16 @@
 """The HTTP API and the console page, as a Starlette application.
 
-======  ===============================  ===========================================
-GET     ``/``                            the console page (static HTML, CSS, JS)
-GET     ``/healthz``                     the web server answers (always 200)
-GET     ``/readyz``                      200 when the node can take and finish jobs
-GET     ``/api/v1/status``               listening, engine, queue, disk, destinations
-GET     ``/api/v1/jobs``                 jobs (``state``, ``limit``, ``offset``)
-GET     ``/api/v1/jobs/{id}``            one job, with its preview's address
-GET     ``/api/v1/jobs/{id}/preview.png``  the preview of its result
-POST    ``/api/v1/jobs/{id}/retry``      requeue a failed or cancelled job
-POST    ``/api/v1/jobs/{id}/cancel``     cancel an unfinished job
-======  ===============================  ===========================================
+====  =================================  ============================================
+GET   ``/``                              the console page (static HTML, CSS, JS)
+GET   ``/healthz``                       the web server answers (always 200)
+GET   ``/readyz``                        200 when the node can take and finish jobs
+GET   ``/api/v1/status``                 listening, engine, queue, disk, destinations
+GET   ``/api/v1/jobs``                   jobs (``state``, ``limit``, ``offset``)
+GET   ``/api/v1/jobs/{id}``              one job, with its preview's address
+GET   ``/api/v1/jobs/{id}/preview.png``  the preview of its result
+POST  ``/api/v1/jobs/{id}/retry``        requeue a failed or cancelled job
+POST  ``/api/v1/jobs/{id}/cancel``       cancel an unfinished job
+====  =================================  ============================================
 
 Every ledger call runs in Starlette's thread pool, never on the event loop. The actions
 need the bearer token (:class:`Access`); when the console listens on a non-loopback
