@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,80 @@ from storage.models import (
 
 log = logging.getLogger(__name__)
 
+
+class JobState(StrEnum):
+    """Where a job is. The ledger stores the value; the value compares equal to its text."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    ENCODED = "encoded"
+    SENT = "sent"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    SUPERSEDED = "superseded"
+
+
+#: The moves a job may make (:func:`move`); any other is a bug and raises.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    # claimed by the worker; a newer series version or an operator ends it first
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.SUPERSEDED, JobState.CANCELLED}),
+    # results saved (sent next, or done with no destination / no segment), failed, superseded
+    # by a newer version, cancelled; back to queued when a restart interrupted it
+    JobState.RUNNING: frozenset(
+        {
+            JobState.ENCODED,
+            JobState.DONE,
+            JobState.FAILED,
+            JobState.SUPERSEDED,
+            JobState.CANCELLED,
+            JobState.QUEUED,
+        }
+    ),
+    # every delivery acknowledged, one given up, a newer version before any was sent
+    JobState.ENCODED: frozenset(
+        {JobState.SENT, JobState.FAILED, JobState.SUPERSEDED, JobState.CANCELLED}
+    ),
+    # an operator's retry: run again, or only send again what failed to go out
+    JobState.FAILED: frozenset({JobState.QUEUED, JobState.ENCODED}),
+    JobState.CANCELLED: frozenset({JobState.QUEUED, JobState.ENCODED}),
+    JobState.SENT: frozenset(),
+    JobState.DONE: frozenset(),
+    JobState.SUPERSEDED: frozenset(),
+}
+
 #: Jobs that are not finished: the worker or the outbox still has something to do.
-ACTIVE_STATES = ("queued", "running", "encoded")
-FINAL_STATES = ("sent", "done", "failed", "cancelled", "superseded")
+ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.ENCODED)
+FINAL_STATES = tuple(state for state, moves in TRANSITIONS.items() if state not in ACTIVE_STATES)
+
+
+class TransitionError(RuntimeError):
+    """A job was asked to make a move :data:`TRANSITIONS` does not allow (a bug)."""
+
+
+def move(
+    s: Session,
+    job: Job,
+    to: JobState,
+    now: datetime,
+    *,
+    kind: str | None = None,
+    message: str | None = None,
+) -> None:
+    """Move ``job`` to ``to`` in session ``s``, checked against :data:`TRANSITIONS`, and
+    record the event (``kind``, default ``job-<state>``, with ``message``).
+
+    Raises
+    ------
+    TransitionError
+        The move is not allowed from the job's state.
+    """
+    now_state = JobState(job.state)
+    if to not in TRANSITIONS[now_state]:
+        raise TransitionError(f"job {job.id}: {now_state} -> {to} is not an allowed move")
+    job.state = to.value
+    text = message if message is not None else f"{now_state} -> {to}"
+    s.add(Event(at=now, kind=kind or f"job-{to}", job_id=job.id, message=text[:2048]))
 
 
 def utcnow() -> datetime:
@@ -483,21 +555,16 @@ class Ledger:
                 select(Job.id).where(
                     Job.series_id == series.id,
                     or_(
-                        Job.state.in_(("queued", "running")),
-                        (Job.state == "encoded") & ~sent_any,
+                        Job.state.in_((JobState.QUEUED, JobState.RUNNING)),
+                        (Job.state == JobState.ENCODED) & ~sent_any,
                     ),
                 )
             ).all()
             if undelivered:
-                s.execute(
-                    update(Job)
-                    .where(Job.id.in_(undelivered))
-                    .values(
-                        state="superseded",
-                        finished_at=now,
-                        reason=f"superseded by v{version} before its results were sent",
-                    )
-                )
+                why = f"superseded by v{version} before its results were sent"
+                for old_job in s.scalars(select(Job).where(Job.id.in_(undelivered))):
+                    move(s, old_job, JobState.SUPERSEDED, now, message=why)
+                    old_job.finished_at, old_job.reason = now, why
                 s.execute(
                     update(Delivery)
                     .where(Delivery.job_id.in_(undelivered), Delivery.status == "pending")
@@ -505,7 +572,8 @@ class Ledger:
                 )
             older = s.scalars(
                 select(Job.id).where(
-                    Job.series_id == series.id, Job.state.in_(("encoded", "sent", "done"))
+                    Job.series_id == series.id,
+                    Job.state.in_((JobState.ENCODED, JobState.SENT, JobState.DONE)),
                 )
             ).all()
             first, last = s.execute(
@@ -518,7 +586,7 @@ class Ledger:
                 job = Job(
                     series_id=series.id,
                     version=version,
-                    state="queued",
+                    state=JobState.QUEUED.value,
                     priority=spec.priority,
                     model=spec.model,
                     model_name=spec.model_name,
@@ -673,7 +741,7 @@ class Ledger:
                 select(func.count(Job.id)).where(
                     Job.series_id == job.series_id,
                     Job.version == job.version,
-                    Job.state == "queued",
+                    Job.state == JobState.QUEUED,
                     Job.id != job.id,
                 )
             )
@@ -685,13 +753,13 @@ class Ledger:
         with self._tx() as s:
             job = s.scalar(
                 select(Job)
-                .where(Job.state == "queued")
+                .where(Job.state == JobState.QUEUED)
                 .order_by(Job.priority.desc(), Job.created_at, Job.id)
                 .limit(1)
             )
             if job is None:
                 return None
-            job.state = "running"
+            move(s, job, JobState.RUNNING, now, message=f"attempt {job.attempts + 1}")
             job.started_at = now
             job.attempts += 1
             s.flush()
@@ -709,25 +777,23 @@ class Ledger:
         now = utcnow()
         with self._tx() as s:
             job = s.get(Job, job_id)
-            if job is None or job.state != "running":
+            if job is None or job.state != JobState.RUNNING:
                 return  # superseded (or cancelled) while it ran: that state stands
-            job.state = "failed"
+            move(s, job, JobState.FAILED, now, message=reason)
             job.reason = reason[:2048]
             job.finished_at = now
-            s.add(Event(at=now, kind="job-failed", job_id=job_id, message=reason[:2048]))
 
     def finish_empty(self, job_id: int, reason: str) -> None:
         """End a job as ``done`` with nothing to send (the model found no segment)."""
         now = utcnow()
         with self._tx() as s:
             job = s.get(Job, job_id)
-            if job is None or job.state != "running":
+            if job is None or job.state != JobState.RUNNING:
                 return
-            job.state = "done"
+            move(s, job, JobState.DONE, now, kind="job-empty", message=reason)
             job.reason = reason[:2048]
             job.encoded_at = now
             job.finished_at = now
-            s.add(Event(at=now, kind="job-empty", job_id=job_id, message=reason[:2048]))
 
     def superseded_sent(self, job_id: int) -> dict[str, list[tuple[str, Path]]]:
         """Results of older versions of the job's series that were delivered (SEG and SR, not
@@ -779,7 +845,7 @@ class Ledger:
         now = utcnow()
         with self._tx() as s:
             job = s.get(Job, job_id)
-            if job is None or job.state != "running":
+            if job is None or job.state != JobState.RUNNING:
                 return False
             series = s.get(Series, job.series_id)
             if series is not None and series.pending_since is not None:
@@ -789,10 +855,9 @@ class Ledger:
                     f"the series received more instances while this job ran "
                     f"({job.instance_count} -> {series.instance_count}); not sent"
                 )
-                job.state = "superseded"
+                move(s, job, JobState.SUPERSEDED, now, message=reason)
                 job.reason = reason
                 job.encoded_at = job.finished_at = now
-                s.add(Event(at=now, kind="job-superseded", job_id=job_id, message=reason))
                 return False
             items: list[tuple[str, str, str, str, Path, Sequence[str]]] = [
                 (*r, destinations) for r in results
@@ -830,14 +895,12 @@ class Ledger:
                             )
                         )
             job.encoded_at = now
+            done = f"{len(results)} objects"
             if destinations:
-                job.state = "encoded"
+                move(s, job, JobState.ENCODED, now, message=done)
             else:
-                job.state = "done"
+                move(s, job, JobState.DONE, now, kind="job-encoded", message=done)
                 job.finished_at = now
-            s.add(
-                Event(at=now, kind="job-encoded", job_id=job_id, message=f"{len(results)} objects")
-            )
             return True
 
     # -- outbox --------------------------------------------------------------------------
@@ -852,7 +915,7 @@ class Ledger:
                 .join(Job, Job.id == Delivery.job_id)
                 .join(Series, Series.id == Job.series_id)
                 .where(Delivery.status == "pending", Delivery.next_attempt_at <= now)
-                .where(Job.state == "encoded")
+                .where(Job.state == JobState.ENCODED)
                 # Not while newer instances of the series wait for their job: that job will
                 # supersede this one (a series that grows after encoding is not sent).
                 .where(Series.pending_since.is_(None))
@@ -907,10 +970,9 @@ class Ledger:
             )
             if not left:
                 job = s.get(Job, d.job_id)
-                if job is not None and job.state == "encoded":
-                    job.state = "sent"
+                if job is not None and job.state == JobState.ENCODED:
+                    move(s, job, JobState.SENT, now, message="all delivered")
                     job.finished_at = now
-                    s.add(Event(at=now, kind="job-sent", job_id=job.id, message="all delivered"))
 
     def delivery_retry(
         self, delivery_id: int, error: str, next_attempt_at: datetime, status: int | None = None
@@ -937,9 +999,9 @@ class Ledger:
             d.attempts += 1
             d.last_error = error[:1024]
             job = s.get(Job, d.job_id)
-            if job is not None and job.state == "encoded":
-                job.state = "failed"
+            if job is not None and job.state == JobState.ENCODED:
                 job.reason = f"delivery to {d.destination} failed: {error}"[:2048]
+                move(s, job, JobState.FAILED, now, message=job.reason)
                 job.finished_at = now
 
     def next_delivery_time(self) -> datetime | None:
@@ -948,7 +1010,7 @@ class Ledger:
             return s.scalar(
                 select(func.min(Delivery.next_attempt_at))
                 .join(Job, Job.id == Delivery.job_id)
-                .where(Delivery.status == "pending", Job.state == "encoded")
+                .where(Delivery.status == "pending", Job.state == JobState.ENCODED)
             )
 
     # -- recovery, control, views ----------------------------------------------------------
@@ -962,22 +1024,21 @@ class Ledger:
         now = utcnow()
         n = 0
         with self._tx() as s:
-            for job in s.scalars(select(Job).where(Job.state == "running")):
+            for job in s.scalars(select(Job).where(Job.state == JobState.RUNNING)).all():
                 if job.attempts >= max_attempts:
-                    job.state = "failed"
                     job.reason = f"interrupted {job.attempts} times while processing; giving up"
+                    move(s, job, JobState.FAILED, now, kind="recovered", message="now failed")
                     job.finished_at = now
                 else:
-                    job.state = "queued"
+                    move(s, job, JobState.QUEUED, now, kind="recovered", message="now queued")
                     n += 1
-                s.add(Event(at=now, kind="recovered", job_id=job.id, message=f"now {job.state}"))
         return n
 
     def retry_job(self, job_id: int) -> bool:
         """Requeue a failed or cancelled job (same result UIDs)."""
         with self._tx() as s:
             job = s.get(Job, job_id)
-            if job is None or job.state not in ("failed", "cancelled"):
+            if job is None or job.state not in (JobState.FAILED, JobState.CANCELLED):
                 return False
             undelivered = s.scalar(
                 select(func.count(Delivery.id)).where(
@@ -992,9 +1053,9 @@ class Ledger:
                         status="pending", next_attempt_at=utcnow(), created_at=utcnow(), attempts=0
                     )
                 )
-                job.state = "encoded"
+                move(s, job, JobState.ENCODED, utcnow(), kind="job-retried", message="send again")
             else:
-                job.state = "queued"
+                move(s, job, JobState.QUEUED, utcnow(), kind="job-retried", message="run again")
             job.reason = None
             job.finished_at = None
             return True
@@ -1005,8 +1066,9 @@ class Ledger:
             job = s.get(Job, job_id)
             if job is None or job.state not in ACTIVE_STATES:
                 return False
-            job.state = "cancelled"
-            job.finished_at = utcnow()
+            now = utcnow()
+            move(s, job, JobState.CANCELLED, now, message=f"cancelled while {job.state}")
+            job.finished_at = now
             return True
 
     def job_state(self, job_id: int) -> str | None:
@@ -1192,19 +1254,18 @@ class Ledger:
                 .where(
                     Delivery.status == "pending",
                     Delivery.created_at < created_before,
-                    Job.state == "encoded",
+                    Job.state == JobState.ENCODED,
                 )
             ).all()
             for d in rows:
                 d.status = "failed"
                 d.last_error = reason[:1024]
                 job = s.get(Job, d.job_id)
-                if job is not None and job.state == "encoded":
-                    job.state = "failed"
+                if job is not None and job.state == JobState.ENCODED:
                     job.reason = f"delivery to {d.destination} failed: {reason}"[:2048]
+                    move(s, job, JobState.FAILED, now, message=job.reason)
                     job.finished_at = now
                     failed.append(job.id)
-                    s.add(Event(at=now, kind="job-failed", job_id=job.id, message=job.reason))
         return failed
 
     def failed_jobs(self) -> list[int]:
@@ -1218,7 +1279,7 @@ class Ledger:
             rows = s.scalars(
                 select(Job.id)
                 .join(latest, (latest.c.series_id == Job.series_id) & (latest.c.v == Job.version))
-                .where(Job.state == "failed")
+                .where(Job.state == JobState.FAILED)
                 .order_by(Job.id)
             )
             return list(rows)
@@ -1246,7 +1307,7 @@ class Ledger:
                 .outerjoin(SpoolPurge, SpoolPurge.series_id == Series.id)
                 .where(
                     Series.pending_since.is_(None),
-                    Job.state.in_(("sent", "done")),
+                    Job.state.in_((JobState.SENT, JobState.DONE)),
                     ~busy,
                     Job.finished_at < finished_before,
                     or_(SpoolPurge.id.is_(None), SpoolPurge.purged_at < Job.finished_at),
@@ -1258,7 +1319,7 @@ class Ledger:
             for sid, uid in rows:
                 paths = s.scalars(select(Instance.path).where(Instance.series_id == sid)).all()
                 sent = s.scalars(
-                    select(Job.id).where(Job.series_id == sid, Job.state == "sent")
+                    select(Job.id).where(Job.series_id == sid, Job.state == JobState.SENT)
                 ).all()
                 out.append(PurgeCandidate(sid, uid, tuple(paths), tuple(sent)))
             return out

@@ -7,8 +7,20 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
-from storage.ledger import InstanceRecord, JobView, Ledger, utcnow
+from storage.ledger import (
+    FINAL_STATES,
+    TRANSITIONS,
+    InstanceRecord,
+    JobState,
+    JobView,
+    Ledger,
+    TransitionError,
+    move,
+    utcnow,
+)
+from storage.models import Event, Job
 from storage.spool import Spool, SpoolError, valid_uid, write_atomic
 
 
@@ -228,3 +240,62 @@ def test_sender_patterns_and_holds_are_kept(ledger: Ledger, tmp_path: Path) -> N
     assert (uid, n) == ("1.2.3.1", 1) and reason.startswith("waiting 0.5 s")
     ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
     assert ledger.held_series() == []
+
+
+def job_events(ledger: Ledger, job_id: int) -> list[tuple[str, str]]:
+    with ledger._read() as s:
+        rows = s.execute(
+            select(Event.kind, Event.message).where(Event.job_id == job_id).order_by(Event.id)
+        ).all()
+    return [(str(k), str(m)) for k, m in rows]
+
+
+def test_every_state_change_is_an_allowed_move_with_its_event(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    """A job's life through the public methods: each change recorded as an event."""
+    ledger.record_instance(rec("5.1", series="1.5"), tmp_path / "a", 1)
+    job_id = ledger.create_job("1.5", trigger="t", model="m", engine="e")
+    assert job_id is not None
+    job = ledger.claim_next_job()
+    assert job is not None
+    seg = tmp_path / "seg.dcm"
+    seg.write_bytes(b"x")
+    ledger.save_results(job_id, [("SEG", "1.2", "9.9", "9.8", seg)], ["PACS@127.0.0.1:104"])
+    (due,) = ledger.due_deliveries()
+    ledger.delivery_failed(due.id, "refused")
+    assert ledger.retry_job(job_id)  # failed -> encoded: only the delivery again
+    (due,) = ledger.due_deliveries()
+    ledger.delivery_done(due.id, 0)
+    assert ledger.job_state(job_id) == JobState.SENT == "sent"
+    assert not ledger.cancel_job(job_id) and not ledger.retry_job(job_id)  # sent is final
+    assert [kind for kind, _ in job_events(ledger, job_id)] == [
+        "job-created",
+        "job-running",
+        "job-encoded",
+        "job-failed",
+        "job-retried",
+        "job-sent",
+    ]
+
+
+def test_a_move_outside_the_table_raises(ledger: Ledger, tmp_path: Path) -> None:
+    ledger.record_instance(rec("6.1", series="1.6"), tmp_path / "a", 1)
+    job_id = ledger.create_job("1.6", trigger="t", model="m", engine="e")
+    assert job_id is not None
+    with ledger._tx() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        with pytest.raises(TransitionError, match="queued -> sent"):
+            move(s, job, JobState.SENT, utcnow())
+        move(s, job, JobState.CANCELLED, utcnow())
+    assert ledger.job_state(job_id) == "cancelled"
+    # The table: final states go nowhere; every state is in it; retries leave failed and
+    # cancelled only.
+    assert all(not TRANSITIONS[st] for st in FINAL_STATES if st not in ("failed", "cancelled"))
+    assert set(TRANSITIONS) == set(JobState)
+    assert {st for st, moves in TRANSITIONS.items() if JobState.QUEUED in moves} == {
+        JobState.RUNNING,
+        JobState.FAILED,
+        JobState.CANCELLED,
+    }
