@@ -289,6 +289,46 @@ def test_reads_need_the_token_when_not_on_loopback(tmp_path: Path) -> None:
         urllib.request.urlopen(server.url + "healthz", timeout=2)
 
 
+def test_loopback_console_refuses_other_host_names(tmp_path: Path) -> None:
+    """DNS rebinding: a page of another site whose name now points at 127.0.0.1 sends its
+    own name in ``Host``; the loopback console refuses it."""
+    from node.web.app import LOOPBACK_HOSTS, Access, Console, create_app, host_name
+    from node.web.server import WebServer
+    from storage.ledger import Ledger
+
+    assert [host_name(h) for h in ("127.0.0.1:8080", "[::1]:8080", "LocalHost", "a.b:1")] == [
+        "127.0.0.1",
+        "[::1]",
+        "localhost",
+        "a.b",
+    ]
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    console = Console(
+        ledger, tmp_path, Access(None), lambda: {}, lambda: (True, "ready"), hosts=LOOPBACK_HOSTS
+    )
+    server = WebServer(create_app(console), LOOPBACK, 0)
+    server.start()
+    try:
+        url = f"http://{LOOPBACK}:{server.port}/api/v1/jobs"
+        for host, expected in (
+            ("attacker.example", 400),
+            (f"attacker.example:{server.port}", 400),
+            ("", 400),
+            (f"localhost:{server.port}", 200),
+            (f"127.0.0.1:{server.port}", 200),
+        ):
+            req = urllib.request.Request(url, headers={"Host": host})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    code = r.status
+            except urllib.error.HTTPError as exc:
+                code = exc.code
+            assert code == expected, host
+    finally:
+        server.stop()
+        ledger.close()
+
+
 def test_actions_refused_without_a_token_file(tmp_path: Path) -> None:
     server, ledger = _in_process_server(tmp_path, None, reads_need_token=False)
     try:

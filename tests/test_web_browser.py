@@ -165,7 +165,11 @@ def test_console_asks_for_the_token_when_reads_need_it(tmp_path: Path, browser: 
     from tests.conftest import LOOPBACK
 
     cfg = from_dict(
-        {"data_dir": str(tmp_path / "data"), "node": {"port": free_port(), "staging_pool_mb": 8}}
+        {
+            "data_dir": str(tmp_path / "data"),
+            "node": {"port": free_port(), "staging_pool_mb": 8},
+            "model": {"load": "before"},
+        }
     )
     node = Node(cfg)
     node.start()

@@ -100,6 +100,10 @@ class Console:
         ``(ready, reason)`` for ``/readyz``; called in a thread.
     requeued
         Called after a successful retry (wakes the worker and the outbox).
+    hosts
+        The ``Host`` header values accepted (lower case, without the port); None accepts
+        any. A console on loopback accepts only loopback names, so that a web page that
+        rebinds its own domain name to 127.0.0.1 (DNS rebinding) cannot read it.
     """
 
     ledger: Ledger
@@ -108,18 +112,39 @@ class Console:
     status: Callable[[], dict[str, Any]]
     ready: Callable[[], tuple[bool, str]]
     requeued: Callable[[], None] = lambda: None
+    hosts: frozenset[str] | None = None
+
+
+#: The ``Host`` names of a console on loopback.
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
+
+
+def host_name(header: str) -> str:
+    """The host of a ``Host`` header, lower case, without the port (``[::1]`` kept whole)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header.partition("]")[0] + "]"
+    return header.partition(":")[0]
 
 
 class SecurityHeaders:
-    """ASGI middleware adding :data:`SECURITY_HEADERS` (and ``no-store`` on the API)."""
+    """ASGI middleware adding :data:`SECURITY_HEADERS` (and ``no-store`` on the API), and
+    refusing (400) a ``Host`` header outside ``hosts`` (None: any)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, hosts: frozenset[str] | None = None) -> None:
         self.app = app
+        self.hosts = hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.hosts is not None:
+            host = next((v for k, v in scope["headers"] if k == b"host"), b"")
+            if host_name(host.decode("latin-1")) not in self.hosts:
+                refusal = _error(400, "unexpected Host header (this console is for loopback)")
+                await refusal(scope, receive, send)
+                return
         api = str(scope.get("path", "")).startswith("/api/")
 
         async def send_with_headers(message: Message) -> None:
@@ -288,5 +313,5 @@ def create_app(console: Console) -> Starlette:
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]
     app = Starlette(routes=routes)
-    app.add_middleware(SecurityHeaders)
+    app.add_middleware(SecurityHeaders, hosts=console.hosts)
     return app

@@ -34,7 +34,7 @@ class WebConsole:
 
     def __init__(self, node: Node) -> None:
         try:
-            from node.web.app import Access, Console, create_app
+            from node.web.app import LOOPBACK_HOSTS, Access, Console, create_app
             from node.web.preview import Previewer
             from node.web.server import WebServer, https_context, read_token
         except ImportError as exc:
@@ -52,6 +52,7 @@ class WebConsole:
             node.worker.wake.set()
             node.dispatcher.wake.set()
 
+        own = f"[{cfg.host}]" if ":" in cfg.host else cfg.host.lower()  # as a Host header
         app = create_app(
             Console(
                 ledger=node.ledger,
@@ -60,6 +61,7 @@ class WebConsole:
                 status=lambda: node_status(node),
                 ready=lambda: node_ready(node),
                 requeued=requeued,
+                hosts=LOOPBACK_HOSTS | {own} if cfg.loopback else None,
             )
         )
         tls = https_context(node.config.tls) if cfg.tls else None
