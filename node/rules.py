@@ -76,7 +76,7 @@ from node.destinations import (
 )
 from node.errors import ConfigError
 from node.peers import Peer, ae_title
-from node.volume import CT_IMAGE_STORAGE, ENHANCED_CT_IMAGE_STORAGE
+from node.volume import CT_CLASSES
 
 if TYPE_CHECKING:
     from node.config import Config
@@ -84,7 +84,6 @@ if TYPE_CHECKING:
 ROUTING_MODES = ("first", "all")
 DEFAULT_MODEL_NAME = "default"
 DEFAULT_SKIP_IMAGE_TYPES = ("LOCALIZER", "DERIVED", "SECONDARY")
-CT_CLASSES = frozenset({CT_IMAGE_STORAGE, ENHANCED_CT_IMAGE_STORAGE})
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
 _RULE_KEYS = {
     "name",

@@ -28,8 +28,6 @@ from pydicom.uid import UID
 from pynetdicom import ALL_TRANSFER_SYNTAXES
 from pynetdicom.presentation import AllStoragePresentationContexts
 from pynetdicom.sop_class import (  # type: ignore[attr-defined]
-    CTImageStorage,
-    EnhancedCTImageStorage,
     Verification,
 )
 
@@ -48,12 +46,12 @@ from node.ul import (
     StoreRequest,
     StoreResult,
 )
+from node.volume import CT_CLASSES
 from storage.ledger import InstanceRecord, Ledger
 from storage.spool import Spool, SpoolError, Staged, StagingFile, valid_uid
 
 log = logging.getLogger(__name__)
 
-CT_CLASSES = frozenset({str(CTImageStorage), str(EnhancedCTImageStorage)})
 OWN_MANUFACTURER = "segnode"
 
 # Status codes (PS3.4 Annex B.2.3; PS3.7 Annex C)

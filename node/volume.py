@@ -73,6 +73,9 @@ MIN_SLICES = 2
 CT_IMAGE_STORAGE = "1.2.840.10008.5.1.4.1.1.2"
 ENHANCED_CT_IMAGE_STORAGE = "1.2.840.10008.5.1.4.1.1.2.1"
 LEGACY_CONVERTED_ENHANCED_CT_IMAGE_STORAGE = "1.2.840.10008.5.1.4.1.1.2.2"
+#: The SOP classes the node receives as CT and segments (the SCP's storage contexts, the
+#: routing rules' CT check, the volume assembly).
+CT_CLASSES = frozenset({CT_IMAGE_STORAGE, ENHANCED_CT_IMAGE_STORAGE})
 
 # Pixel data elements dropped from the headers kept in Volume.sources.
 _PIXEL_TAGS = frozenset(
