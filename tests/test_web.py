@@ -540,8 +540,10 @@ def test_preview_draws_segments_in_their_colours(tmp_path: Path) -> None:
         render(volume, labels[:-1], [])
 
 
-def test_sr_volumes_read_back(tmp_path: Path) -> None:
-    """The legend's volumes are the SR's: the worker's measurement groups, by segment."""
+@pytest.mark.parametrize("kind", ["BINARY", "LABELMAP"])
+def test_sr_volumes_read_back(tmp_path: Path, kind: str) -> None:
+    """The legend's volumes are the SR's: the worker's measurement groups, by segment; the
+    preview reads both kinds of SEG."""
     from dataclasses import replace
 
     import pydicom
@@ -558,9 +560,8 @@ def test_sr_volumes_read_back(tmp_path: Path) -> None:
     engine = OrtEngine()
     engine.load(load_manifest(DEFAULT_MODEL))
     ledger = Ledger(tmp_path / "ledger.sqlite")
-    worker = Worker(
-        replace(from_dict({}), data_dir=tmp_path), ledger, engine, load_manifest(DEFAULT_MODEL)
-    )
+    cfg = from_dict({"results": {"segmentation_type": kind}})
+    worker = Worker(replace(cfg, data_dir=tmp_path), ledger, engine, load_manifest(DEFAULT_MODEL))
     files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=8, seed=47)
     uid = ingest(ledger, Spool(tmp_path / "spool"), files)
     jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
@@ -568,7 +569,7 @@ def test_sr_volumes_read_back(tmp_path: Path) -> None:
     seg_path, sr_path = result_paths(tmp_path, jid)
     seg, sr = pydicom.dcmread(seg_path), pydicom.dcmread(sr_path)
     volumes = sr_volumes(sr)
-    numbers = {int(s.SegmentNumber) for s in seg.SegmentSequence}
+    numbers = {int(s.SegmentNumber) for s in seg.SegmentSequence} - {0}  # LABELMAP background
     assert set(volumes) == numbers and all(v > 0 for v in volumes.values())
     infos = segment_infos(seg, sr)
     assert [i.volume_ml for i in infos] == [volumes[i.number] for i in infos]
@@ -577,6 +578,10 @@ def test_sr_volumes_read_back(tmp_path: Path) -> None:
     path = Previewer(tmp_path, ledger).render_job(jid)
     assert Previewer(tmp_path, ledger).missing() == []
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    assert ((rgb.max(axis=2) - rgb.min(axis=2)) > 60).sum() > 1000  # the segments in colour
     assert Previewer(tmp_path, ledger).render_job(999) is None
     ledger.close()
     engine.close()
