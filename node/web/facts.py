@@ -14,20 +14,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from node.senders import load_patterns
-from storage.ledger import JobView, Ledger
+from storage.ledger import JobState, JobView, Ledger
 from storage.models import Job
 
 #: Job states, for the API's ``state`` filter.
-JOB_STATES = (
-    "queued",
-    "running",
-    "encoded",
-    "sent",
-    "done",
-    "failed",
-    "cancelled",
-    "superseded",
-)
+JOB_STATES = tuple(s.value for s in JobState)
 
 
 def send_seconds(start: datetime | None, ack: datetime | None) -> float | None:
