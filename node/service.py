@@ -247,16 +247,17 @@ class Node:
             mc = self.config.metrics
             self.metrics.start(mc.host, mc.port)
         if self._unloaded is not None:
-            self.worker.engine_ready.clear()
-            self._loader = threading.Thread(
-                target=self._load_engine, name="segnode-engine-load", daemon=True
-            )
-            self._loader.start()
+            self.worker.engine_ready.clear()  # jobs wait for the engine
         self.scp.start()
         self.worker.start()
         self.dispatcher.start()
         if self.web is not None:
             self.web.start()
+        if self._unloaded is not None:  # once listening (a failed listen loads nothing)
+            self._loader = threading.Thread(
+                target=self._load_engine, name="segnode-engine-load", daemon=True
+            )
+            self._loader.start()
         nc = self.config.node
         log.info(
             "segnode listening as %s on %s:%d; engine %s, model %s %s; data in %s",

@@ -161,3 +161,24 @@ def test_load_before_listening(tmp_path: Path) -> None:
 def test_load_mode_is_validated(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.load"):
         node_config(tmp_path, load="lazy")
+
+
+def test_an_engine_that_loads_at_once_reports_its_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader starts once the node listens: its status line (which names the port)
+    works even when the engine is ready immediately (no exception in the loader thread)."""
+    crashed: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashed.append(args.exc_value))
+    GatedEngine.gate.set()
+    node = Node(node_config(tmp_path))
+    node.start()
+    try:
+        wait_for(lambda: node.worker.engine_ready.is_set(), 10, "engine ready")
+        assert node._loader is not None
+        node._loader.join(10)
+        assert crashed == []
+        assert not node.engine_loading and "engine loading" not in node.status_line()
+    finally:
+        node.request_stop()
+        node.shutdown()
