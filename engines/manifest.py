@@ -21,19 +21,66 @@ The network sees ``clip(HU) * scale + offset`` as a float32 tensor of shape
 ``(N, 1, Z, Y, X)`` and returns ``(N, C, Z, Y, X)`` with ``C = 1 + number of labels``;
 channel 0 is background, channel ``i`` is label value ``i``. A model with ``"output_kind":
 "labels"`` returns the label value itself, ``(N, 1, Z, Y, X)``.
+
+Version 2 (``"manifest_version": 2``) describes a trained model (nnU-Net v2 and the like)
+completely: the grid it was trained on, its intensity normalisation, resampling, test-time
+mirroring, folds and region outputs. All version-1 keys keep their meaning; ``"onnx"`` is
+replaced by ``"folds"`` (one ONNX file per fold; their logits are averaged)::
+
+    {
+      "manifest_version": 2,
+      "name": "abdomen", "version": "1.0.0",
+      "folds": ["fold_0.onnx", "fold_1.onnx"],
+      "input_name": "input", "output_name": "logits", "output_kind": "logits",
+      "patch_size": [96, 160, 160],       # model axes (after transpose_forward)
+      "overlap": 0.5,                     # 1 - nnU-Net's tile_step_size
+      "sigma_scale": 0.125,               # Gaussian sigma as a fraction of the patch
+      "mirror_axes": [0, 1, 2],           # test-time mirroring, model axes; [] for none
+      "geometry": {
+        "spacing": [1.5, 1.5, 1.5],       # target spacing, mm, model axes
+        "orientation": "SAR",             # array the model's reader sees, or "source"
+        "transpose_forward": [0, 1, 2], "transpose_backward": [0, 1, 2],
+        "gantry_tilt_allowed": false
+      },
+      "preprocessing": {
+        "crop_to_nonzero": true,
+        "normalization": "ct",            # "ct" (nnU-Net CTNormalization) or "linear"
+        "intensity": {"mean": 100.0, "std": 200.0,
+                      "percentile_00_5": -1000.0, "percentile_99_5": 1500.0}
+      },
+      "resampling": {"data_order": 3, "logits_order": 1, "order_z": 0,
+                     "anisotropy_threshold": 3.0, "force_separate_z": null},
+      "labels": [...],                    # as version 1
+      "regions": [[1, 2], [2]], "regions_class_order": [1, 2]   # optional: sigmoid outputs
+    }
+
+The order of operations, and what each key means exactly, is in docs/integration.md
+("Model contract v2") and :mod:`engines.preprocess`. A version-1 manifest gets an equivalent
+:class:`ModelContract` (source orientation, no resampling, its clip/scale/offset), so the
+preprocessing runtime runs both.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engines.base import EngineError
+from engines.preprocess.intensity import CTNormalization, LinearNormalization, Normalization
+from engines.preprocess.orientation import SOURCE, check_orientation_code
+from engines.preprocess.resampling import ANISO_THRESHOLD, ORDERS
 
 Code = tuple[str, str, str]  # (value, scheme designator, meaning)
+
+MANIFEST_VERSIONS = (1, 2)
+
+
+class ManifestError(EngineError):
+    """A model manifest is unreadable or invalid; the message names the file and the field."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +92,62 @@ class LabelSpec:
     category: Code
     type: Code
     color: tuple[int, int, int] = (255, 0, 0)
+
+
+@dataclass(frozen=True)
+class ModelContract:
+    """How a trained model sees a volume: grid, orientation, intensities, resampling,
+    mirroring and outputs (manifest version 2; derived for version 1).
+
+    All axis-indexed fields are in the model's axis order, i.e. after the reorientation to
+    ``orientation`` and ``transpose_forward`` (as nnU-Net's plans store them).
+
+    Attributes
+    ----------
+    spacing
+        Target voxel spacing in mm; ``None`` runs the model on the source grid (version 1).
+    orientation
+        Orientation code of the array the model's reader produces (``"SAR"``: index 0
+        toward superior, 1 toward anterior, 2 toward the patient's right), or ``"source"``.
+    transpose_forward, transpose_backward
+        nnU-Net's axis permutations applied after the reorientation and undone before it.
+    gantry_tilt_allowed
+        Whether tilted or oblique series are accepted (mapped to the nearest axes).
+    crop_to_nonzero
+        Crop to the bounding box of non-zero voxels before normalising (nnU-Net).
+    normalization
+        :class:`CTNormalization` or :class:`LinearNormalization`.
+    data_order, logits_order, order_z
+        Interpolation orders of the image, of the logits back to the source grid and of the
+        separate low-resolution axis.
+    anisotropy_threshold, force_separate_z
+        When to resample the low-resolution axis separately (nnU-Net's ``ANISO_THRESHOLD``
+        and ``force_separate_z``: ``None`` decides from the spacings).
+    sigma_scale
+        Gaussian importance sigma as a fraction of the patch size.
+    mirror_axes
+        Model axes mirrored for test-time augmentation (all non-empty combinations).
+    regions, regions_class_order
+        For region-based models (sigmoid outputs): the label values of each output channel
+        and the label written where each region's probability exceeds 0.5, in order.
+    """
+
+    spacing: tuple[float, float, float] | None = None
+    orientation: str = SOURCE
+    transpose_forward: tuple[int, int, int] = (0, 1, 2)
+    transpose_backward: tuple[int, int, int] = (0, 1, 2)
+    gantry_tilt_allowed: bool = False
+    crop_to_nonzero: bool = False
+    normalization: Normalization = field(default_factory=LinearNormalization)
+    data_order: int = 3
+    logits_order: int = 1
+    order_z: int = 0
+    anisotropy_threshold: float = ANISO_THRESHOLD
+    force_separate_z: bool | None = None
+    sigma_scale: float = 0.125
+    mirror_axes: tuple[int, ...] = ()
+    regions: tuple[tuple[int, ...], ...] | None = None
+    regions_class_order: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,11 +172,31 @@ class ModelManifest:
     scale: float = 1.0
     offset: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    manifest_version: int = 1
+    fold_paths: tuple[Path, ...] = ()
+    """Version 2: one ONNX file per fold (``onnx_path`` is the first)."""
+    contract: ModelContract | None = None
+    """Version 2: the model contract; ``None`` for version 1 (see :meth:`model_contract`)."""
 
     @property
     def num_classes(self) -> int:
         """Number of output channels, background included."""
         return 1 + len(self.labels)
+
+    @property
+    def output_channels(self) -> int:
+        """Channels of the network's output: the regions of a region-based model, else
+        :attr:`num_classes` (1 for ``output_kind="labels"``)."""
+        if self.contract is not None and self.contract.regions is not None:
+            return len(self.contract.regions)
+        return 1 if self.output_kind == "labels" else self.num_classes
+
+    def model_contract(self) -> ModelContract:
+        """The contract of version 2, or the one a version-1 manifest implies (source grid
+        and orientation, its clip/scale/offset, no cropping, no mirroring)."""
+        if self.contract is not None:
+            return self.contract
+        return ModelContract(normalization=LinearNormalization(self.clip, self.scale, self.offset))
 
     def sha256(self) -> str:
         """SHA-256 of the ONNX file (engine cache key)."""
@@ -94,7 +217,7 @@ class ModelManifest:
 def _code(raw: Any, where: str) -> Code:
     ok = isinstance(raw, list | tuple) and len(raw) == 3
     if not (ok and all(isinstance(x, str) for x in raw)):
-        raise EngineError(f"{where}: expected [value, scheme, meaning], got {raw!r}")
+        raise ManifestError(f"{where}: expected [value, scheme, meaning], got {raw!r}")
     return (raw[0], raw[1], raw[2])
 
 
@@ -105,19 +228,25 @@ def _overlap(raw: Any, where: Path) -> float | tuple[float, float, float]:
     elif isinstance(raw, int | float) and not isinstance(raw, bool):
         values = [float(raw)]
     else:
-        raise EngineError(f"{where}: overlap must be a number or [z, y, x], got {raw!r}")
+        raise ManifestError(f"{where}: overlap must be a number or [z, y, x], got {raw!r}")
     if not all(0.0 <= v < 1.0 for v in values):
-        raise EngineError(f"{where}: overlap must be in [0, 1)")
+        raise ManifestError(f"{where}: overlap must be in [0, 1)")
     return values[0] if len(values) == 1 else (values[0], values[1], values[2])
 
 
 def load_manifest(path: str | Path) -> ModelManifest:
-    """Read and validate a model manifest.
+    """Read and validate a model manifest (version 1 or 2).
 
     Parameters
     ----------
     path
         The manifest JSON file, or the ONNX file (``.json`` beside it is read).
+
+    Raises
+    ------
+    ManifestError
+        The file cannot be read or a field is missing or invalid; the message names the file
+        and the field.
     """
     p = Path(path)
     if p.suffix == ".onnx":
@@ -125,7 +254,12 @@ def load_manifest(path: str | Path) -> ModelManifest:
     try:
         raw = json.loads(p.read_text())
     except (OSError, ValueError) as exc:
-        raise EngineError(f"cannot read model manifest {p}: {exc}") from exc
+        raise ManifestError(f"cannot read model manifest {p}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{p}: a manifest is a JSON object, got {type(raw).__name__}")
+    version = raw.get("manifest_version", 1)
+    if version not in MANIFEST_VERSIONS or isinstance(version, bool):
+        raise ManifestError(f"{p}: manifest_version: unsupported {version!r} (supported: 1, 2)")
     try:
         labels = tuple(
             LabelSpec(
@@ -139,15 +273,24 @@ def load_manifest(path: str | Path) -> ModelManifest:
         )
         values = [lab.value for lab in labels]
         if values != list(range(1, len(labels) + 1)):
-            raise EngineError(f"{p}: label values must be 1..N in order, got {values}")
+            raise ManifestError(f"{p}: label values must be 1..N in order, got {values}")
         patch = tuple(int(v) for v in raw["patch_size"])
         if len(patch) != 3 or min(patch) < 1:
-            raise EngineError(f"{p}: patch_size must be three positive integers")
+            raise ManifestError(f"{p}: patch_size must be three positive integers")
         overlap = _overlap(raw.get("overlap", 0.5), p)
         batch = raw.get("batch", {})
         pre = raw.get("preprocessing", {})
         clip = pre.get("clip")
-        onnx_path = (p.parent / raw.get("onnx", p.with_suffix(".onnx").name)).resolve()
+        contract: ModelContract | None = None
+        folds: tuple[Path, ...] = ()
+        if version == 2:
+            folds = _folds(raw, p)
+            contract = _contract(raw, p, len(labels))
+            onnx_path = folds[0]
+            if isinstance(contract.normalization, LinearNormalization):
+                clip = contract.normalization.clip
+        else:
+            onnx_path = (p.parent / raw.get("onnx", p.with_suffix(".onnx").name)).resolve()
         return ModelManifest(
             name=str(raw["name"]),
             version=str(raw["version"]),
@@ -165,13 +308,210 @@ def load_manifest(path: str | Path) -> ModelManifest:
             clip=(float(clip[0]), float(clip[1])) if clip else None,
             scale=float(pre.get("scale", 1.0)),
             offset=float(pre.get("offset", 0.0)),
-            extra={k: v for k, v in raw.items() if k not in _KNOWN},
+            extra={k: v for k, v in raw.items() if k not in _KNOWN[version]},
+            manifest_version=int(version),
+            fold_paths=folds,
+            contract=contract,
         )
+    except ManifestError:
+        raise
     except (KeyError, TypeError, ValueError) as exc:
-        raise EngineError(f"{p}: invalid manifest: {exc!r}") from exc
+        raise ManifestError(f"{p}: invalid manifest: {exc!r}") from exc
 
 
-_KNOWN = {
+# ------------------------------------------------------------------------------ version 2
+
+
+def _folds(raw: dict[str, Any], p: Path) -> tuple[Path, ...]:
+    names = raw.get("folds")
+    if "onnx" in raw:
+        raise ManifestError(f"{p}: onnx: version 2 lists the model files under 'folds'")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ManifestError(f"{p}: folds: a non-empty list of ONNX file names, got {names!r}")
+    paths = tuple((p.parent / n).resolve() for n in names)
+    if len(set(paths)) != len(paths):
+        raise ManifestError(f"{p}: folds: a file is listed twice: {names}")
+    for i, path in enumerate(paths):
+        if not path.is_file():
+            raise ManifestError(f"{p}: folds[{i}]: no such file {path}")
+    return paths
+
+
+def _section(raw: dict[str, Any], key: str, p: Path) -> dict[str, Any]:
+    value = raw.get(key)
+    if not isinstance(value, dict):
+        raise ManifestError(f"{p}: {key}: required object for manifest_version 2, got {value!r}")
+    return value
+
+
+def _number(value: Any, where: str, *, positive: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(float(value)) or (positive and not float(value) > 0.0):
+        kind = "a positive number" if positive else "a finite number"
+        raise ManifestError(f"{where}: must be {kind}, got {value!r}")
+    return float(value)
+
+
+def _permutation(value: Any, where: str) -> tuple[int, int, int]:
+    if not isinstance(value, list) or sorted(value) != [0, 1, 2]:
+        raise ManifestError(f"{where}: must be a permutation of [0, 1, 2], got {value!r}")
+    return (int(value[0]), int(value[1]), int(value[2]))
+
+
+def _order(value: Any, where: str, allowed: tuple[int, ...]) -> int:
+    if isinstance(value, bool) or value not in allowed:
+        raise ManifestError(f"{where}: must be one of {list(allowed)}, got {value!r}")
+    return int(value)
+
+
+def _contract(raw: dict[str, Any], p: Path, num_labels: int) -> ModelContract:
+    geo = _section(raw, "geometry", p)
+    spacing_raw = geo.get("spacing")
+    if not isinstance(spacing_raw, list) or len(spacing_raw) != 3:
+        raise ManifestError(f"{p}: geometry.spacing: three numbers in mm, got {spacing_raw!r}")
+    spacing = tuple(
+        _number(v, f"{p}: geometry.spacing[{i}]", positive=True) for i, v in enumerate(spacing_raw)
+    )
+    orientation = geo.get("orientation", SOURCE)
+    if orientation != SOURCE:
+        try:
+            orientation = check_orientation_code(str(orientation))
+        except ValueError as exc:
+            raise ManifestError(f"{p}: geometry.orientation: {exc} (or 'source')") from exc
+    forward = _permutation(
+        geo.get("transpose_forward", [0, 1, 2]), f"{p}: geometry.transpose_forward"
+    )
+    backward = _permutation(
+        geo.get("transpose_backward", [0, 1, 2]), f"{p}: geometry.transpose_backward"
+    )
+    if tuple(forward[b] for b in backward) != (0, 1, 2):
+        raise ManifestError(
+            f"{p}: geometry.transpose_backward: {list(backward)} does not undo "
+            f"transpose_forward {list(forward)}"
+        )
+    tilt = geo.get("gantry_tilt_allowed", False)
+    if not isinstance(tilt, bool):
+        raise ManifestError(f"{p}: geometry.gantry_tilt_allowed: must be true or false")
+
+    pre = _section(raw, "preprocessing", p)
+    crop = pre.get("crop_to_nonzero", False)
+    if not isinstance(crop, bool):
+        raise ManifestError(f"{p}: preprocessing.crop_to_nonzero: must be true or false")
+    normalization = _normalization(pre, p)
+
+    res = raw.get("resampling", {})
+    if not isinstance(res, dict):
+        raise ManifestError(f"{p}: resampling: must be an object, got {res!r}")
+    force = res.get("force_separate_z")
+    if force is not None and not isinstance(force, bool):
+        raise ManifestError(f"{p}: resampling.force_separate_z: true, false or null")
+
+    sigma = _number(raw.get("sigma_scale", 0.125), f"{p}: sigma_scale", positive=True)
+    mirror = raw.get("mirror_axes", [])
+    if (
+        not isinstance(mirror, list)
+        or not all(isinstance(a, int) and not isinstance(a, bool) and 0 <= a <= 2 for a in mirror)
+        or len(set(mirror)) != len(mirror)
+    ):
+        raise ManifestError(f"{p}: mirror_axes: distinct axes among 0, 1, 2, got {mirror!r}")
+
+    regions, class_order = _regions(raw, p, num_labels)
+    if regions is not None and raw.get("output_kind", "logits") == "labels":
+        raise ManifestError(
+            f"{p}: output_kind: a region-based model returns logits or probabilities"
+        )
+    return ModelContract(
+        spacing=(spacing[0], spacing[1], spacing[2]),
+        orientation=orientation,
+        transpose_forward=forward,
+        transpose_backward=backward,
+        gantry_tilt_allowed=tilt,
+        crop_to_nonzero=crop,
+        normalization=normalization,
+        data_order=_order(res.get("data_order", 3), f"{p}: resampling.data_order", ORDERS),
+        logits_order=_order(res.get("logits_order", 1), f"{p}: resampling.logits_order", ORDERS),
+        order_z=_order(res.get("order_z", 0), f"{p}: resampling.order_z", (0, 1)),
+        anisotropy_threshold=_number(
+            res.get("anisotropy_threshold", ANISO_THRESHOLD),
+            f"{p}: resampling.anisotropy_threshold",
+            positive=True,
+        ),
+        force_separate_z=force,
+        sigma_scale=sigma,
+        mirror_axes=tuple(int(a) for a in mirror),
+        regions=regions,
+        regions_class_order=class_order,
+    )
+
+
+def _normalization(pre: dict[str, Any], p: Path) -> Normalization:
+    scheme = pre.get("normalization")
+    if scheme == "ct":
+        props = pre.get("intensity")
+        if not isinstance(props, dict):
+            raise ManifestError(
+                f"{p}: preprocessing.intensity: required for 'ct' normalization (mean, std, "
+                "percentile_00_5, percentile_99_5 of the training foreground)"
+            )
+        values = {
+            key: _number(props.get(key), f"{p}: preprocessing.intensity.{key}")
+            for key in ("mean", "std", "percentile_00_5", "percentile_99_5")
+        }
+        if values["std"] < 0.0:
+            raise ManifestError(f"{p}: preprocessing.intensity.std: must not be negative")
+        if values["percentile_00_5"] > values["percentile_99_5"]:
+            raise ManifestError(
+                f"{p}: preprocessing.intensity: percentile_00_5 exceeds percentile_99_5"
+            )
+        return CTNormalization(
+            mean=values["mean"],
+            std=values["std"],
+            lower=values["percentile_00_5"],
+            upper=values["percentile_99_5"],
+        )
+    if scheme == "linear":
+        clip = pre.get("clip")
+        if clip is not None:
+            if not isinstance(clip, list) or len(clip) != 2:
+                raise ManifestError(f"{p}: preprocessing.clip: [low, high] in HU, got {clip!r}")
+            low = _number(clip[0], f"{p}: preprocessing.clip[0]")
+            high = _number(clip[1], f"{p}: preprocessing.clip[1]")
+            if low > high:
+                raise ManifestError(f"{p}: preprocessing.clip: low {low} exceeds high {high}")
+        return LinearNormalization(
+            clip=(low, high) if clip is not None else None,
+            scale=_number(pre.get("scale", 1.0), f"{p}: preprocessing.scale"),
+            offset=_number(pre.get("offset", 0.0), f"{p}: preprocessing.offset"),
+        )
+    raise ManifestError(f"{p}: preprocessing.normalization: 'ct' or 'linear', got {scheme!r}")
+
+
+def _regions(
+    raw: dict[str, Any], p: Path, num_labels: int
+) -> tuple[tuple[tuple[int, ...], ...] | None, tuple[int, ...] | None]:
+    regions = raw.get("regions")
+    order = raw.get("regions_class_order")
+    if regions is None and order is None:
+        return None, None
+    if regions is None or order is None:
+        raise ManifestError(f"{p}: regions and regions_class_order go together")
+    valid = set(range(1, num_labels + 1))
+    if not isinstance(regions, list) or not regions:
+        raise ManifestError(f"{p}: regions: a non-empty list of label lists, got {regions!r}")
+    for i, region in enumerate(regions):
+        if not isinstance(region, list) or not region or not set(region) <= valid:
+            raise ManifestError(
+                f"{p}: regions[{i}]: a non-empty list of label values 1..{num_labels}, "
+                f"got {region!r}"
+            )
+    if not isinstance(order, list) or len(order) != len(regions) or not set(order) <= valid:
+        raise ManifestError(
+            f"{p}: regions_class_order: one label value (1..{num_labels}) per region, got {order!r}"
+        )
+    return tuple(tuple(int(v) for v in r) for r in regions), tuple(int(v) for v in order)
+
+
+_KNOWN_V1 = {
     "name",
     "version",
     "onnx",
@@ -184,4 +524,18 @@ _KNOWN = {
     "fp16",
     "preprocessing",
     "labels",
+}
+_KNOWN = {
+    1: _KNOWN_V1 | {"manifest_version"},
+    2: (_KNOWN_V1 - {"onnx"})
+    | {
+        "manifest_version",
+        "folds",
+        "sigma_scale",
+        "mirror_axes",
+        "geometry",
+        "resampling",
+        "regions",
+        "regions_class_order",
+    },
 }

@@ -1,0 +1,175 @@
+"""Run a model on a CT volume the way its training pipeline expects, and come back to the
+source grid.
+
+:func:`run_model` is nnU-Net v2's ``preprocess -> predict -> export`` around any predictor:
+
+1. reorient the ``(z, y, x)`` HU volume to the model's orientation (exact re-indexing,
+   :mod:`~engines.preprocess.orientation`), then apply ``transpose_forward``;
+2. crop to the non-zero bounding box (``crop_to_nonzero``);
+3. normalise (:mod:`~engines.preprocess.intensity`) - before resampling, as nnU-Net;
+4. resample the image to the target spacing (order 3, separate z when anisotropic);
+5. ``predict``: the model's scores on that grid (sliding window, folds, mirroring - the
+   engine's business);
+6. resample the scores back to the cropped source shape (order 1, separate z decided from the
+   target spacing first, as nnU-Net's export), then arg-max (or the regions' thresholds);
+7. paste into the uncropped shape (background outside), undo the transpose and the
+   reorientation.
+
+The result is a label map of the source volume's shape: the SEG stays on the source grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from array_api_compat import array_namespace
+from array_api_compat import device as array_device
+
+from engines.manifest import ModelContract, ModelManifest
+from engines.preprocess.intensity import nonzero_bbox
+from engines.preprocess.orientation import Geometry, plan_reorientation
+from engines.preprocess.resampling import compute_new_shape, resample, separate_z_axis
+
+Predict = Callable[[Any], Any]
+"""``predict(image)``: the preprocessed float32 ``(z, y, x)`` image on the model's grid in,
+``(C, z, y, x)`` logits or probabilities (C: :attr:`ModelManifest.output_channels`) or a
+``(z, y, x)`` integer label map out, in the image's namespace and device."""
+
+
+def run_model(
+    hu: Any,
+    geometry: Geometry,
+    manifest: ModelManifest,
+    predict: Predict,
+    *,
+    precise: bool = True,
+) -> Any:
+    """Label map of ``hu`` on its own grid from a model with ``manifest``'s contract.
+
+    Parameters
+    ----------
+    hu
+        float32 ``(z, y, x)`` HU volume (NumPy, or torch / CuPy on a GPU) on the source grid.
+    geometry
+        Its geometry (:meth:`Geometry.from_volume`).
+    manifest
+        A version-2 manifest, or a version-1 one (source grid, its clip/scale/offset).
+    predict
+        See :data:`Predict`. A label map coming back is taken back to the source grid with
+        order 0 (nearest): nnU-Net resamples logits instead, so give scores to agree with it.
+    precise
+        Resample in float64 (nnU-Net's arithmetic) rather than float32.
+
+    Returns
+    -------
+    array
+        uint8 label map, shape of ``hu``, same namespace and device.
+
+    Raises
+    ------
+    GeometryError
+        A tilted or oblique series the model does not accept.
+    ValueError
+        ``predict`` returned an unexpected shape.
+    """
+    xp = array_namespace(hu)
+    if hu.ndim != 3:
+        raise ValueError(f"hu must be (z, y, x), got shape {tuple(hu.shape)}")
+    contract = manifest.model_contract()
+    reorient = plan_reorientation(
+        geometry, contract.orientation, tilt_allowed=contract.gantry_tilt_allowed
+    )
+    forward = contract.transpose_forward
+    image = xp.permute_dims(reorient.to_model(hu, xp), forward)
+    spacing_model = reorient.spacing_to_model(geometry.spacing)
+    spacing = tuple(spacing_model[i] for i in forward)
+    full_shape = tuple(int(n) for n in image.shape)
+
+    box = (
+        nonzero_bbox(image) if contract.crop_to_nonzero else tuple(slice(0, n) for n in full_shape)
+    )
+    image = image[box]
+    cropped_shape = tuple(int(n) for n in image.shape)
+    image = contract.normalization(image)
+
+    target = contract.spacing if contract.spacing is not None else spacing
+    model_shape = compute_new_shape(cropped_shape, spacing, target)
+    axis = separate_z_axis(
+        spacing,
+        target,
+        threshold=contract.anisotropy_threshold,
+        force=contract.force_separate_z,
+    )
+    image = resample(
+        image[None, ...],
+        model_shape,
+        order=contract.data_order,
+        separate_axis=axis,
+        order_z=contract.order_z,
+        precise=precise,
+    )[0, ...]
+
+    scores = predict(image)
+    labels = _labels_on_source(
+        scores, manifest, contract, model_shape, cropped_shape, target, spacing, precise, xp
+    )
+    dev = array_device(hu)
+    full = xp.zeros(full_shape, dtype=xp.uint8, device=dev)
+    full[box] = labels
+    full = xp.permute_dims(full, contract.transpose_backward)
+    return reorient.to_source(full, xp)
+
+
+def _labels_on_source(
+    scores: Any,
+    manifest: ModelManifest,
+    contract: ModelContract,
+    model_shape: tuple[int, ...],
+    cropped_shape: tuple[int, ...],
+    target: tuple[float, ...],
+    spacing: tuple[float, ...],
+    precise: bool,
+    xp: Any,
+) -> Any:
+    """uint8 labels of the cropped source shape from the model-grid ``scores``."""
+    back_axis = separate_z_axis(
+        target,
+        spacing,
+        threshold=contract.anisotropy_threshold,
+        force=contract.force_separate_z,
+    )
+    if scores.ndim == 3:
+        if tuple(scores.shape) != model_shape:
+            raise ValueError(
+                f"predict returned labels {tuple(scores.shape)}, expected {model_shape}"
+            )
+        labels = resample(
+            xp.astype(scores, xp.float32)[None, ...],
+            cropped_shape,
+            order=0,
+            separate_axis=back_axis,
+            order_z=0,
+        )[0, ...]
+        return xp.astype(labels, xp.uint8)
+    want = (manifest.output_channels, *model_shape)
+    if tuple(scores.shape) != want:
+        raise ValueError(f"predict returned shape {tuple(scores.shape)}, expected {want}")
+    back = resample(
+        xp.astype(scores, xp.float32),
+        cropped_shape,
+        order=contract.logits_order,
+        separate_axis=back_axis,
+        order_z=contract.order_z,
+        precise=precise,
+    )
+    if contract.regions is None or contract.regions_class_order is None:
+        return xp.astype(xp.argmax(back, axis=0), xp.uint8)
+    # region-based: sigmoid(logit) > 0.5 <=> logit > 0 (probabilities: > 0.5), later wins
+    threshold = 0.0 if manifest.output_kind == "logits" else 0.5
+    dev = array_device(back)
+    labels = xp.zeros(cropped_shape, dtype=xp.uint8, device=dev)
+    for channel, value in enumerate(contract.regions_class_order):
+        fill = xp.asarray(value, dtype=xp.uint8, device=dev)
+        labels = xp.where(back[channel, ...] > threshold, fill, labels)
+    return labels

@@ -1,0 +1,260 @@
+"""Resampling to a model's voxel spacing and back, with nnU-Net v2's rules.
+
+nnU-Net (``nnunetv2/preprocessing/resampling/default_resampling.py``) resamples
+
+* the image with a cubic B-spline (order 3), the logits back with order 1, label maps with
+  order 0 (nearest);
+* in one 3-D pass when the grid is roughly isotropic, but in two passes when it is
+  anisotropic: each slice in-plane with the order above, then the low-resolution axis with
+  order 0 (``order_z``). It resamples "separately in z" when the current spacing's largest /
+  smallest ratio exceeds ``ANISO_THRESHOLD`` = 3, else when the target spacing's does; the
+  low-resolution axis is the one with the largest spacing, and there is no separate pass when
+  two or three axes share it.
+
+Its in-plane and 3-D passes call scikit-image's ``resize(order, mode="edge",
+anti_aliasing=False)``, which is ``scipy.ndimage.zoom(grid_mode=True, mode="nearest")``
+followed by clipping to the input's range; the separate z pass is ``map_coordinates`` with
+``mode="nearest"``. This module does the same arithmetic without SciPy, written against the
+array API so that one code path runs on NumPy (CPU) and on torch or CuPy (GPU):
+
+* a B-spline of order 3 is separable, so a 3-D zoom is three 1-D zooms; each pads the axis by
+  12 edge voxels (SciPy's ``_prepad_for_spline_filter``), applies the exact recursive
+  prefilter (pole sqrt(3) - 2, mirror-symmetric initialisation, as SciPy's ``ni_splines.c``),
+  and evaluates the spline at ``(o + 0.5) * n_in / n_out - 0.5``;
+* order 1 is linear and order 0 the nearest voxel (``floor(c + 0.5)``) at the same
+  coordinates, indices clamped to the edge (SciPy's ``"nearest"`` mode).
+
+Coordinates and weights are computed on the host in float64 (small 1-D tables) and moved to
+the array's device; the volume arithmetic runs in float64 unless ``precise=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from array_api_compat import array_namespace
+from array_api_compat import device as array_device
+
+ANISO_THRESHOLD = 3.0
+"""nnU-Net's ``nnunetv2.configuration.ANISO_THRESHOLD``."""
+
+ORDERS = (0, 1, 3)
+"""Interpolation orders this module implements."""
+
+_PAD = 12  # SciPy pads by 12 edge voxels before an order > 1 spline prefilter
+_POLE = math.sqrt(3.0) - 2.0  # the cubic B-spline's prefilter pole
+
+
+def compute_new_shape(
+    old_shape: Sequence[int], old_spacing: Sequence[float], new_spacing: Sequence[float]
+) -> tuple[int, ...]:
+    """Shape of a grid resampled from ``old_spacing`` to ``new_spacing``.
+
+    ``round(old_spacing / new_spacing * old_shape)`` per axis, with Python's rounding (half to
+    even), as nnU-Net's ``compute_new_shape``.
+    """
+    if not len(old_shape) == len(old_spacing) == len(new_spacing):
+        raise ValueError("shape and spacings must have the same length")
+    return tuple(
+        int(round(s / t * n)) for n, s, t in zip(old_shape, old_spacing, new_spacing, strict=True)
+    )
+
+
+def separate_z_axis(
+    current_spacing: Sequence[float],
+    new_spacing: Sequence[float],
+    *,
+    threshold: float = ANISO_THRESHOLD,
+    force: bool | None = None,
+) -> int | None:
+    """The axis to resample separately (with ``order_z``), or ``None`` for one 3-D pass.
+
+    nnU-Net's ``determine_do_sep_z_and_axis``: with ``force=None`` the current spacing
+    decides if its max/min ratio exceeds ``threshold``, else the new spacing does; the axis is
+    the one with the largest spacing of the deciding spacing, and ``None`` when two or three
+    axes tie for it. ``force=False`` never separates; ``force=True`` always does (the current
+    spacing's coarsest axis).
+    """
+    if force is False:
+        return None
+    if force is True:
+        deciding: Sequence[float] | None = current_spacing
+    elif max(current_spacing) / min(current_spacing) > threshold:
+        deciding = current_spacing
+    elif max(new_spacing) / min(new_spacing) > threshold:
+        deciding = new_spacing
+    else:
+        deciding = None
+    if deciding is None:
+        return None
+    largest = max(deciding)
+    axes = [i for i, s in enumerate(deciding) if largest / s == 1]
+    return axes[0] if len(axes) == 1 else None
+
+
+def resample(
+    data: Any,
+    new_shape: Sequence[int],
+    *,
+    order: int,
+    separate_axis: int | None = None,
+    order_z: int = 0,
+    precise: bool = True,
+) -> Any:
+    """Resample a ``(C, z, y, x)`` array to ``(C, *new_shape)``, as nnU-Net's
+    ``resample_data_or_seg`` with ``is_seg=False``.
+
+    Parameters
+    ----------
+    data
+        Array of any array-API namespace (NumPy, torch, CuPy), channels first.
+    new_shape
+        Spatial shape wanted.
+    order
+        0, 1 or 3: interpolation order (in-plane only when ``separate_axis`` is given).
+    separate_axis
+        Spatial axis (0, 1 or 2) resampled in a second pass with ``order_z``; see
+        :func:`separate_z_axis`.
+    order_z
+        0 or 1: order along ``separate_axis``.
+    precise
+        Compute in float64 (as nnU-Net does); ``False`` keeps float32 (faster on a GPU,
+        differences about 1e-6 relative).
+
+    Returns
+    -------
+    array
+        Same namespace, device and dtype as ``data`` (the input itself when the shape is
+        already ``new_shape``).
+    """
+    xp = array_namespace(data)
+    if data.ndim != 4:
+        raise ValueError(f"data must be (C, z, y, x), got shape {tuple(data.shape)}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order}")
+    if order_z not in (0, 1):
+        raise ValueError(f"order_z must be 0 or 1, got {order_z}")
+    shape = tuple(int(n) for n in data.shape[1:])
+    target = tuple(int(n) for n in new_shape)
+    if len(target) != 3 or min(target) < 1:
+        raise ValueError(f"new_shape must be three positive sizes, got {tuple(new_shape)}")
+    if shape == target:
+        return data
+    out_dtype = data.dtype
+    work = xp.astype(data, xp.float64 if precise else xp.float32)
+    if separate_axis is None:
+        out = _zoom(work, shape, target, (1, 2, 3), order, xp)
+    else:
+        if separate_axis not in (0, 1, 2):
+            raise ValueError(f"separate_axis must be 0, 1, 2 or None, got {separate_axis}")
+        plane = tuple(1 + a for a in range(3) if a != separate_axis)
+        out = _zoom(work, shape, target, plane, order, xp)
+        axis = 1 + separate_axis
+        if shape[separate_axis] != target[separate_axis]:
+            out = _interpolate(out, axis, target[separate_axis], order_z, xp)
+    return xp.astype(out, out_dtype)
+
+
+def _zoom(
+    data: Any,
+    shape: tuple[int, ...],
+    target: tuple[int, ...],
+    axes: tuple[int, ...],
+    order: int,
+    xp: Any,
+) -> Any:
+    """scikit-image ``resize`` over ``axes`` of ``data`` (each channel and, for in-plane
+    axes, each slice on its own): separable zoom, then clip to the input's range."""
+    out = data
+    changed = [a for a in axes if shape[a - 1] != target[a - 1]]
+    if not changed:
+        return out
+    for axis in changed:
+        coefficients = _prefilter(_pad_edge(out, axis, xp), axis, xp) if order > 1 else out
+        out = _interpolate(coefficients, axis, target[axis - 1], order, xp, padded=order > 1)
+    if order > 0:  # scikit-image clips the output to the input's range (clip=True)
+        low = xp.min(data, axis=axes, keepdims=True)
+        high = xp.max(data, axis=axes, keepdims=True)
+        out = xp.minimum(xp.maximum(out, low), high)
+    return out
+
+
+def _pad_edge(data: Any, axis: int, xp: Any) -> Any:
+    n = int(data.shape[axis])
+    index = np.clip(np.arange(-_PAD, n + _PAD), 0, n - 1)
+    return xp.take(data, xp.asarray(index, device=array_device(data)), axis=axis)
+
+
+def _prefilter(data: Any, axis: int, xp: Any) -> Any:
+    """Cubic B-spline coefficients along ``axis`` (SciPy's ``spline_filter1d``, order 3,
+    mirror initialisation, gain 6)."""
+    moved = xp.moveaxis(data, axis, 0)
+    c = moved * 6.0  # gain (1 - z)(1 - 1/z) of the single pole
+    n = int(c.shape[0])
+    z = _POLE
+    if n == 1:
+        return xp.moveaxis(c, 0, axis)
+    # causal initialisation (mirror): c0 = sum of z^i c_i over the mirrored signal
+    weights = np.zeros(n)
+    z_n_1 = z ** (n - 1)
+    weights[0] += 1.0
+    weights[n - 1] += z_n_1
+    powers = z ** np.arange(1, n - 1, dtype=np.float64)
+    weights[1 : n - 1] += powers
+    weights[n - 2 : 0 : -1] += powers * z_n_1
+    weights /= 1.0 - z_n_1 * z_n_1
+    w = xp.asarray(weights, dtype=c.dtype, device=array_device(c))
+    w = xp.reshape(w, (n,) + (1,) * (c.ndim - 1))
+    rows = [xp.sum(c * w, axis=0)]
+    for i in range(1, n):
+        rows.append(c[i, ...] + z * rows[i - 1])
+    # anti-causal initialisation (mirror), then the backward recursion
+    last = (z * rows[n - 2] + rows[n - 1]) * z / (z * z - 1.0)
+    out = [last]
+    for i in range(n - 2, -1, -1):
+        out.append(z * (out[-1] - rows[i]))
+    out.reverse()
+    return xp.moveaxis(xp.stack(out, axis=0), 0, axis)
+
+
+def _interpolate(
+    data: Any, axis: int, size: int, order: int, xp: Any, *, padded: bool = False
+) -> Any:
+    """Evaluate ``data`` along ``axis`` at ``size`` grid-mode coordinates (order 0, 1 or 3;
+    order 3 expects spline coefficients padded by ``_PAD``)."""
+    n = int(data.shape[axis]) - (2 * _PAD if padded else 0)
+    scale = float(n) / size
+    coords = scale * (np.arange(size, dtype=np.float64) + 0.5) - 0.5
+    dev = array_device(data)
+    shape = [1] * data.ndim
+    shape[axis] = size
+
+    def weighted(index: Any, weight: Any) -> Any:
+        taken = xp.take(data, xp.asarray(index, dtype=xp.int64, device=dev), axis=axis)
+        return taken * xp.reshape(xp.asarray(weight, dtype=data.dtype, device=dev), shape)
+
+    if order == 0:
+        index = np.clip(np.floor(coords + 0.5).astype(np.int64), 0, n - 1)
+        return xp.take(data, xp.asarray(index, device=dev), axis=axis)
+    base = np.floor(coords)
+    t = coords - base
+    start = base.astype(np.int64)
+    if order == 1:
+        left = np.clip(start, 0, n - 1)
+        right = np.clip(start + 1, 0, n - 1)
+        return weighted(left, 1.0 - t) + weighted(right, t)
+    start = start - 1 + _PAD
+    t2, t3 = t * t, t * t * t
+    taps = (
+        (1.0 - t) ** 3 / 6.0,
+        (3.0 * t3 - 6.0 * t2 + 4.0) / 6.0,
+        (-3.0 * t3 + 3.0 * t2 + 3.0 * t + 1.0) / 6.0,
+        t3 / 6.0,
+    )
+    out = weighted(start, taps[0])
+    for k in range(1, 4):
+        out = out + weighted(start + k, taps[k])
+    return out
