@@ -204,7 +204,10 @@ class Reorientation:
         return self.permutation == (0, 1, 2) and not any(self.flips)
 
     def to_model(self, array: Any, xp: Any) -> Any:
-        """The source-grid ``array`` (last three axes spatial) on the model's grid."""
+        """The source-grid ``array`` (last three axes spatial) on the model's grid (a view
+        where the namespace makes one; ``array`` itself for the identity)."""
+        if self.is_identity:
+            return array
         lead = array.ndim - 3
         axes = (*range(lead), *(lead + p for p in self.permutation))
         out = xp.permute_dims(array, axes)
@@ -213,6 +216,8 @@ class Reorientation:
 
     def to_source(self, array: Any, xp: Any) -> Any:
         """The model-grid ``array`` (last three axes spatial) back on the source grid."""
+        if self.is_identity:
+            return array
         lead = array.ndim - 3
         flipped = tuple(lead + t for t, f in enumerate(self.flips) if f)
         out = xp.flip(array, axis=flipped) if flipped else array
