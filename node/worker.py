@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 from pydicom import Dataset
+from pydicom.dataset import FileMetaDataset
+from pydicom.uid import UID, ExplicitVRLittleEndian, generate_uid
 
 from engines.base import Engine, EngineError, LabelSums, SumsEngine
 from engines.manifest import ModelManifest
@@ -62,7 +64,13 @@ from node.seg_encode import SegPlan
 from node.sr_encode import SrPlan
 from node.statistics import statistics_from_sums
 from node.streaming import StreamingAssembler
-from node.volume import Volume, VolumeError, assemble_from_datasets, assemble_volume
+from node.volume import (
+    CT_IMAGE_STORAGE,
+    Volume,
+    VolumeError,
+    assemble_from_datasets,
+    assemble_volume,
+)
 from storage.ledger import JobView, Ledger
 from storage.spool import write_atomic, write_synced
 
@@ -149,13 +157,10 @@ class Worker:
         self._thread.start()
 
     def _warm(self) -> None:
-        from node.synthetic import synthetic_datasets
-
         try:
-            volume = assemble_from_datasets(
-                synthetic_datasets(rows=8, columns=8, slices=2, seed=1), min_slices=2
-            )
-            self._prepare(volume, self.manifest, ResultUIDs.new(), datetime.now())
+            for charset in WARM_UP_CHARACTER_SETS:
+                volume = assemble_from_datasets(warm_up_series(charset), min_slices=2)
+                self._prepare(volume, self.manifest, ResultUIDs.new(), datetime.now())
         except Exception as exc:  # the first job then prepares the slow way
             log.debug("preparing the result templates at start failed: %s", exc)
 
@@ -418,6 +423,46 @@ class Worker:
             return None
         log.info("job %d: volume shared with the previous model's job", job.id)
         return volume
+
+
+WARM_UP_CHARACTER_SETS: tuple[str | None, ...] = (None, "ISO_IR 100")
+"""Specific Character Sets a result is prepared for at start: the SR template is cached per
+character set, and these two (none, that is ASCII, and Latin-1) are what most CT carries."""
+
+
+def warm_up_series(charset: str | None = None) -> list[Dataset]:
+    """Two 8 x 8 axial CT slices with the attributes the SEG and SR copy from a series
+    (no patient data) in ``charset``: what :meth:`Worker.start` prepares a result for, so
+    that the default model's SR template is cached before the first job
+    (:class:`node.sr_encode.SrPlan`)."""
+    study, series, frame = (generate_uid(prefix=None) for _ in range(3))
+    out = []
+    for k in range(2):
+        ds = Dataset()
+        if charset is not None:
+            ds.SpecificCharacterSet = charset
+        ds.file_meta = FileMetaDataset()
+        ds.file_meta.MediaStorageSOPClassUID = UID(CT_IMAGE_STORAGE)
+        ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+        ds.SOPClassUID = CT_IMAGE_STORAGE
+        ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = generate_uid(prefix=None)
+        ds.PatientID, ds.PatientName, ds.PatientSex, ds.PatientBirthDate = "WARMUP", "", "", ""
+        ds.StudyInstanceUID, ds.StudyID, ds.AccessionNumber = study, "", ""
+        ds.StudyDate, ds.StudyTime, ds.ReferringPhysicianName = "20240101", "120000", ""
+        ds.Modality, ds.SeriesInstanceUID, ds.SeriesNumber = "CT", series, 1
+        ds.FrameOfReferenceUID, ds.PositionReferenceIndicator = frame, ""
+        ds.Manufacturer, ds.InstanceNumber = "segnode", k + 1
+        ds.PixelSpacing, ds.SliceThickness = [1.0, 1.0], 1.0
+        ds.ImageOrientationPatient = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+        ds.ImagePositionPatient = [0.0, 0.0, float(k)]
+        ds.ImageType = ["ORIGINAL", "PRIMARY", "AXIAL"]
+        ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+        ds.Rows = ds.Columns = 8
+        ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 12, 11, 0
+        ds.RescaleIntercept, ds.RescaleSlope, ds.RescaleType = -1024, 1, "HU"
+        ds.PixelData = np.full((8, 8), 1024, dtype=np.uint16).tobytes()
+        out.append(ds)
+    return out
 
 
 @contextmanager

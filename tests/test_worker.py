@@ -220,3 +220,49 @@ def test_seg_that_fails_its_check_leaves_no_file(
     assert "does not reproduce the label map" in (view.reason or "")
     folder = tmp_path / "results" / str(jid)
     assert not folder.exists() or list(folder.iterdir()) == []
+
+
+def test_start_caches_the_sr_template_that_real_series_use(
+    tmp_path: Path, engine: OrtEngine
+) -> None:
+    """The worker prepares a result for its own two-slice warm-up series at start (no test
+    fixture at run time); a synthetic series then finds that SR template (no new one)."""
+    import subprocess
+    import sys
+
+    from node import __version__, sr_encode
+    from node.results import ResultUIDs
+    from node.seg_encode import SegPlan
+    from node.sr_encode import SrPlan
+    from node.volume import assemble_from_datasets
+
+    sr_encode._TEMPLATES.clear()
+    worker, ledger, _ = make(tmp_path, engine)
+    worker.start()
+    try:
+        wait = worker._helper.submit(lambda: None)
+        wait.result(30)
+        assert len(sr_encode._TEMPLATES) == 2  # ASCII and Latin-1
+        volume = assemble_from_datasets(synthetic_datasets(rows=16, columns=16, slices=3))
+        manifest = load_manifest(DEFAULT_MODEL)
+        uids = ResultUIDs.new()
+        seg = SegPlan.prepare(volume, manifest, uids, software_version=__version__)
+        SrPlan.prepare(
+            volume,
+            manifest,
+            uids,
+            seg_sop_class_uid=seg.sop_class_uid,
+            software_version=__version__,
+        )
+        assert len(sr_encode._TEMPLATES) == 2  # the same key as the Latin-1 one: a hit
+    finally:
+        worker.stop(10)
+        ledger.close()
+    code = (
+        "import sys, node.service, node.worker\n"
+        "node.worker.assemble_from_datasets(node.worker.warm_up_series(), min_slices=2)\n"
+        "bad = [m for m in ('node.synthetic', 'node.sample_study') if m in sys.modules]\n"
+        "sys.exit(f'fixtures imported: {bad}' if bad else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
