@@ -45,6 +45,8 @@ class Case:
     transpose: tuple[int, int, int] = (0, 1, 2)
     zero_border: bool = False
     seed: int = 0
+    regions: bool = False
+    """A region-based model (sigmoid outputs, :data:`DATASET_JSON_REGIONS`)."""
 
 
 CASES = (
@@ -61,6 +63,7 @@ CASES = (
         zero_border=True,
         seed=5,
     ),
+    Case("regions", (8, 20, 18), (2.5, 0.8, 0.8), (1.5, 1.2, 1.2), seed=6, regions=True),
 )
 
 
@@ -78,6 +81,18 @@ def fake_logits(image: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
     """A deterministic stand-in for a network: ``-(image - centre_c)^2`` per class."""
     x = np.asarray(image, dtype=np.float32)
     return np.stack([-((x - np.float32(c)) ** 2) for c in CENTRES]).astype(np.float32)
+
+
+def fake_region_logits(image: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
+    """A stand-in for a region-based network: region 1 where the image exceeds -0.3, region
+    2 where it exceeds 0.8 (logits, sigmoid > 0.5 inside)."""
+    x = np.asarray(image, dtype=np.float32)
+    return np.stack([x + np.float32(0.3), x - np.float32(0.8)]).astype(np.float32)
+
+
+def predictor(case: Case) -> Any:
+    """The stand-in network of ``case``."""
+    return fake_region_logits if case.regions else fake_logits
 
 
 def plans(case: Case) -> dict[str, Any]:
@@ -145,6 +160,14 @@ DATASET_JSON = {
     "file_ending": ".nii.gz",
 }
 
+DATASET_JSON_REGIONS = {
+    "channel_names": {"0": "CT"},
+    "labels": {"background": 0, "organ": [1, 2], "core": [2]},
+    "regions_class_order": [1, 2],
+    "numTraining": 1,
+    "file_ending": ".nii.gz",
+}
+
 
 def nnunet_reference(
     hu: npt.NDArray[Any], case: Case
@@ -166,16 +189,17 @@ def nnunet_reference(
 
     manager = PlansManager(plans(case))
     configuration = manager.get_configuration("3d_fullres")
+    dataset_json = DATASET_JSON_REGIONS if case.regions else DATASET_JSON
     properties: dict[str, Any] = {"spacing": list(case.spacing)}
     data, _, properties = DefaultPreprocessor(verbose=False).run_case_npy(
-        hu[None].astype(np.float32), None, properties, manager, configuration, DATASET_JSON
+        hu[None].astype(np.float32), None, properties, manager, configuration, dataset_json
     )
-    logits = torch.from_numpy(fake_logits(data[0]))
+    logits = torch.from_numpy(predictor(case)(data[0]))
     labels = convert_predicted_logits_to_segmentation_with_correct_shape(
         logits,
         manager,
         configuration,
-        manager.get_label_manager(DATASET_JSON),
+        manager.get_label_manager(dataset_json),
         properties,
         num_threads_torch=1,
     )

@@ -28,9 +28,9 @@ from scripts.make_nnunet_golden import (
     CASES,
     INTENSITY,
     Case,
-    fake_logits,
     make_volume,
     nnunet_reference,
+    predictor,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -89,6 +89,9 @@ def _manifest(tmp_path: Path, case: Case) -> ModelManifest:
             for v, n in ((1, "low"), (2, "high"))
         ],
     }
+    if case.regions:  # as DATASET_JSON_REGIONS: organ = labels 1 and 2, core = label 2
+        raw["regions"] = [[1, 2], [2]]
+        raw["regions_class_order"] = [1, 2]
     path = tmp_path / "golden.json"
     path.write_text(json.dumps(raw))
     return load_manifest(path)
@@ -102,7 +105,7 @@ def _run(
 
     def predict(image: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         seen.append(np.array(image))
-        return fake_logits(image)
+        return predictor(case)(image)
 
     geometry = Geometry(AXIAL.directions, case.spacing, AXIAL.plane_normal)
     labels = run_model(hu.astype(np.float32), geometry, manifest, predict)
@@ -205,6 +208,7 @@ LIVE = [
         zero_border=True,
         seed=15,
     ),
+    Case("live_regions", (9, 22, 20), (3.0, 0.7, 0.7), (1.5, 1.5, 1.5), seed=16, regions=True),
 ]
 
 
