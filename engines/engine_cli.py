@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engines.base import EngineError
-from engines.manifest import ModelManifest, load_manifest
+from engines.manifest import ModelManifest, check_runnable, load_manifest
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
@@ -64,7 +64,14 @@ def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def resolve_model(spec: str | None, default_model: Path) -> ModelManifest:
-    """Load the manifest named by ``spec``: a path, a bundled model name, or the default."""
+    """Load the manifest named by ``spec``: a path, a bundled model name, or the default;
+    one the engines cannot run yet is refused (:func:`engines.manifest.check_runnable`)."""
+    manifest = _find_model(spec, default_model)
+    check_runnable(manifest)
+    return manifest
+
+
+def _find_model(spec: str | None, default_model: Path) -> ModelManifest:
     if spec is None:
         return load_manifest(default_model)
     path = Path(spec)

@@ -234,6 +234,29 @@ def _overlap(raw: Any, where: Path) -> float | tuple[float, float, float]:
     return values[0] if len(values) == 1 else (values[0], values[1], values[2])
 
 
+def check_runnable(manifest: ModelManifest) -> None:
+    """Refuse a manifest the node cannot run as its contract says.
+
+    Version 2 manifests (trained models: target spacing, orientation, normalisation, folds,
+    mirroring) are read and validated, and :mod:`engines.preprocess` implements their
+    contract, but no backend runs it yet: a backend would take the first fold on the source
+    grid and produce plausible-looking wrong labels. So the node and ``segnode engine build``
+    refuse them until the contract is wired in (docs/integration.md, section 9).
+
+    Raises
+    ------
+    ManifestError
+        For a version 2 manifest.
+    """
+    if manifest.manifest_version != 1:
+        raise ManifestError(
+            f"model {manifest.name} {manifest.version}: manifest version "
+            f"{manifest.manifest_version} (a trained model's contract: spacing, orientation, "
+            "normalisation, folds) is not run by this release yet; the engines would ignore "
+            "its contract (docs/integration.md, section 9)"
+        )
+
+
 def load_manifest(path: str | Path) -> ModelManifest:
     """Read and validate a model manifest (version 1 or 2).
 

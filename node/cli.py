@@ -118,6 +118,7 @@ def _setup_logging(level: str) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the node until SIGTERM/SIGINT."""
+    from engines.base import EngineError
     from node.service import Node
 
     cfg = load_config(args.config).with_overrides(
@@ -129,7 +130,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     _setup_logging(cfg.log_level)
     os.umask(0o077)  # spool, results and ledger hold patient data: private to the service user
-    node = Node(cfg)
+    try:
+        node = Node(cfg)
+    except EngineError as exc:  # a model that cannot be read, loaded or run
+        raise SegnodeError(f"cannot start: {exc}") from exc
     node.install_signal_handlers()
     try:
         node.start()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import Engine, EngineError, create_engine
-from engines.manifest import ModelManifest, load_manifest
+from engines.manifest import ModelManifest, check_runnable, load_manifest
 from node.rules import DEFAULT_MODEL_NAME, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class EnginePool:
         for name, spec in self.specs.items():
             if name not in self.manifests:
                 self.manifests[name] = load_manifest(spec.manifest)
+            check_runnable(self.manifests[name])
         self._lock = threading.Lock()
 
     def label(self, name: str) -> str:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pydicom.errors import InvalidDicomError
 
 from engines.base import Engine, EngineError, create_engine
-from engines.manifest import ModelManifest, load_manifest
+from engines.manifest import ModelManifest, check_runnable, load_manifest
 from node.config import Config
 from node.engine_pool import EnginePool
 from node.engine_pool import engine_options as pool_engine_options
@@ -71,6 +71,7 @@ class Node:
         self.config = config
         self.ledger, self.spool = open_state(config)
         self.manifest: ModelManifest = load_manifest(config.model.manifest)
+        check_runnable(self.manifest)
         #: The engine still to load in the background (``[model] load = "background"``).
         self._unloaded: Engine | None = None
         self._loader: threading.Thread | None = None

@@ -297,3 +297,35 @@ def test_not_an_object(tmp_path: Path) -> None:
     path.write_text("[1, 2]")
     with pytest.raises(ManifestError, match="a manifest is a JSON object"):
         load_manifest(path)
+
+
+def test_node_and_engine_build_refuse_a_v2_model_until_its_contract_runs(
+    tmp_path: Path,
+) -> None:
+    """A version 2 manifest validates, but the engines would ignore its contract: the node
+    refuses to start with it and ``segnode engine build`` refuses to build it, each saying
+    why (exit status 1, no traceback)."""
+    import subprocess
+    import sys
+
+    from engines.manifest import check_runnable
+    from scripts.harness import write_config
+    from tests.conftest import ROOT, free_port
+
+    check_runnable(load_manifest(default_manifest_path()))  # version 1 runs
+    manifest = _write(tmp_path, VALID)
+    with pytest.raises(ManifestError, match="manifest version 2 .* not run by this release"):
+        check_runnable(load_manifest(manifest))
+    config = write_config(
+        tmp_path / "config.toml", tmp_path / "data", free_port(), model={"manifest": str(manifest)}
+    )
+    for command in (["serve"], ["engine", "build"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "node.cli", *command, "--config", str(config)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+        assert done.returncode == 1, (command, done.stderr)
+        assert "not run by this release yet" in done.stderr and "Traceback" not in done.stderr
