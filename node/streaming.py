@@ -49,17 +49,17 @@ from node.parallel import map_blocks
 from node.series import SeriesGeometry, SeriesHints
 from node.volume import (
     MIN_SLICES,
+    Slice,
     Volume,
     VolumeError,
-    _check_instance,
-    _decode,
-    _header,
-    _rescale_into,
-    _same_uid,
-    _single_frame_slice,
-    _Slice,
-    _sort_and_check,
     assemble_from_datasets,
+    check_instance,
+    decode_stored,
+    rescale_into,
+    same_uid,
+    single_frame_slice,
+    sort_and_check,
+    source_header,
 )
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class _Series:
     nbytes: int = 0
     slots: dict[str, int] = field(default_factory=dict)  # spool path -> slot
     headers: dict[int, Dataset] = field(default_factory=dict)
-    slices: dict[int, _Slice] = field(default_factory=dict)
+    slices: dict[int, Slice] = field(default_factory=dict)
     multiframe: tuple[str, Volume] | None = None
     spilled: bool = False
     broken: bool = False
@@ -335,26 +335,26 @@ class StreamingAssembler:
         expected = ds.get("ImagesInAcquisition")
         number = _int_or_none(ds.get("InstanceNumber"))
         try:
-            sl = _single_frame_slice(ds, 0)
+            sl = single_frame_slice(ds, 0)
             position, orientation = sl.position, sl.orientation
         except VolumeError:
             sl = None
         if pixels and sl is not None:
             # Received pixels stay out of the dataset unless pydicom must decode them.
-            _check_instance(ds, pixel_data=arrival.pixels is not None or PIXEL_DATA in ds)
+            check_instance(ds, pixel_data=arrival.pixels is not None or PIXEL_DATA in ds)
             stored = native_pixels(ds, arrival, reuse=True)
             if stored is None:
                 _attach_pixels(ds, arrival)
-                stored = _decode(ds, sl.label)
+                stored = decode_stored(ds, sl.label)
             if stored.shape != (sl.rows, sl.columns):
                 raise VolumeError(f"{sl.label}: decoded shape {stored.shape}")
-            header = _header(ds, share=True) if PIXEL_DATA in ds else ds
+            header = source_header(ds, share=True) if PIXEL_DATA in ds else ds
             del ds
             slot = self._slot(state, sl.rows, sl.columns, _int_or_none(expected))
             with self._cond:
                 slab = None if slot is None else state.slabs[slot // state.slab_slices]
             if slab is not None and slot is not None:
-                _rescale_into(slab[slot % state.slab_slices], stored, sl.slope, sl.intercept)
+                rescale_into(slab[slot % state.slab_slices], stored, sl.slope, sl.intercept)
                 with self._cond:
                     state.slots[str(arrival.path)] = slot
                     state.headers[slot] = header
@@ -554,11 +554,11 @@ class StreamingAssembler:
     def _build(self, state: _Series, slot_of: list[int]) -> Volume:
         """:func:`node.volume._assemble_single_frames` over decoded slots, same checks."""
         headers = [state.headers[s] for s in slot_of]
-        study = _same_uid(headers, "StudyInstanceUID", "studies")
-        series = _same_uid(headers, "SeriesInstanceUID", "series")
-        frame_of_reference = _same_uid(headers, "FrameOfReferenceUID", "Frames of Reference")
+        study = same_uid(headers, "StudyInstanceUID", "studies")
+        series = same_uid(headers, "SeriesInstanceUID", "series")
+        frame_of_reference = same_uid(headers, "FrameOfReferenceUID", "Frames of Reference")
         slices = [replace(state.slices[s], source_index=i) for i, s in enumerate(slot_of)]
-        order, geometry = _sort_and_check(slices, self.min_slices)
+        order, geometry = sort_and_check(slices, self.min_slices)
         hu = _gather(state, [slot_of[i] for i in order], self.pool)
         return Volume(
             hu=hu,

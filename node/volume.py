@@ -188,7 +188,7 @@ class Volume:
 
 
 @dataclass
-class _Slice:
+class Slice:
     """One frame's geometry and pixel access, before sorting."""
 
     label: str  # human-readable reference for messages ("instance 12", "frame 3")
@@ -259,7 +259,7 @@ def assemble_from_datasets(datasets: Sequence[Dataset], *, min_slices: int = MIN
     if not datasets:
         raise VolumeError("no instances received")
     for ds in datasets:
-        _check_instance(ds)
+        check_instance(ds)
     multiframe = [ds for ds in datasets if int(ds.get("NumberOfFrames", 1) or 1) > 1]
     if multiframe:
         if len(datasets) != 1:
@@ -283,7 +283,7 @@ def assemble_from_datasets(datasets: Sequence[Dataset], *, min_slices: int = MIN
 # --------------------------------------------------------------------------- checks
 
 
-def _check_instance(ds: Dataset, *, pixel_data: bool | None = None) -> None:
+def check_instance(ds: Dataset, *, pixel_data: bool | None = None) -> None:
     """Refuse an instance that cannot be a slice of a CT volume (``pixel_data``: whether it
     has Pixel Data, where that is known without the element being in ``ds``)."""
     modality = str(ds.get("Modality", ""))
@@ -310,7 +310,9 @@ def _check_instance(ds: Dataset, *, pixel_data: bool | None = None) -> None:
             )
 
 
-def _same_uid(datasets: Sequence[Dataset], keyword: str, what: str) -> str:
+def same_uid(datasets: Sequence[Dataset], keyword: str, what: str) -> str:
+    """The one value of ``keyword`` in ``datasets``; :class:`VolumeError` naming ``what``
+    when they hold several."""
     values = sorted({str(ds.get(keyword, "")) for ds in datasets})
     if len(values) != 1:
         raise VolumeError(
@@ -347,19 +349,19 @@ def _check_orientation(orientation: npt.NDArray[np.float64], label: str) -> None
 
 
 def _assemble_single_frames(datasets: Sequence[Dataset], min_slices: int) -> Volume:
-    study = _same_uid(datasets, "StudyInstanceUID", "studies")
-    series = _same_uid(datasets, "SeriesInstanceUID", "series")
-    frame_of_reference = _same_uid(datasets, "FrameOfReferenceUID", "Frames of Reference")
-    slices = [_single_frame_slice(ds, index) for index, ds in enumerate(datasets)]
-    order, geometry = _sort_and_check(slices, min_slices)
+    study = same_uid(datasets, "StudyInstanceUID", "studies")
+    series = same_uid(datasets, "SeriesInstanceUID", "series")
+    frame_of_reference = same_uid(datasets, "FrameOfReferenceUID", "Frames of Reference")
+    slices = [single_frame_slice(ds, index) for index, ds in enumerate(datasets)]
+    order, geometry = sort_and_check(slices, min_slices)
     rows, columns = slices[0].rows, slices[0].columns
     hu = np.empty((len(order), rows, columns), dtype=np.float32)
     for k, i in enumerate(order):
         s = slices[i]
-        hu[k] = _to_hu(_decode(datasets[s.source_index], s.label), s.slope, s.intercept)
+        hu[k] = _to_hu(decode_stored(datasets[s.source_index], s.label), s.slope, s.intercept)
     return Volume(
         hu=hu,
-        sources=tuple(_header(datasets[slices[i].source_index]) for i in order),
+        sources=tuple(source_header(datasets[slices[i].source_index]) for i in order),
         frame_of_reference_uid=frame_of_reference,
         study_instance_uid=study,
         series_instance_uid=series,
@@ -367,14 +369,14 @@ def _assemble_single_frames(datasets: Sequence[Dataset], min_slices: int) -> Vol
     )
 
 
-def _single_frame_slice(ds: Dataset, index: int) -> _Slice:
+def single_frame_slice(ds: Dataset, index: int) -> Slice:
     """Geometry and rescale of one single-frame instance (Image Plane, CT Image modules)."""
     label = f"instance {ds.get('InstanceNumber', '?')} ({ds.get('SOPInstanceUID', '?')})"
     for keyword in ("ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing"):
         if keyword not in ds or ds[keyword].VM == 0:
             raise VolumeError(f"{label} lacks {keyword}; cannot place it in a volume")
     ps = _float_list(ds.PixelSpacing, 2, "Pixel Spacing", label)
-    return _Slice(
+    return Slice(
         label=label,
         position=np.array(_float_list(ds.ImagePositionPatient, 3, "position", label)),
         orientation=np.array(_float_list(ds.ImageOrientationPatient, 6, "orientation", label)),
@@ -430,7 +432,7 @@ def _assemble_multiframe(ds: Dataset, min_slices: int) -> Volume:
         rescale = transform if transform is not None else ds
         ps = _float_list(measures.PixelSpacing, 2, "Pixel Spacing", label)
         slices.append(
-            _Slice(
+            Slice(
                 label=label,
                 position=np.array(_float_list(position.ImagePositionPatient, 3, "position", label)),
                 orientation=np.array(
@@ -444,9 +446,9 @@ def _assemble_multiframe(ds: Dataset, min_slices: int) -> Volume:
                 source_index=f,
             )
         )
-    order, geometry = _sort_and_check(slices, min_slices)
+    order, geometry = sort_and_check(slices, min_slices)
     label = f"instance {ds.get('SOPInstanceUID', '?')}"
-    pixels = _decode(ds, label)
+    pixels = decode_stored(ds, label)
     if pixels.ndim != 3 or pixels.shape[0] != frames:
         raise VolumeError(
             f"{label}: decoded pixel data has shape {pixels.shape}, expected {frames} frames"
@@ -457,7 +459,7 @@ def _assemble_multiframe(ds: Dataset, min_slices: int) -> Volume:
         hu[k] = _to_hu(pixels[s.source_index], s.slope, s.intercept)
     return Volume(
         hu=hu,
-        sources=(_header(ds),),
+        sources=(source_header(ds),),
         frame_of_reference_uid=str(ds.FrameOfReferenceUID),
         study_instance_uid=str(ds.StudyInstanceUID),
         series_instance_uid=str(ds.SeriesInstanceUID),
@@ -469,7 +471,7 @@ def _assemble_multiframe(ds: Dataset, min_slices: int) -> Volume:
 # ---------------------------------------------------------------------------- geometry
 
 
-def _sort_and_check(slices: list[_Slice], min_slices: int) -> tuple[list[int], _GeometryFields]:
+def sort_and_check(slices: list[Slice], min_slices: int) -> tuple[list[int], _GeometryFields]:
     """Sort slices along the normal and check the stack; return the order and geometry."""
     if len(slices) < min_slices:
         raise VolumeError(
@@ -552,7 +554,7 @@ def _sort_and_check(slices: list[_Slice], min_slices: int) -> tuple[list[int], _
 # ------------------------------------------------------------------------------ pixels
 
 
-def _decode(ds: Dataset, label: str) -> npt.NDArray[np.generic]:
+def decode_stored(ds: Dataset, label: str) -> npt.NDArray[np.generic]:
     """Stored values of ``ds`` through pydicom's decoders (no Modality LUT)."""
     try:
         arr: npt.NDArray[np.generic] = ds.pixel_array
@@ -571,11 +573,11 @@ def _to_hu(
 ) -> npt.NDArray[np.float32]:
     """Apply the Modality LUT (PS3.3 C.11.1.1.2): HU = stored * slope + intercept."""
     out = np.empty(stored.shape, dtype=np.float32)
-    _rescale_into(out, stored, slope, intercept)
+    rescale_into(out, stored, slope, intercept)
     return out
 
 
-def _rescale_into(
+def rescale_into(
     out: npt.NDArray[np.float32], stored: npt.NDArray[np.generic], slope: float, intercept: float
 ) -> None:
     """``out = float32(stored) * slope + intercept``, computed in float32 with the cast folded
@@ -600,7 +602,7 @@ def _number(value: object, default: float) -> float:
         raise VolumeError(f"unreadable rescale value {value!r}") from exc
 
 
-def _header(ds: Dataset, *, share: bool = False) -> Dataset:
+def source_header(ds: Dataset, *, share: bool = False) -> Dataset:
     """Copy of ``ds`` without pixel data (file meta kept).
 
     ``share=True`` moves the elements instead of deep-copying them, for a caller that owns

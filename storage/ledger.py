@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -1383,8 +1383,3 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA busy_timeout=30000")
     cur.close()
-
-
-def backoff(attempts: int, initial: float, maximum: float) -> timedelta:
-    """Exponential backoff: ``initial * 2**attempts`` capped at ``maximum`` seconds."""
-    return timedelta(seconds=min(maximum, initial * (2 ** max(0, attempts))))

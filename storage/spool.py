@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,8 +17,6 @@ from pathlib import Path
 
 #: Anything os.write accepts.
 Buffer = bytes | bytearray | memoryview
-
-_UID = re.compile(r"^(0|[1-9][0-9]*)(\.(0|[1-9][0-9]*))*$")
 
 
 class SpoolError(Exception):
@@ -35,11 +32,6 @@ def valid_uid(uid: str) -> bool:
     return (
         0 < len(uid) <= 64 and all(part.isdigit() for part in uid.split(".")) and (".." not in uid)
     )
-
-
-def strict_uid(uid: str) -> bool:
-    """Whether ``uid`` also has no leading zeros in its components (strict PS3.5 §9.1)."""
-    return 0 < len(uid) <= 64 and _UID.match(uid) is not None
 
 
 def write_atomic(path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o600) -> int:

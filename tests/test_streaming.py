@@ -19,7 +19,7 @@ from pydicom.uid import (
 from node.series import SeriesGeometry, uniform_stack
 from node.streaming import Arrival, SlabPool, StreamingAssembler, _permute_in_place
 from node.synthetic import SAGITTAL, write_enhanced_ct, write_synthetic_series
-from node.volume import Volume, _rescale_into, assemble_volume
+from node.volume import Volume, assemble_volume, rescale_into
 
 
 def assert_same_volume(a: Volume, b: Volume) -> None:
@@ -362,5 +362,5 @@ def test_rescale_into_matches_cast_then_rescale(
     stored = np.random.default_rng(5).integers(info.min, info.max, (16, 16), dtype=dtype)
     expected = stored.astype(np.float32) * np.float32(slope) + np.float32(intercept)
     out = np.empty((16, 16), np.float32)
-    _rescale_into(out, stored, slope, intercept)
+    rescale_into(out, stored, slope, intercept)
     np.testing.assert_array_equal(out, expected)
