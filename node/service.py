@@ -15,8 +15,7 @@ from pydicom.errors import InvalidDicomError
 from engines.base import Engine, EngineError, create_engine
 from engines.manifest import ModelManifest, check_runnable, load_manifest
 from node.config import Config
-from node.engine_pool import EnginePool
-from node.engine_pool import engine_options as pool_engine_options
+from node.engine_pool import EnginePool, engine_options
 from node.errors import SegnodeError
 from node.metrics import Metrics
 from node.notify import Notifier
@@ -42,11 +41,6 @@ if TYPE_CHECKING:
     from node.web.console import WebConsole
 
 log = logging.getLogger(__name__)
-
-
-def engine_options(config: Config) -> dict[str, Any]:
-    """Backend constructor options from ``[model]``."""
-    return pool_engine_options(model_specs(config)[0], config.data_dir)
 
 
 def open_state(config: Config) -> tuple[Ledger, Spool]:
@@ -78,7 +72,8 @@ class Node:
         #: Why the engine could not be loaded in the background (the node then stops).
         self.engine_failure: str | None = None
         if engine is None:
-            engine = create_engine(config.model.engine, **engine_options(config))
+            options = engine_options(model_specs(config)[0], config.data_dir)
+            engine = create_engine(config.model.engine, **options)
             if config.model.load == "background":
                 self._unloaded = engine
             else:
