@@ -300,17 +300,17 @@ class StoreSCP:
 
     def accepted(self, info: AssociationInfo) -> None:
         """Track the new association."""
-        self.tracker.opened(id(info), info.calling_ae)
+        self.tracker.opened(info.id, info.calling_ae)
         log.info("association accepted from %s (%s:%s)", info.calling_ae, info.address, info.port)
 
     def closed(self, info: AssociationInfo, released: bool) -> None:
         """A normal release completes the series this association delivered; an abort or a
         dropped connection leaves them to the quiet-period rule."""
-        staging = self._ready.pop(id(info), None)
+        staging = self._ready.pop(info.id, None)
         if staging is not None:
             staging.abandon()
         self._refill.set()
-        done = self.tracker.closed(id(info), released=released)
+        done = self.tracker.closed(info.id, released=released)
         if released:
             log.info("association released; %d series complete", len(done))
 
@@ -356,7 +356,7 @@ class StoreSCP:
         start-up removes it (:meth:`Ledger.drop_unstored_instances`).
         """
         try:
-            staging = self._ready.pop(id(info), None) or self.spool.open_staged()
+            staging = self._ready.pop(info.id, None) or self.spool.open_staged()
         except SpoolError as exc:
             log.error("spool write failed: %s", exc)
             return OUT_OF_RESOURCES, "cannot write to the spool"
@@ -485,7 +485,7 @@ class StoreSCP:
             return OUT_OF_RESOURCES, str(over)
         # From here this association delivers the series: a release elsewhere must not
         # complete it before this instance is in.
-        self.tracker.touched(id(info), series_uid)
+        self.tracker.touched(info.id, series_uid)
         path = self.spool.path_for(rec.study_instance_uid, series_uid, sop_uid)
         # Committed without a WAL fsync (see Ledger.record_instance): the file, synced before
         # the answer, is the durable record. The row's unique SOP Instance UID is the
@@ -500,7 +500,7 @@ class StoreSCP:
 
     def _duplicate(self, info: AssociationInfo, series_uid: str) -> StoreResult:
         log.info("duplicate instance from %s acknowledged, not stored again", info.calling_ae)
-        self.tracker.touched(id(info), series_uid)
+        self.tracker.touched(info.id, series_uid)
         return SUCCESS
 
     def _try_claim(self, sop_uid: str) -> bool:
@@ -522,10 +522,10 @@ class StoreSCP:
     def _preopen(self, info: AssociationInfo) -> None:
         """After a response: create the association's next staged file (no error here: the
         next C-STORE creates its own and reports a failure)."""
-        if id(info) in self._ready:
+        if info.id in self._ready:
             return
         with suppress(SpoolError):
-            self._ready[id(info)] = self.spool.open_staged()
+            self._ready[info.id] = self.spool.open_staged()
 
     def _stored(self, arrival: Arrival) -> None:
         """After the response: tell metrics and the streaming decoder."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import select
@@ -129,6 +130,9 @@ class _Interrupted(Exception):
     """The acceptor is stopping."""
 
 
+_ASSOCIATION_IDS = itertools.count(1)
+
+
 @dataclass
 class AssociationInfo:
     """What the handlers learn about an association."""
@@ -145,6 +149,9 @@ class AssociationInfo:
     #: association's thread, then cleared): what must follow a stored instance but must not
     #: delay its response.
     after_reply: list[Callable[[], object]] = field(default_factory=list)
+    #: A number no other association of this process has had (``id()`` of a finished
+    #: association's object can come back for a new one).
+    id: int = field(default_factory=lambda: next(_ASSOCIATION_IDS))
 
 
 @dataclass

@@ -436,3 +436,16 @@ def test_a_failed_write_takes_back_the_row_committed_beside_it(
     a.release()
     assert h.ledger.counts()["instances"] == 1
     assert len(list(h.spool.root.rglob("*.dcm"))) == 1
+
+
+def test_association_ids_are_never_reused() -> None:
+    """Handlers key per-association state by ``info.id``; unlike ``id(info)`` it cannot come
+    back for a later association once an earlier one's object is freed."""
+    from node.ul import AssociationInfo
+
+    seen = set()
+    for _ in range(1000):
+        info = AssociationInfo("A", "B", "127.0.0.1", 1)
+        seen.add(info.id)
+        del info
+    assert len(seen) == 1000
