@@ -92,11 +92,13 @@ def item_header(length: int) -> bytes:
 
 
 def text_value(value: str, pad: bytes = b" ") -> bytes:
+    """ASCII ``value`` padded with ``pad`` to an even length (PS3.5 6.2)."""
     raw = value.encode("ascii")
     return raw + pad if len(raw) % 2 else raw
 
 
 def sequence(tag: int, items: Sequence[bytes]) -> bytes:
+    """A defined-length sequence element ``tag`` of the encoded ``items``."""
     body = b"".join(item_header(len(i)) + i for i in items)
     return long_header(tag, b"SQ", len(body)) + body
 
@@ -111,6 +113,7 @@ def encode_dataset(ds: Dataset, encoding: str | list[str]) -> bytes:
 
 
 def encode_element(elem: DataElement, encoding: str | list[str]) -> bytes:
+    """``elem`` encoded by pydicom in Explicit VR Little Endian with ``encoding``."""
     fp = DicomBytesIO()
     fp.is_little_endian = True
     fp.is_implicit_VR = False
@@ -326,6 +329,8 @@ def _description(
 def segment_item_parts(
     spec: LabelSpec, algorithm: hd.AlgorithmIdentificationSequence, encoding: str | list[str]
 ) -> SegmentItem:
+    """The Segment Sequence item of ``spec`` as bytes around its Segment Number, so that the
+    number can be spliced in per SEG."""
     elements = encode_elements(_description(spec, 1, algorithm), encoding)
     tags = sorted(elements)
     return SegmentItem(
@@ -373,6 +378,7 @@ class Geometry:
 
     @classmethod
     def of(cls, volume: Volume, sources: Sequence[Dataset]) -> Geometry:
+        """The geometry of ``volume`` as highdicom's SEG constructor would derive it."""
         src = sources[0]
         coordinate = hd.CoordinateSystemNames.PATIENT
         frames = tuple(int(f) for f in volume.frame_numbers)

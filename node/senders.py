@@ -97,11 +97,13 @@ class SenderPattern:
 class SenderStore(Protocol):
     """Where patterns are kept (:class:`storage.ledger.Ledger`)."""
 
-    def senders(self) -> list[tuple[str, int, int, str, float | None]]: ...
+    def senders(self) -> list[tuple[str, int, int, str, float | None]]:
+        """Every kept pattern: AE title, associations, instances, recent, gap (ms)."""
 
     def save_sender(
         self, calling_ae: str, associations: int, instances: int, recent: str, gap_ms: float | None
-    ) -> None: ...
+    ) -> None:
+        """Keep (insert or replace) the pattern of ``calling_ae``."""
 
 
 def load_patterns(store: SenderStore) -> list[SenderPattern]:
@@ -139,10 +141,12 @@ class SenderBook:
         self._save = save
 
     def get(self, calling_ae: str) -> SenderPattern:
+        """The pattern learnt for ``calling_ae`` (an empty one for a sender not seen yet)."""
         with self._lock:
             return self._patterns.get(calling_ae) or SenderPattern(calling_ae)
 
     def all(self) -> list[SenderPattern]:
+        """Every pattern, by AE title."""
         with self._lock:
             return sorted(self._patterns.values(), key=lambda p: p.calling_ae)
 

@@ -341,6 +341,7 @@ class Acceptor:
 
     @property
     def server_address(self) -> tuple[str, int]:
+        """The bound ``(host, port)`` of the listening socket."""
         assert self._listener is not None
         host, port = self._listener.getsockname()[:2]
         return str(host), int(port)

@@ -39,6 +39,7 @@ class State(enum.Enum):
 
     @property
     def description(self) -> str:
+        """PS3.8's description of the state."""
         return STATE_DESCRIPTIONS[self]
 
 
@@ -84,6 +85,7 @@ class Event(enum.Enum):
 
     @property
     def description(self) -> str:
+        """PS3.8's description of the event."""
         return EVENT_DESCRIPTIONS[self]
 
     @property
@@ -153,6 +155,7 @@ class Action(enum.Enum):
 
     @property
     def description(self) -> str:
+        """PS3.8's description of the action."""
         return ACTION_DESCRIPTIONS[self][0]
 
     def next_states(self) -> tuple[State, ...]:

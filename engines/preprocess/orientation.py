@@ -57,13 +57,20 @@ class VolumeGeometry(Protocol):
     """What :meth:`Geometry.from_volume` reads (:class:`node.volume.Volume` provides it)."""
 
     @property
-    def row_direction(self) -> Vector: ...
+    def row_direction(self) -> Vector:
+        """Direction cosines of the rows (the first three of Image Orientation (Patient))."""
+
     @property
-    def column_direction(self) -> Vector: ...
+    def column_direction(self) -> Vector:
+        """Direction cosines of the columns (the last three)."""
+
     @property
-    def spacing(self) -> Vector: ...
+    def spacing(self) -> Vector:
+        """Voxel spacing in millimetres, ``(z, y, x)``."""
+
     @property
-    def slice_positions(self) -> tuple[Vector, ...]: ...
+    def slice_positions(self) -> tuple[Vector, ...]:
+        """Image Position (Patient) of each slice, in volume order."""
 
 
 def check_orientation_code(code: str) -> str:

@@ -136,6 +136,7 @@ class SecurityHeaders:
         self.hosts = hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on; add the headers to its response."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
