@@ -1,0 +1,476 @@
+"""nnU-Net v2's sliding window, returning logits, for version-2 (trained) models.
+
+:mod:`engines.sliding_window` is the node's own Gaussian sliding window for version-1 models
+(its tile placement, a Gaussian centred at ``(patch - 1) / 2``, arg-max out). A model trained
+by nnU-Net expects nnU-Net's own inference, reproduced here from nnunetv2 2.8.1
+(``nnunetv2/inference/sliding_window_prediction.py`` and ``predict_from_raw_data.py``,
+``nnUNetPredictor.predict_sliding_window_return_logits``, ``_internal_maybe_mirror_and_predict``,
+``predict_logits_from_preprocessed_data``;
+``acvl_utils.cropping_and_padding.padding.pad_nd_image``):
+
+* an image smaller than the patch along an axis is padded to the patch with zeros, centred,
+  the odd voxel after the image (:func:`pad_to_patch`), and the padding is cut off the logits;
+* tiles per axis: ``n = ceil((size - patch) / (patch * step)) + 1`` at
+  ``round(i * (size - patch) / (n - 1))`` (:func:`compute_steps_for_sliding_window`);
+* the Gaussian importance map is a unit delta at ``patch // 2`` filtered with SciPy's truncated
+  Gaussian (sigma ``patch * sigma_scale``), scaled to a maximum of ``value_scaling_factor``
+  (10), rounded to float16, zeros replaced by the smallest non-zero value
+  (:func:`compute_gaussian`; bit-identical to nnU-Net's, computed in NumPy once per patch size
+  and then moved to the image's device);
+* test-time mirroring: the network's output for the tile plus, for every non-empty combination
+  of the mirror axes, the output for the flipped tile flipped back, divided by the number of
+  terms (:func:`maybe_mirror_and_predict`);
+* folds: the fold models' logits averaged;
+* per tile ``logits * gaussian`` and ``gaussian`` are summed and the sum divided by the summed
+  Gaussian at the end; the result is the ``(C, z, y, x)`` logits, not the arg-max.
+
+Deliberate differences from nnU-Net's code:
+
+* The accumulators are float32. nnU-Net's are float16 (``predicted_logits``,
+  ``n_predictions``): where only the tails of the Gaussian cover a voxel (float16 subnormals,
+  steps of 6e-8 against weights of 1e-7 .. 1e-3) its logits are off by up to about 0.1 for
+  logits of a few units; float32 gives the value of the same formula within 1e-6.
+  ``accumulator_dtype="float16"`` reproduces nnU-Net's rounding instead (then the folds run
+  one pass each, as nnU-Net; in the tests: torch bit for bit with its predictor, NumPy within
+  one float16 step, whose half-precision arithmetic rounds a fold sum differently).
+* With float32 accumulators, folds are averaged per tile, in one pass over the tiles, not by
+  running the whole sliding window once per fold and averaging the volumes:
+  ``n_predictions`` is the same for every fold, so
+  ``mean_f(sum_t g p_f / n) = sum_t g mean_f(p_f) / n``. One accumulator instead of two, and
+  each tile is cut out of the image once.
+* Tiles may be batched (``batch_size``); nnU-Net predicts one tile at a time. A predictor
+  that treats the batch items independently (every network in eval mode) gives the same.
+* Non-finite logits raise ``ValueError`` (nnU-Net raises on infinities only).
+
+Everything goes through the array-API namespace of the image (NumPy, torch, CuPy), as
+:mod:`engines.sliding_window` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+from array_api_compat import array_namespace
+from array_api_compat import device as array_device
+
+from engines.manifest import ModelManifest
+
+Array: TypeAlias = Any
+"""An array of any array-API namespace (NumPy, CuPy, torch ...)."""
+
+PatchPredictor: TypeAlias = Callable[[Array], Array]
+"""One fold's network: ``(N, 1, pz, py, px)`` float32 in, ``(N, C, pz, py, px)`` logits out,
+same namespace and device."""
+
+ImagePredictor: TypeAlias = Callable[[Array], Array]
+"""``predict(image)``: float32 ``(z, y, x)`` in, float32 ``(C, z, y, x)`` logits out (what
+:func:`engines.preprocess.pipeline.run_model` takes)."""
+
+GAUSSIAN_DTYPES = ("float16", "float32", "float64")
+
+_TRUNCATE = 4.0
+"""``scipy.ndimage.gaussian_filter``'s default ``truncate`` (kernel radius in sigmas)."""
+
+
+def compute_steps_for_sliding_window(
+    image_size: Sequence[int], tile_size: Sequence[int], tile_step_size: float | Sequence[float]
+) -> list[list[int]]:
+    """Tile start positions per axis, as nnU-Net's function of the same name.
+
+    Parameters
+    ----------
+    image_size
+        Image shape, at least ``tile_size`` along every axis (pad first: :func:`pad_to_patch`).
+    tile_size
+        Patch shape.
+    tile_step_size
+        Step between tiles as a fraction of the patch, in ``(0, 1]``: one for every axis (as
+        nnU-Net) or one per axis.
+
+    Returns
+    -------
+    list of list of int
+        For each axis, the start of every tile: ``n = ceil((size - tile) / (tile * step)) + 1``
+        tiles at ``round(i * (size - tile) / (n - 1))`` (round half to even, as ``np.round``).
+
+    Raises
+    ------
+    ValueError
+        Lengths differ, a step is outside ``(0, 1]`` or the image is smaller than the tile.
+    """
+    dims = len(tile_size)
+    steps = _per_axis(tile_step_size, dims)
+    if len(image_size) != dims:
+        raise ValueError(f"image_size {tuple(image_size)} and tile_size {tuple(tile_size)}")
+    if not all(0.0 < s <= 1.0 for s in steps):
+        raise ValueError(f"tile_step_size must be in (0, 1], got {tile_step_size}")
+    if any(int(t) < 1 or int(i) < int(t) for i, t in zip(image_size, tile_size, strict=True)):
+        raise ValueError(
+            f"image {tuple(image_size)} must be at least the tile {tuple(tile_size)} everywhere"
+        )
+    result = []
+    for size, tile, step in zip(image_size, tile_size, steps, strict=True):
+        # the same float64 operations as nnU-Net's numpy code
+        num = math.ceil((int(size) - int(tile)) / (int(tile) * step)) + 1
+        largest = int(size) - int(tile)
+        actual = largest / (num - 1) if num > 1 else 99999999999
+        result.append([int(round(actual * i)) for i in range(num)])
+    return result
+
+
+def compute_gaussian(
+    tile_size: Sequence[int],
+    sigma_scale: float = 1.0 / 8,
+    value_scaling_factor: float = 10.0,
+    dtype: str = "float16",
+) -> npt.NDArray[Any]:
+    """nnU-Net's Gaussian importance map, bit for bit, as a NumPy array.
+
+    ``nnunetv2.inference.sliding_window_prediction.compute_gaussian``: a unit delta at
+    ``tile // 2`` filtered by ``scipy.ndimage.gaussian_filter`` (sigma ``tile * sigma_scale``,
+    kernel truncated at 4 sigma, constant 0 outside), divided by ``max / value_scaling_factor``
+    in float64, converted to ``dtype`` as torch converts a float64 tensor (through float32),
+    and every zero replaced by the smallest non-zero value. The filter of a delta is the
+    product of the three normalised 1-D kernels, which is computed here without SciPy.
+
+    Parameters
+    ----------
+    tile_size
+        Patch shape.
+    sigma_scale, value_scaling_factor
+        As nnU-Net (its predictor passes 1/8 and 10).
+    dtype
+        ``"float16"`` (nnU-Net's default, used by its predictor), ``"float32"`` or
+        ``"float64"``.
+
+    Returns
+    -------
+    numpy.ndarray
+        Shape ``tile_size``, dtype ``dtype``, every value positive.
+    """
+    if dtype not in GAUSSIAN_DTYPES:
+        raise ValueError(f"dtype must be one of {GAUSSIAN_DTYPES}, got {dtype!r}")
+    if not sigma_scale > 0.0 or not value_scaling_factor > 0.0:
+        raise ValueError("sigma_scale and value_scaling_factor must be positive")
+    if not tile_size or any(int(t) < 1 for t in tile_size):
+        raise ValueError(f"tile_size must be positive integers, got {tuple(tile_size)}")
+    weights = np.ones((), dtype=np.float64)
+    for axis, size in enumerate(int(t) for t in tile_size):
+        profile = _filtered_delta(size, size * sigma_scale)
+        shape = [1] * len(tile_size)
+        shape[axis] = size
+        weights = weights * profile.reshape(shape)  # the order gaussian_filter multiplies in
+    weights = weights / (np.max(weights) / value_scaling_factor)
+    if dtype == "float16":
+        out = weights.astype(np.float32).astype(np.float16)  # torch: double -> float -> half
+    else:
+        out = weights.astype(dtype)
+    zero = out == 0
+    if np.any(zero):
+        out[zero] = np.min(out[~zero])
+    return out
+
+
+def _filtered_delta(size: int, sigma: float) -> npt.NDArray[np.float64]:
+    """``gaussian_filter1d`` of a unit delta at ``size // 2`` (mode constant 0)."""
+    if sigma <= 1e-15:  # SciPy skips such an axis
+        profile = np.zeros(size)
+        profile[size // 2] = 1.0
+        return profile
+    radius = int(_TRUNCATE * float(sigma) + 0.5)
+    x = np.arange(-radius, radius + 1)
+    phi = np.exp(-0.5 / (sigma * sigma) * x**2)  # scipy.ndimage._filters._gaussian_kernel1d
+    phi = phi / phi.sum()
+    offsets = np.arange(size) - size // 2
+    inside = np.abs(offsets) <= radius
+    profile = np.zeros(size)
+    profile[inside] = phi[offsets[inside] + radius]
+    return profile
+
+
+def pad_to_patch(
+    image_size: Sequence[int], patch_size: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+    """Padded shape and where the image lies in it, as ``pad_nd_image(image, patch_size,
+    'constant', {'value': 0}, True)``: an axis shorter than the patch grows to the patch,
+    ``(patch - size) // 2`` voxels before the image and the rest after; longer axes stay."""
+    if len(image_size) != len(patch_size):
+        raise ValueError(f"image {tuple(image_size)} and patch {tuple(patch_size)}")
+    shape = tuple(max(int(i), int(p)) for i, p in zip(image_size, patch_size, strict=True))
+    slicer = tuple(
+        slice((n - int(i)) // 2, (n - int(i)) // 2 + int(i))
+        for i, n in zip(image_size, shape, strict=True)
+    )
+    return shape, slicer
+
+
+def mirror_combinations(mirror_axes: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every non-empty combination of ``mirror_axes``, shortest first, in nnU-Net's order."""
+    axes = tuple(int(a) for a in mirror_axes)
+    if len(set(axes)) != len(axes) or any(not 0 <= a <= 2 for a in axes):
+        raise ValueError(f"mirror_axes must be distinct spatial axes 0..2, got {mirror_axes}")
+    return [c for i in range(len(axes)) for c in itertools.combinations(axes, i + 1)]
+
+
+def maybe_mirror_and_predict(
+    batch: Array, predictor: PatchPredictor, mirror_axes: Sequence[int]
+) -> Array:
+    """One fold's float32 prediction of a ``(N, 1, pz, py, px)`` batch with test-time mirroring.
+
+    As ``nnUNetPredictor._internal_maybe_mirror_and_predict``: ``predictor(batch)`` plus
+    ``flip(predictor(flip(batch, axes)), axes)`` for every combination of the spatial
+    ``mirror_axes`` (0 = z of the patch), divided by the number of terms.
+    """
+    xp = array_namespace(batch)
+    prediction = xp.astype(predictor(batch), xp.float32, copy=True)
+    combos = mirror_combinations(mirror_axes)
+    for axes in combos:
+        shifted = tuple(a + 2 for a in axes)
+        flipped = predictor(xp.flip(batch, axis=shifted))
+        prediction += xp.astype(xp.flip(flipped, axis=shifted), xp.float32)
+    if combos:
+        prediction /= float(len(combos) + 1)
+    return prediction
+
+
+def sliding_window_logits(
+    image: Array,
+    fold_predictors: Sequence[PatchPredictor],
+    *,
+    patch_size: Sequence[int],
+    tile_step_size: float | Sequence[float] = 0.5,
+    mirror_axes: Sequence[int] = (),
+    sigma_scale: float = 1.0 / 8,
+    value_scaling_factor: float = 10.0,
+    use_gaussian: bool = True,
+    gaussian_dtype: str = "float16",
+    batch_size: int = 1,
+    channels: int | None = None,
+    accumulator_dtype: str = "float32",
+) -> Array:
+    """nnU-Net's blended logits of a preprocessed image, averaged over folds and mirrors.
+
+    Parameters
+    ----------
+    image
+        Preprocessed float ``(z, y, x)`` image on the model's grid, any array-API namespace.
+    fold_predictors
+        One :data:`PatchPredictor` per fold (at least one), in the image's namespace.
+    patch_size
+        The model's patch ``(pz, py, px)``.
+    tile_step_size
+        nnU-Net's ``tile_step_size`` (``1 - overlap``): 0.5 by default, TotalSegmentator 0.8.
+    mirror_axes
+        Spatial axes for test-time mirroring (nnU-Net's ``allowed_mirroring_axes``); empty for
+        none.
+    sigma_scale, value_scaling_factor, gaussian_dtype
+        :func:`compute_gaussian`'s; nnU-Net's predictor uses 1/8, 10 and float16.
+    use_gaussian
+        ``False``: every tile weighs 1 (nnU-Net's ``use_gaussian=False``).
+    batch_size
+        Tiles per predictor call.
+    channels
+        Expected output channels; ``None`` takes them from the first prediction.
+    accumulator_dtype
+        ``"float32"`` (default), or ``"float16"`` to reproduce the rounding of nnU-Net's
+        float16 ``predicted_logits`` / ``n_predictions`` (bit for bit with one fold; with
+        several folds the fold average is taken per tile in float32 before the float16 sum,
+        where nnU-Net averages float16 volumes). Up to about 0.1 apart for logits of a few
+        units, mostly where only Gaussian tails cover a voxel: float16's subnormal steps.
+
+    Returns
+    -------
+    array
+        float32 ``(C, z, y, x)`` logits, namespace and device of ``image``.
+
+    Raises
+    ------
+    ValueError
+        On a malformed argument, a prediction of the wrong shape, or non-finite logits.
+    """
+    xp = array_namespace(image)
+    dev = array_device(image)
+    patch = tuple(int(p) for p in patch_size)
+    if image.ndim != 3 or len(patch) != 3 or min(image.shape) < 1 or min(patch) < 1:
+        raise ValueError(f"image {tuple(image.shape)} and patch {patch} must be 3-D, non-empty")
+    if not fold_predictors:
+        raise ValueError("at least one fold predictor is needed")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    mirror_combinations(mirror_axes)  # validates
+    if accumulator_dtype not in ("float32", "float16"):
+        raise ValueError(f"accumulator_dtype: float32 or float16, got {accumulator_dtype!r}")
+    acc_dtype = getattr(xp, accumulator_dtype)
+
+    size = tuple(int(n) for n in image.shape)
+    padded_shape, inner = pad_to_patch(size, patch)
+    data = xp.astype(image, xp.float32, copy=False)
+    if padded_shape != size:
+        data = xp.zeros(padded_shape, dtype=xp.float32, device=dev)
+        data[inner] = xp.astype(image, xp.float32)
+    steps = compute_steps_for_sliding_window(padded_shape, patch, tile_step_size)
+    tiles = [
+        tuple(slice(s, s + p) for s, p in zip(starts, patch, strict=True))
+        for starts in itertools.product(*steps)
+    ]
+    if use_gaussian:
+        weights = compute_gaussian(patch, sigma_scale, value_scaling_factor, gaussian_dtype)
+        gaussian = xp.asarray(weights.astype(np.float32), device=dev)
+    else:
+        gaussian = xp.ones(patch, dtype=xp.float32, device=dev)
+
+    passes: list[Sequence[PatchPredictor]] = [fold_predictors]
+    if accumulator_dtype == "float16" and len(fold_predictors) > 1:
+        passes = [[predictor] for predictor in fold_predictors]  # nnU-Net: a volume per fold
+    logits: Array = None
+    for predictors in passes:
+        window, channels = _blend(
+            data, tiles, predictors, gaussian, acc_dtype, mirror_axes, batch_size, channels
+        )
+        logits = window if logits is None else logits + window
+    if len(passes) > 1:
+        logits /= float(len(passes))
+    logits = xp.astype(logits, xp.float32, copy=False)
+    if not bool(xp.all(xp.isfinite(logits))):
+        raise ValueError("the blended logits are not all finite (a predictor returned inf/nan)")
+    if padded_shape != size:
+        logits = xp.asarray(logits[(slice(None), *inner)], copy=True)
+    return logits
+
+
+def _blend(
+    data: Array,
+    tiles: list[tuple[slice, ...]],
+    fold_predictors: Sequence[PatchPredictor],
+    gaussian: Array,
+    acc_dtype: Any,
+    mirror_axes: Sequence[int],
+    batch_size: int,
+    channels: int | None,
+) -> tuple[Array, int]:
+    """``sum_t g p_t / sum_t g`` over ``tiles`` of the padded ``data`` (``acc_dtype``), with
+    ``p_t`` the mirror-averaged prediction averaged over ``fold_predictors``."""
+    xp = array_namespace(data)
+    dev = array_device(data)
+    patch = tuple(int(n) for n in gaussian.shape)
+    half = acc_dtype != xp.float32
+    logits: Array = None
+    weight_sum = xp.zeros(tuple(int(n) for n in data.shape), dtype=acc_dtype, device=dev)
+    tile_weight = xp.astype(gaussian, acc_dtype)
+    folds = len(fold_predictors)
+    for first in range(0, len(tiles), batch_size):
+        group = tiles[first : first + batch_size]
+        batch = xp.stack([data[t] for t in group])[:, None, ...]
+        prediction: Array = None
+        for predictor in fold_predictors:
+            fold = maybe_mirror_and_predict(batch, predictor, mirror_axes)
+            if channels is None:
+                channels = int(fold.shape[1]) if fold.ndim == 5 else -1
+            want = (len(group), channels, *patch)
+            if tuple(fold.shape) != want:
+                raise ValueError(f"a predictor returned {tuple(fold.shape)}, expected {want}")
+            prediction = fold if prediction is None else prediction + fold
+        if folds > 1:
+            prediction /= float(folds)
+        if logits is None:
+            logits = xp.zeros((channels, *data.shape), dtype=acc_dtype, device=dev)
+        for index, tile in enumerate(group):
+            where = (slice(None), *tile)
+            weighted = prediction[index, ...] * gaussian
+            if half:  # float32 sum rounded to float16, as nnU-Net's half += float32
+                weighted = xp.astype(logits[where], xp.float32) + weighted
+                logits[where] = xp.astype(weighted, acc_dtype)
+            else:
+                logits[where] += weighted
+            weight_sum[tile] += tile_weight
+    logits /= weight_sum[None, ...]
+    assert channels is not None
+    return logits, channels
+
+
+def tile_step_size_from_overlap(
+    overlap: float | Sequence[float],
+) -> float | tuple[float, float, float]:
+    """nnU-Net's ``tile_step_size`` from a manifest's ``overlap`` (``1 - overlap``), rounded to
+    12 decimals so that an overlap written as 0.2 gives TotalSegmentator's 0.8 exactly."""
+    if isinstance(overlap, int | float):
+        return round(1.0 - float(overlap), 12)
+    values = [round(1.0 - float(o), 12) for o in overlap]
+    if len(values) != 3:
+        raise ValueError(f"overlap must be one value or three, got {overlap}")
+    return (values[0], values[1], values[2])
+
+
+def make_predict(
+    fold_predictors: Sequence[PatchPredictor],
+    *,
+    patch_size: Sequence[int],
+    tile_step_size: float | Sequence[float] = 0.5,
+    mirror_axes: Sequence[int] = (),
+    sigma_scale: float = 1.0 / 8,
+    batch_size: int = 1,
+    channels: int | None = None,
+) -> ImagePredictor:
+    """``predict(image) -> (C, z, y, x)`` logits for
+    :func:`engines.preprocess.pipeline.run_model`, from per-fold patch predictors
+    (:func:`sliding_window_logits` with nnU-Net's Gaussian settings)."""
+    folds = tuple(fold_predictors)
+    if not folds:
+        raise ValueError("at least one fold predictor is needed")
+    patch = tuple(int(p) for p in patch_size)
+    axes = tuple(int(a) for a in mirror_axes)
+    mirror_combinations(axes)
+    _per_axis(tile_step_size, 3)
+
+    def predict(image: Array) -> Array:
+        return sliding_window_logits(
+            image,
+            folds,
+            patch_size=patch,
+            tile_step_size=tile_step_size,
+            mirror_axes=axes,
+            sigma_scale=sigma_scale,
+            batch_size=batch_size,
+            channels=channels,
+        )
+
+    return predict
+
+
+def predict_for_manifest(
+    manifest: ModelManifest,
+    fold_predictors: Sequence[PatchPredictor],
+    *,
+    batch_size: int = 1,
+) -> ImagePredictor:
+    """:func:`make_predict` with a manifest's patch, overlap, sigma, mirror axes and output
+    channels; one predictor per entry of ``manifest.fold_paths`` (version 2)."""
+    contract = manifest.model_contract()
+    if manifest.fold_paths and len(fold_predictors) != len(manifest.fold_paths):
+        raise ValueError(
+            f"{len(fold_predictors)} predictors for the {len(manifest.fold_paths)} folds of "
+            f"{manifest.name}"
+        )
+    if manifest.output_kind == "labels":
+        raise ValueError(f"{manifest.name}: nnU-Net's window blends scores, not labels")
+    return make_predict(
+        fold_predictors,
+        patch_size=manifest.patch_size,
+        tile_step_size=tile_step_size_from_overlap(manifest.overlap),
+        mirror_axes=contract.mirror_axes,
+        sigma_scale=contract.sigma_scale,
+        batch_size=batch_size,
+        channels=manifest.output_channels,
+    )
+
+
+def _per_axis(value: float | Sequence[float], dims: int) -> list[float]:
+    values = [float(value)] * dims if isinstance(value, int | float) else [float(v) for v in value]
+    if len(values) != dims:
+        raise ValueError(f"expected one value or {dims}, got {value}")
+    return values
