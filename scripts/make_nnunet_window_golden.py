@@ -160,7 +160,7 @@ def _state_dicts(case: Case) -> list[dict[str, Any]]:
     return out
 
 
-def _predictor(case: Case) -> Any:
+def _predictor(case: Case, use_gaussian: bool = True) -> Any:
     """An ``nnUNetPredictor`` on the CPU set up by hand (no model folder): the stand-in as its
     network, the case's patch, step, mirror axes and folds."""
     import torch
@@ -168,7 +168,7 @@ def _predictor(case: Case) -> Any:
 
     predictor = nnUNetPredictor(
         tile_step_size=case.step,
-        use_gaussian=True,
+        use_gaussian=use_gaussian,
         use_mirroring=bool(case.mirror_axes),
         perform_everything_on_device=False,
         device=torch.device("cpu"),
@@ -183,11 +183,13 @@ def _predictor(case: Case) -> Any:
     return predictor
 
 
-def predictor_logits(case: Case, image: npt.NDArray[np.float32]) -> npt.NDArray[np.float16]:
+def predictor_logits(
+    case: Case, image: npt.NDArray[np.float32], use_gaussian: bool = True
+) -> npt.NDArray[np.float16]:
     """nnU-Net's own ``predict_logits_from_preprocessed_data`` (float16 accumulators)."""
     import torch
 
-    predictor = _predictor(case)
+    predictor = _predictor(case, use_gaussian)
     with torch.no_grad():
         logits = predictor.predict_logits_from_preprocessed_data(torch.from_numpy(image[None]))
     out: npt.NDArray[np.float16] = logits.numpy()

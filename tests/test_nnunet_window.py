@@ -330,6 +330,20 @@ def test_live_logits(case: Case) -> None:
 
 
 @needs_nnunet
+@pytest.mark.parametrize("case", CASES[1:3], ids=[c.name for c in CASES[1:3]])
+def test_live_without_gaussian(case: Case) -> None:
+    """``use_gaussian=False``: every tile weighs 1, as nnU-Net's predictor."""
+    image = make_image(case)
+    folds = [_network(*stand_in_weights(case, f)) for f in range(case.folds)]
+    expected = predictor_logits(case, image, use_gaussian=False).astype(np.float32)
+    half = _ours(image, folds, case, use_gaussian=False, accumulator_dtype="float16")
+    np.testing.assert_allclose(half, expected, rtol=0, atol=HALF_ATOL)
+    ours = _ours(image, folds, case, use_gaussian=False)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-2)
+    assert np.abs(ours - _ours(image, folds, case)).max() > 1e-2  # the Gaussian matters
+
+
+@needs_nnunet
 def test_live_steps_and_padding() -> None:
     from acvl_utils.cropping_and_padding.padding import pad_nd_image
     from nnunetv2.inference.sliding_window_prediction import (
