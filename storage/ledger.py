@@ -98,8 +98,49 @@ ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.ENCODED)
 FINAL_STATES = tuple(state for state, moves in TRANSITIONS.items() if state not in ACTIVE_STATES)
 
 
+class DeliveryStatus(StrEnum):
+    """Where one result's delivery to one destination is."""
+
+    PENDING = "pending"
+    SENT = "sent"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+#: The moves a delivery may make (:func:`move_delivery`). A delivery given up (failed) or
+#: cancelled may still turn out sent: its acknowledgement arrived after it was given up, and
+#: the ledger records what happened.
+DELIVERY_MOVES: dict[DeliveryStatus, frozenset[DeliveryStatus]] = {
+    DeliveryStatus.PENDING: frozenset(
+        {DeliveryStatus.SENT, DeliveryStatus.FAILED, DeliveryStatus.CANCELLED}
+    ),
+    DeliveryStatus.FAILED: frozenset({DeliveryStatus.PENDING, DeliveryStatus.SENT}),
+    DeliveryStatus.CANCELLED: frozenset({DeliveryStatus.SENT}),
+    DeliveryStatus.SENT: frozenset(),
+}
+
+
 class TransitionError(RuntimeError):
     """A job was asked to make a move :data:`TRANSITIONS` does not allow (a bug)."""
+
+
+def move_delivery(
+    s: Session, d: Delivery, to: DeliveryStatus, now: datetime, message: str = ""
+) -> None:
+    """Move delivery ``d`` to ``to``, checked against :data:`DELIVERY_MOVES`, and record the
+    event (``delivery-<status>``, naming the destination).
+
+    Raises
+    ------
+    TransitionError
+        The move is not allowed from the delivery's status.
+    """
+    now_status = DeliveryStatus(d.status)
+    if to not in DELIVERY_MOVES[now_status]:
+        raise TransitionError(f"delivery {d.id}: {now_status} -> {to} is not an allowed move")
+    d.status = to.value
+    text = f"{d.destination}: {message or f'{now_status} -> {to}'}"
+    s.add(Event(at=now, kind=f"delivery-{to}", job_id=d.job_id, message=text[:2048]))
 
 
 def move(
@@ -548,7 +589,7 @@ class Ledger:
             # replaced, and withdrawn where the destination takes rejection notes).
             sent_any = (
                 select(Delivery.id)
-                .where(Delivery.job_id == Job.id, Delivery.status == "sent")
+                .where(Delivery.job_id == Job.id, Delivery.status == DeliveryStatus.SENT)
                 .exists()
             )
             undelivered = s.scalars(
@@ -565,11 +606,15 @@ class Ledger:
                 for old_job in s.scalars(select(Job).where(Job.id.in_(undelivered))):
                     move(s, old_job, JobState.SUPERSEDED, now, message=why)
                     old_job.finished_at, old_job.reason = now, why
-                s.execute(
-                    update(Delivery)
-                    .where(Delivery.job_id.in_(undelivered), Delivery.status == "pending")
-                    .values(status="cancelled", last_error=f"superseded by v{version}")
+                pending = s.scalars(
+                    select(Delivery).where(
+                        Delivery.job_id.in_(undelivered),
+                        Delivery.status == DeliveryStatus.PENDING,
+                    )
                 )
+                for d in pending.all():
+                    move_delivery(s, d, DeliveryStatus.CANCELLED, now, f"superseded by v{version}")
+                    d.last_error = f"superseded by v{version}"
             older = s.scalars(
                 select(Job.id).where(
                     Job.series_id == series.id,
@@ -809,7 +854,7 @@ class Ledger:
                 .where(
                     Job.series_id == job.series_id,
                     Job.version < job.version,
-                    Delivery.status == "sent",
+                    Delivery.status == DeliveryStatus.SENT,
                     Result.kind.in_(("SEG", "SR")),
                 )
                 .order_by(Job.version, Result.order)
@@ -889,7 +934,7 @@ class Ledger:
                                 result_id=res.id,
                                 job_id=job_id,
                                 destination=dest,
-                                status="pending",
+                                status=DeliveryStatus.PENDING.value,
                                 next_attempt_at=now,
                                 created_at=now,
                             )
@@ -914,7 +959,7 @@ class Ledger:
                 .join(Result, Result.id == Delivery.result_id)
                 .join(Job, Job.id == Delivery.job_id)
                 .join(Series, Series.id == Job.series_id)
-                .where(Delivery.status == "pending", Delivery.next_attempt_at <= now)
+                .where(Delivery.status == DeliveryStatus.PENDING, Delivery.next_attempt_at <= now)
                 .where(Job.state == JobState.ENCODED)
                 # Not while newer instances of the series wait for their job: that job will
                 # supersede this one (a series that grows after encoding is not sent).
@@ -955,9 +1000,9 @@ class Ledger:
         now = utcnow()
         with self._tx() as s:
             d = s.get(Delivery, delivery_id)
-            if d is None:
+            if d is None or d.status == DeliveryStatus.SENT:
                 return
-            d.status = "sent"
+            move_delivery(s, d, DeliveryStatus.SENT, now, "acknowledged")
             d.attempts += 1
             d.last_status = status[:16] if isinstance(status, str) else f"0x{status:04X}"
             d.last_error = None
@@ -965,7 +1010,7 @@ class Ledger:
             s.flush()
             left = s.scalar(
                 select(func.count(Delivery.id)).where(
-                    Delivery.job_id == d.job_id, Delivery.status != "sent"
+                    Delivery.job_id == d.job_id, Delivery.status != DeliveryStatus.SENT
                 )
             )
             if not left:
@@ -993,9 +1038,9 @@ class Ledger:
         now = utcnow()
         with self._tx() as s:
             d = s.get(Delivery, delivery_id)
-            if d is None:
-                return
-            d.status = "failed"
+            if d is None or d.status != DeliveryStatus.PENDING:
+                return  # already settled (sent, given up or cancelled): that stands
+            move_delivery(s, d, DeliveryStatus.FAILED, now, error)
             d.attempts += 1
             d.last_error = error[:1024]
             job = s.get(Job, d.job_id)
@@ -1010,7 +1055,7 @@ class Ledger:
             return s.scalar(
                 select(func.min(Delivery.next_attempt_at))
                 .join(Job, Job.id == Delivery.job_id)
-                .where(Delivery.status == "pending", Job.state == JobState.ENCODED)
+                .where(Delivery.status == DeliveryStatus.PENDING, Job.state == JobState.ENCODED)
             )
 
     # -- recovery, control, views ----------------------------------------------------------
@@ -1042,17 +1087,20 @@ class Ledger:
                 return False
             undelivered = s.scalar(
                 select(func.count(Delivery.id)).where(
-                    Delivery.job_id == job_id, Delivery.status == "failed"
+                    Delivery.job_id == job_id, Delivery.status == DeliveryStatus.FAILED
                 )
             )
             if job.encoded_at is not None and undelivered:
-                s.execute(
-                    update(Delivery)
-                    .where(Delivery.job_id == job_id, Delivery.status == "failed")
-                    .values(
-                        status="pending", next_attempt_at=utcnow(), created_at=utcnow(), attempts=0
+                now = utcnow()
+                failed = s.scalars(
+                    select(Delivery).where(
+                        Delivery.job_id == job_id, Delivery.status == DeliveryStatus.FAILED
                     )
                 )
+                for d in failed.all():
+                    move_delivery(s, d, DeliveryStatus.PENDING, now, "retried")
+                    d.next_attempt_at = d.created_at = now
+                    d.attempts = 0
                 move(s, job, JobState.ENCODED, utcnow(), kind="job-retried", message="send again")
             else:
                 move(s, job, JobState.QUEUED, utcnow(), kind="job-retried", message="run again")
@@ -1191,11 +1239,11 @@ class Ledger:
                 )
                 or 0,
                 "deliveries_pending": s.scalar(
-                    select(func.count(Delivery.id)).where(Delivery.status == "pending")
+                    select(func.count(Delivery.id)).where(Delivery.status == DeliveryStatus.PENDING)
                 )
                 or 0,
                 "deliveries_failed": s.scalar(
-                    select(func.count(Delivery.id)).where(Delivery.status == "failed")
+                    select(func.count(Delivery.id)).where(Delivery.status == DeliveryStatus.FAILED)
                 )
                 or 0,
             }
@@ -1232,7 +1280,7 @@ class Ledger:
                 update(Delivery)
                 .where(
                     Delivery.destination == destination,
-                    Delivery.status == "pending",
+                    Delivery.status == DeliveryStatus.PENDING,
                     Delivery.next_attempt_at < until,
                 )
                 .values(next_attempt_at=until, last_error=error[:1024])
@@ -1252,13 +1300,13 @@ class Ledger:
                 select(Delivery)
                 .join(Job, Job.id == Delivery.job_id)
                 .where(
-                    Delivery.status == "pending",
+                    Delivery.status == DeliveryStatus.PENDING,
                     Delivery.created_at < created_before,
                     Job.state == JobState.ENCODED,
                 )
             ).all()
             for d in rows:
-                d.status = "failed"
+                move_delivery(s, d, DeliveryStatus.FAILED, now, reason)
                 d.last_error = reason[:1024]
                 job = s.get(Job, d.job_id)
                 if job is not None and job.state == JobState.ENCODED:

@@ -10,17 +10,20 @@ import pytest
 from sqlalchemy import select
 
 from storage.ledger import (
+    DELIVERY_MOVES,
     FINAL_STATES,
     TRANSITIONS,
+    DeliveryStatus,
     InstanceRecord,
     JobState,
     JobView,
     Ledger,
     TransitionError,
     move,
+    move_delivery,
     utcnow,
 )
-from storage.models import Event, Job
+from storage.models import Delivery, Event, Job
 from storage.spool import Spool, SpoolError, valid_uid, write_atomic
 
 
@@ -269,7 +272,8 @@ def test_every_state_change_is_an_allowed_move_with_its_event(
     ledger.delivery_done(due.id, 0)
     assert ledger.job_state(job_id) == JobState.SENT == "sent"
     assert not ledger.cancel_job(job_id) and not ledger.retry_job(job_id)  # sent is final
-    assert [kind for kind, _ in job_events(ledger, job_id)] == [
+    kinds = [kind for kind, _ in job_events(ledger, job_id)]
+    assert [k for k in kinds if k.startswith("job-")] == [
         "job-created",
         "job-running",
         "job-encoded",
@@ -277,6 +281,13 @@ def test_every_state_change_is_an_allowed_move_with_its_event(
         "job-retried",
         "job-sent",
     ]
+    # the delivery's own moves: given up, retried, acknowledged
+    assert [k for k in kinds if k.startswith("delivery-")] == [
+        "delivery-failed",
+        "delivery-pending",
+        "delivery-sent",
+    ]
+    assert ("delivery-failed", "PACS@127.0.0.1:104: refused") in job_events(ledger, job_id)
 
 
 def test_a_move_outside_the_table_raises(ledger: Ledger, tmp_path: Path) -> None:
@@ -299,3 +310,27 @@ def test_a_move_outside_the_table_raises(ledger: Ledger, tmp_path: Path) -> None
         JobState.FAILED,
         JobState.CANCELLED,
     }
+
+
+def test_delivery_moves_and_a_late_acknowledgement(ledger: Ledger, tmp_path: Path) -> None:
+    """A delivery given up may still be acknowledged (recorded as sent); a sent one stays
+    sent; a move outside DELIVERY_MOVES raises."""
+    ledger.record_instance(rec("7.1", series="1.7"), tmp_path / "a", 1)
+    job_id = ledger.create_job("1.7", trigger="t", model="m", engine="e")
+    assert job_id is not None and ledger.claim_next_job() is not None
+    seg = tmp_path / "seg.dcm"
+    seg.write_bytes(b"x")
+    ledger.save_results(job_id, [("SEG", "1.2", "9.7", "9.6", seg)], ["PACS@127.0.0.1:104"])
+    (due,) = ledger.due_deliveries()
+    ledger.delivery_failed(due.id, "refused")
+    ledger.delivery_done(due.id, 0)  # its acknowledgement came after all
+    ledger.delivery_failed(due.id, "late error")  # does not undo what happened
+    with ledger._read() as s:
+        d = s.get(Delivery, due.id)
+        assert d is not None and d.status == DeliveryStatus.SENT == "sent"
+    with ledger._tx() as s:
+        d = s.get(Delivery, due.id)
+        assert d is not None
+        with pytest.raises(TransitionError, match="sent -> pending"):
+            move_delivery(s, d, DeliveryStatus.PENDING, utcnow())
+    assert set(DELIVERY_MOVES) == set(DeliveryStatus) and not DELIVERY_MOVES[DeliveryStatus.SENT]
