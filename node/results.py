@@ -629,6 +629,25 @@ def _first_int(value: object) -> int | None:
         return None
 
 
+def seg_label_map(seg: hd.seg.Segmentation, volume: Volume) -> npt.NDArray[np.integer]:
+    """The segment numbers of ``seg`` on ``volume``'s grid ``(z, y, x)``, found by the
+    SEG's source references (highdicom), as a viewer reads them."""
+    if volume.is_multiframe:
+        pixels = seg.get_pixels_by_source_frame(
+            source_sop_instance_uid=str(volume.sources[0].SOPInstanceUID),
+            source_frame_numbers=list(volume.frame_numbers),
+            combine_segments=True,
+            assert_missing_frames_are_empty=True,
+        )
+    else:
+        pixels = seg.get_pixels_by_source_instance(
+            source_sop_instance_uids=[str(s.SOPInstanceUID) for s in volume.sources],
+            combine_segments=True,
+            assert_missing_frames_are_empty=True,
+        )
+    return np.asarray(pixels)
+
+
 def _verify_with_highdicom(
     ds: Dataset,
     volume: Volume,
@@ -636,20 +655,7 @@ def _verify_with_highdicom(
     numbers: dict[int, int],
 ) -> None:
     try:
-        seg = hd.seg.Segmentation.from_dataset(ds, copy=False)
-        if volume.is_multiframe:
-            array = seg.get_pixels_by_source_frame(
-                source_sop_instance_uid=str(volume.sources[0].SOPInstanceUID),
-                source_frame_numbers=list(volume.frame_numbers),
-                combine_segments=True,
-                assert_missing_frames_are_empty=True,
-            )
-        else:
-            array = seg.get_pixels_by_source_instance(
-                source_sop_instance_uids=[str(s.SOPInstanceUID) for s in volume.sources],
-                combine_segments=True,
-                assert_missing_frames_are_empty=True,
-            )
+        array = seg_label_map(hd.seg.Segmentation.from_dataset(ds, copy=False), volume)
     except (ValueError, RuntimeError, KeyError, AttributeError) as exc:
         raise ResultError(f"highdicom cannot read the SEG back by source reference: {exc}") from exc
     lut = np.zeros(max(numbers) + 1, dtype=labels.dtype)

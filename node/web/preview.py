@@ -118,21 +118,9 @@ def label_map(seg_path: Path, volume: Volume) -> npt.NDArray[np.integer]:
     """The SEG's segment numbers on the volume's grid ``(z, y, x)``."""
     import highdicom as hd
 
-    seg = hd.seg.segread(seg_path)
-    if volume.is_multiframe:
-        pixels = seg.get_pixels_by_source_frame(
-            source_sop_instance_uid=str(volume.sources[0].SOPInstanceUID),
-            source_frame_numbers=list(volume.frame_numbers),
-            combine_segments=True,
-            assert_missing_frames_are_empty=True,
-        )
-    else:
-        pixels = seg.get_pixels_by_source_instance(
-            source_sop_instance_uids=[str(d.SOPInstanceUID) for d in volume.sources],
-            combine_segments=True,
-            assert_missing_frames_are_empty=True,
-        )
-    return np.asarray(pixels)
+    from node.results import seg_label_map
+
+    return seg_label_map(hd.seg.segread(seg_path), volume)
 
 
 def _resample(img: npt.NDArray[Any], pitch: tuple[float, float]) -> npt.NDArray[Any]:
