@@ -31,6 +31,7 @@ from node.synthetic import write_synthetic_series
 from storage.ledger import Ledger
 from storage.spool import Spool
 from tests.conftest import LOOPBACK
+from tests.scp_harness import settle_rejection
 
 
 class Harness:
@@ -60,7 +61,7 @@ class Harness:
         for cls, ts in contexts or [(CTImageStorage, ExplicitVRLittleEndian)]:
             ae.add_requested_context(cls, ts)
         ae.add_requested_context(Verification)
-        a = ae.associate(LOOPBACK, self.scp.port, ae_title="SEGNODE")
+        a = settle_rejection(ae.associate(LOOPBACK, self.scp.port, ae_title="SEGNODE"))
         return a
 
     def close(self) -> None:
