@@ -5,12 +5,19 @@ label map of the same shape, using a model described by a :class:`~engines.manif
 Backends register a factory under a name (``"onnxruntime"``, ``"tensorrt"``, ``"torch"``); heavy
 modules (CUDA, TensorRT, torch) are imported only inside the factory, so the CPU install never
 needs them.
+
+A version-2 (trained) manifest is not run by :meth:`Engine.segment`: its contract needs the
+volume's geometry (reorientation, resampling to the model's spacing) and nnU-Net's window over
+every fold. A backend that runs one also implements :class:`TrainedEngine` (loading one
+network per fold file, :meth:`engines.manifest.ModelManifest.model_files`), and
+:func:`engines.trained.segment_trained` drives it.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -23,6 +30,12 @@ if TYPE_CHECKING:
 
 class EngineError(Exception):
     """A model or backend cannot be loaded or run; the message says why."""
+
+
+PatchPredictor = Callable[[Any], Any]
+"""One network (one fold): float32 ``(N, 1, pz, py, px)`` patches in, float32
+``(N, C, pz, py, px)`` scores out, in the backend's array type and device (NumPy for ONNX
+Runtime, torch tensors for the torch backend, CuPy arrays for TensorRT)."""
 
 
 class Engine(Protocol):
@@ -71,6 +84,43 @@ class SumsEngine(Protocol):
         self, hu: npt.NDArray[np.float32]
     ) -> tuple[npt.NDArray[np.uint8], LabelSums]:
         """The label map of :meth:`Engine.segment` and its :class:`LabelSums` over ``hu``."""
+
+
+@runtime_checkable
+class TrainedEngine(Protocol):
+    """A backend that runs version-2 (trained) models: one network per fold file.
+
+    After :meth:`Engine.load` with a version-2 manifest the backend holds one network per
+    entry of :meth:`~engines.manifest.ModelManifest.model_files` (every fold; for a composite
+    every fold of every part, part by part). :func:`engines.trained.segment_trained` moves the
+    HU volume to the backend's device, runs :func:`engines.preprocess.pipeline.run_model`
+    there around :func:`engines.nnunet_window.predict_for_manifest` with these predictors,
+    and takes the labels back.
+    """
+
+    def fold_predictors(self) -> list[PatchPredictor]:
+        """One :data:`PatchPredictor` per loaded fold file, in the order of ``model_files()``.
+
+        Returns
+        -------
+        list
+            The predictors; each accepts up to :meth:`window_batch` patches per call (more
+            are split) and returns float32 scores on the backend's device.
+        """
+
+    def window_batch(self) -> int:
+        """Tiles per predictor call that suit the backend (its batch size, within the
+        manifest's ``batch.max`` where the model's batch axis is dynamic)."""
+
+    def to_device(self, hu: npt.NDArray[np.float32]) -> Any:
+        """The float32 ``(z, y, x)`` HU volume in the predictors' array type and device."""
+
+    def to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
+        """A uint8 label map from the backend's device as a NumPy array."""
+
+    def device_scope(self) -> AbstractContextManager[None]:
+        """Context for the whole preprocessing, window and export (device, stream,
+        ``torch.inference_mode``)."""
 
 
 Factory = Callable[..., Engine]

@@ -13,7 +13,9 @@ On a machine without a GPU ``auto`` builds with TensorRT-RTX ahead of time (a po
 for compute capability 8.0 and later); with full TensorRT and a GPU it builds for that GPU.
 ``--engine torch`` compiles the model as the node's ``torch`` engine with ``compile = true``
 does at its first start (same options, same key: :mod:`engines.torch_cache`), so that the node
-starts by loading the artefact; it needs the GPU the node will use.
+starts by loading the artefact; it needs the GPU the node will use. A version-2 (trained)
+model gets one engine or artefact per fold file, every part's for a composite, each with its
+own cache key (the fold file's SHA-256).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def resolve_model(spec: str | None, default_model: Path) -> ModelManifest:
     """Load the manifest named by ``spec``: a path, a bundled model name, or the default;
-    one the engines cannot run yet is refused (:func:`engines.manifest.check_runnable`)."""
+    one the engines cannot run as its contract says is refused
+    (:func:`engines.manifest.check_runnable`)."""
     manifest = _find_model(spec, default_model)
     check_runnable(manifest)
     return manifest
@@ -119,23 +122,26 @@ def run_engine_command(
 
         if args.engine_command == "build":
             manifest = resolve_model(args.model, default_model)
-            built = build_engine(
-                manifest,
-                cache_dir=cache_dir,
-                precision=args.precision,
-                flavour=args.flavour,
-                target=args.target,
-            )
-            key = built.key
-            batch, patch = "/".join(map(str, key.batch)), "x".join(map(str, key.patch_size))
-            print(f"engine {'reused' if built.hit else 'built'}: {built.path}", file=stream)
-            print(
-                f"  model {manifest.name} {manifest.version} (sha256 {key.model_sha256[:12]}), "
-                f"{key.flavour} {key.trt_version}, target {key.target}, {key.precision}, "
-                f"batch {batch}, patch {patch}",
-                file=stream,
-            )
-            print(f"  time {built.seconds:.1f} s, size {_mb(built.size_bytes)}", file=stream)
+            # one engine per ONNX file: the model itself, or every fold (of every part)
+            for unit in manifest.model_files():
+                built = build_engine(
+                    unit,
+                    cache_dir=cache_dir,
+                    precision=args.precision,
+                    flavour=args.flavour,
+                    target=args.target,
+                )
+                key = built.key
+                batch, patch = "/".join(map(str, key.batch)), "x".join(map(str, key.patch_size))
+                print(f"engine {'reused' if built.hit else 'built'}: {built.path}", file=stream)
+                what = manifest.name if unit is manifest else f"{unit.name} of {manifest.name}"
+                print(
+                    f"  model {what} {manifest.version} (sha256 {key.model_sha256[:12]}), "
+                    f"{key.flavour} {key.trt_version}, target {key.target}, {key.precision}, "
+                    f"batch {batch}, patch {patch}",
+                    file=stream,
+                )
+                print(f"  time {built.seconds:.1f} s, size {_mb(built.size_bytes)}", file=stream)
             return 0
         if args.engine_command == "list":
             records = list_engines(cache_dir)
@@ -175,20 +181,22 @@ def _build_torch(
         info = engine.load_info
     finally:
         engine.close()
-    if not info.get("artefact"):
+    folds = info.get("folds") or [info]
+    if not all(fold.get("artefact") for fold in folds):
         print(
             f"segnode engine: error: {manifest.name} could not be compiled (see the log); "
             "the node would run it eagerly",
             file=sys.stderr,
         )
         return 1
-    verb = "reused" if info["cache_hit"] else "built"
-    print(f"compiled model {verb}: {info['artefact']}", file=stream)
-    print(
-        f"  model {manifest.name} {manifest.version}, {info['compiled']}, "
-        f"build {info.get('build_seconds', 0.0):.1f} s, load {engine.load_seconds:.1f} s",
-        file=stream,
-    )
+    for fold in folds:
+        verb = "reused" if fold["cache_hit"] else "built"
+        print(f"compiled model {verb}: {fold['artefact']}", file=stream)
+        print(
+            f"  model {manifest.name} {manifest.version}, {fold['compiled']}, "
+            f"build {fold.get('build_seconds', 0.0):.1f} s, load {engine.load_seconds:.1f} s",
+            file=stream,
+        )
     return 0
 
 

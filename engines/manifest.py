@@ -54,6 +54,18 @@ replaced by ``"folds"`` (one ONNX file per fold; their logits are averaged)::
       "regions": [[1, 2], [2]], "regions_class_order": [1, 2]   # optional: sigmoid outputs
     }
 
+A composite model (TotalSegmentator style: several nnU-Net datasets merged into one label
+space) is a version-2 manifest with ``"parts"`` instead of folds and geometry; each part is a
+version-2 manifest of its own (path relative to the composite file) and maps its label values
+(string keys) to the composite's labels, which are merged in order (later parts overwrite)::
+
+    {
+      "manifest_version": 2, "name": "total", "version": "1.0.0",
+      "parts": [{"manifest": "part_291/model.json", "labels": {"1": 1, "2": 2}},
+                {"manifest": "part_292/model.json", "labels": {"1": 3, "5": 4}}],
+      "labels": [...]                     # merged labels 1..N, as version 1
+    }
+
 The order of operations, and what each key means exactly, is in docs/integration.md
 ("Model contract v2") and :mod:`engines.preprocess`. A version-1 manifest gets an equivalent
 :class:`ModelContract` (source orientation, no resampling, its clip/scale/offset), so the
@@ -65,9 +77,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from engines.base import EngineError
 from engines.preprocess.intensity import CTNormalization, LinearNormalization, Normalization
@@ -151,6 +166,29 @@ class ModelContract:
 
 
 @dataclass(frozen=True)
+class CompositePart:
+    """One part of a composite model: a version-2 manifest and where its labels go.
+
+    Attributes
+    ----------
+    manifest
+        The part's own version-2 manifest (folds, geometry, preprocessing, labels).
+    label_map
+        ``(part label value, merged label value)`` pairs; part labels not listed are dropped.
+    """
+
+    manifest: ModelManifest
+    label_map: tuple[tuple[int, int], ...]
+
+    def lookup_table(self) -> npt.NDArray[np.uint8]:
+        """uint8 table from the part's label values (index) to merged values (0: dropped)."""
+        table = np.zeros(256, dtype=np.uint8)
+        for source, merged in self.label_map:
+            table[source] = merged
+        return table
+
+
+@dataclass(frozen=True)
 class ModelManifest:
     """Everything a backend needs to run one ONNX model."""
 
@@ -177,6 +215,41 @@ class ModelManifest:
     """Version 2: one ONNX file per fold (``onnx_path`` is the first)."""
     contract: ModelContract | None = None
     """Version 2: the model contract; ``None`` for version 1 (see :meth:`model_contract`)."""
+    parts: tuple[CompositePart, ...] = ()
+    """Composite (version 2): the models merged into :attr:`labels`, in order; their fold
+    files are the model's (no folds or contract of its own)."""
+
+    @property
+    def is_trained(self) -> bool:
+        """True for a version-2 manifest (one model or a composite): it runs through
+        :func:`engines.trained.segment_trained`, not :meth:`engines.base.Engine.segment`."""
+        return self.manifest_version == 2
+
+    @property
+    def is_composite(self) -> bool:
+        """True for a composite model (``"parts"``)."""
+        return bool(self.parts)
+
+    def model_files(self) -> tuple[ModelManifest, ...]:
+        """One single-file manifest per ONNX file a backend loads, in order.
+
+        Version 1: the manifest itself. Version 2: one per fold (``onnx_path`` that fold,
+        ``name`` suffixed ``.foldN`` so that each fold has its own engine-cache entries).
+        Composite: every fold of every part, part by part (names
+        ``<composite>.partJ.<part>.foldN``).
+        """
+        if self.parts:
+            return tuple(
+                replace(unit, name=f"{self.name}.part{j}.{unit.name}")
+                for j, part in enumerate(self.parts)
+                for unit in part.manifest.model_files()
+            )
+        if self.manifest_version == 1 or not self.fold_paths:
+            return (self,)
+        return tuple(
+            replace(self, name=f"{self.name}.fold{i}", onnx_path=path, fold_paths=(path,))
+            for i, path in enumerate(self.fold_paths)
+        )
 
     @property
     def num_classes(self) -> int:
@@ -237,23 +310,25 @@ def _overlap(raw: Any, where: Path) -> float | tuple[float, float, float]:
 def check_runnable(manifest: ModelManifest) -> None:
     """Refuse a manifest the node cannot run as its contract says.
 
-    Version 2 manifests (trained models: target spacing, orientation, normalisation, folds,
-    mirroring) are read and validated, and :mod:`engines.preprocess` implements their
-    contract, but no backend runs it yet: a backend would take the first fold on the source
-    grid and produce plausible-looking wrong labels. So the node and ``segnode engine build``
-    refuse them until the contract is wired in (docs/integration.md, section 9).
+    Version 1 runs on the source grid (:meth:`engines.base.Engine.segment`); version 2
+    (one trained model or a composite) through :func:`engines.trained.segment_trained`,
+    nnU-Net's blended sliding window over every fold. That window blends scores, so a
+    version-2 model whose network returns labels (``"output_kind": "labels"``) is refused.
 
     Raises
     ------
     ManifestError
-        For a version 2 manifest.
+        For a manifest (or a composite's part) that no backend runs as its contract says.
     """
-    if manifest.manifest_version != 1:
+    if manifest.manifest_version == 1:
+        return
+    for part in manifest.parts:
+        check_runnable(part.manifest)
+    if not manifest.parts and manifest.output_kind == "labels":
         raise ManifestError(
-            f"model {manifest.name} {manifest.version}: manifest version "
-            f"{manifest.manifest_version} (a trained model's contract: spacing, orientation, "
-            "normalisation, folds) is not run by this release yet; the engines would ignore "
-            "its contract (docs/integration.md, section 9)"
+            f"model {manifest.name} {manifest.version}: output_kind 'labels' cannot run as a "
+            "version-2 (trained) model: nnU-Net's sliding window blends logits or "
+            "probabilities (export the network's scores)"
         )
 
 
@@ -283,20 +358,12 @@ def load_manifest(path: str | Path) -> ModelManifest:
     version = raw.get("manifest_version", 1)
     if version not in MANIFEST_VERSIONS or isinstance(version, bool):
         raise ManifestError(f"{p}: manifest_version: unsupported {version!r} (supported: 1, 2)")
+    if "parts" in raw:
+        if version != 2:
+            raise ManifestError(f"{p}: parts: a composite model needs manifest_version 2")
+        return _composite(raw, p)
     try:
-        labels = tuple(
-            LabelSpec(
-                value=int(item["value"]),
-                name=str(item["name"]),
-                category=_code(item["category"], f"{p}: labels[{i}].category"),
-                type=_code(item["type"], f"{p}: labels[{i}].type"),
-                color=tuple(int(c) for c in item.get("color", (255, 0, 0))),  # type: ignore[arg-type]
-            )
-            for i, item in enumerate(raw["labels"])
-        )
-        values = [lab.value for lab in labels]
-        if values != list(range(1, len(labels) + 1)):
-            raise ManifestError(f"{p}: label values must be 1..N in order, got {values}")
+        labels = _labels(raw, p)
         patch = tuple(int(v) for v in raw["patch_size"])
         if len(patch) != 3 or min(patch) < 1:
             raise ManifestError(f"{p}: patch_size must be three positive integers")
@@ -340,6 +407,25 @@ def load_manifest(path: str | Path) -> ModelManifest:
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(f"{p}: invalid manifest: {exc!r}") from exc
+
+
+def _labels(raw: dict[str, Any], p: Path) -> tuple[LabelSpec, ...]:
+    """The ``labels`` list, values 1..N in order (KeyError/TypeError/ValueError on a
+    malformed entry: the caller names the file)."""
+    labels = tuple(
+        LabelSpec(
+            value=int(item["value"]),
+            name=str(item["name"]),
+            category=_code(item["category"], f"{p}: labels[{i}].category"),
+            type=_code(item["type"], f"{p}: labels[{i}].type"),
+            color=tuple(int(c) for c in item.get("color", (255, 0, 0))),  # type: ignore[arg-type]
+        )
+        for i, item in enumerate(raw["labels"])
+    )
+    values = [lab.value for lab in labels]
+    if values != list(range(1, len(labels) + 1)):
+        raise ManifestError(f"{p}: label values must be 1..N in order, got {values}")
+    return labels
 
 
 # ------------------------------------------------------------------------------ version 2
@@ -532,6 +618,105 @@ def _regions(
             f"{p}: regions_class_order: one label value (1..{num_labels}) per region, got {order!r}"
         )
     return tuple(tuple(int(v) for v in r) for r in regions), tuple(int(v) for v in order)
+
+
+# ------------------------------------------------------------------------------ composite
+
+_COMPOSITE_KEYS = {"manifest_version", "name", "version", "parts", "labels"}
+_NOT_IN_COMPOSITE = (
+    "folds",
+    "onnx",
+    "geometry",
+    "preprocessing",
+    "resampling",
+    "patch_size",
+    "regions",
+    "regions_class_order",
+)
+
+
+def _composite(raw: dict[str, Any], p: Path) -> ModelManifest:
+    """A composite manifest: each part a version-2 model, labels merged in order."""
+    for key in _NOT_IN_COMPOSITE:
+        if key in raw:
+            raise ManifestError(
+                f"{p}: {key}: a composite model (parts) has none of its own; each part's "
+                "manifest has its own"
+            )
+    try:
+        labels = _labels(raw, p)
+        name, version = str(raw["name"]), str(raw["version"])
+    except ManifestError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"{p}: invalid manifest: {exc!r}") from exc
+    entries = raw["parts"]
+    if not isinstance(entries, list) or not entries:
+        raise ManifestError(
+            f"{p}: parts: a non-empty list of {{manifest, labels}}, got {entries!r}"
+        )
+    merged_values = {lab.value for lab in labels}
+    parts: list[CompositePart] = []
+    for i, entry in enumerate(entries):
+        where = f"{p}: parts[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("manifest"), str):
+            raise ManifestError(f"{where}.manifest: a manifest path is required, got {entry!r}")
+        unknown = sorted(set(entry) - {"manifest", "labels"})
+        if unknown:
+            raise ManifestError(f"{where}: unknown keys {unknown} (manifest, labels)")
+        path = (p.parent / entry["manifest"]).resolve()
+        if not path.is_file():
+            raise ManifestError(f"{where}.manifest: no such file {path}")
+        part = load_manifest(path)
+        if part.manifest_version != 2 or part.parts:
+            kind = "a composite" if part.parts else f"a version-{part.manifest_version} manifest"
+            raise ManifestError(
+                f"{where}.manifest: {path} is {kind}; parts are version-2 trained models"
+            )
+        mapping = entry.get("labels")
+        if not isinstance(mapping, dict) or not mapping:
+            raise ManifestError(
+                f"{where}.labels: an object from the part's label values (strings) to merged "
+                f"label values, got {mapping!r}"
+            )
+        pairs: list[tuple[int, int]] = []
+        part_values = {lab.value for lab in part.labels}
+        for key, value in mapping.items():
+            try:
+                source = int(key)
+            except ValueError:
+                source = -1
+            if source not in part_values:
+                raise ManifestError(
+                    f"{where}.labels: {key!r} is not a label value of {path} "
+                    f"(1..{len(part.labels)})"
+                )
+            if isinstance(value, bool) or not isinstance(value, int) or value not in merged_values:
+                raise ManifestError(
+                    f"{where}.labels[{key!r}]: merged value {value!r} is not among the labels "
+                    f"of {p} (1..{len(labels)})"
+                )
+            pairs.append((source, value))
+        parts.append(CompositePart(manifest=part, label_map=tuple(sorted(pairs))))
+    first = parts[0].manifest
+    return ModelManifest(
+        name=name,
+        version=version,
+        onnx_path=first.onnx_path,
+        labels=labels,
+        patch_size=first.patch_size,
+        overlap=first.overlap,
+        input_name=first.input_name,
+        output_name=first.output_name,
+        output_kind=first.output_kind,
+        batch_min=first.batch_min,
+        batch_opt=first.batch_opt,
+        batch_max=first.batch_max,
+        fp16=all(part.manifest.fp16 for part in parts),
+        extra={k: v for k, v in raw.items() if k not in _COMPOSITE_KEYS},
+        manifest_version=2,
+        parts=tuple(parts),
+    )
 
 
 _KNOWN_V1 = {

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -25,9 +26,9 @@ import numpy.typing as npt
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
-from engines.base import EngineError
+from engines.base import EngineError, PatchPredictor
 from engines.manifest import ModelManifest
-from engines.sliding_window import OUTPUT_KINDS, output_channels, sliding_window_segment
+from engines.sliding_window import OUTPUT_KINDS, sliding_window_segment
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class OrtEngine:
         self._run_batch = 1
         self._workers = 1
         self._pool: ThreadPoolExecutor | None = None
+        self._folds: list[PatchPredictor] = []
 
     @property
     def manifest(self) -> ModelManifest | None:
@@ -78,9 +80,10 @@ class OrtEngine:
             If the model file is missing or not a valid ONNX model, a provider is not
             available, or the model's inputs and outputs disagree with the manifest.
         """
-        path = Path(manifest.onnx_path)
-        if not path.is_file():
-            raise EngineError(f"model {manifest.name!r}: ONNX file {path} not found")
+        units = manifest.model_files() if manifest.is_trained else (manifest,)
+        for unit in units:
+            if not Path(unit.onnx_path).is_file():
+                raise EngineError(f"model {manifest.name!r}: ONNX file {unit.onnx_path} not found")
         if manifest.output_kind not in OUTPUT_KINDS:
             raise EngineError(
                 f"model {manifest.name!r}: output_kind must be one of {OUTPUT_KINDS}, "
@@ -105,29 +108,97 @@ class OrtEngine:
         elif self._threads is not None:
             options.intra_op_num_threads = self._threads
             options.inter_op_num_threads = 1
-        try:
-            session = ort.InferenceSession(
-                str(path), sess_options=options, providers=self._providers
-            )
-        except _ORT_ERRORS as exc:
-            raise EngineError(f"model {manifest.name!r}: cannot load {path}: {exc}") from exc
-        run_batch = _check_signature(session, manifest)
+        sessions: list[tuple[ort.InferenceSession, ModelManifest, int, bool]] = []
+        for unit in units:
+            path = Path(unit.onnx_path)
+            try:
+                session = ort.InferenceSession(
+                    str(path), sess_options=options, providers=self._providers
+                )
+            except _ORT_ERRORS as exc:
+                raise EngineError(f"model {manifest.name!r}: cannot load {path}: {exc}") from exc
+            batch, fixed = _check_signature(session, unit)
+            sessions.append((session, unit, batch, fixed))
         self.close()
+        run_batch = min(batch for _, _, batch, _ in sessions)
         self._run_batch, self._workers = run_batch, workers
         if workers > 1:
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ort-patch")
-        self._session = session
+        self._session = sessions[0][0]
         self._manifest = manifest
+        self._folds = [
+            self._fold_predictor(session, unit, batch if fixed else None)
+            for session, unit, batch, fixed in sessions
+        ]
         logger.info(
             "loaded model %s %s (%s) on %s, patch %s, batch %d, %d patch thread(s)",
             manifest.name,
             manifest.version,
-            path.name,
-            ",".join(session.get_providers()),
+            ", ".join(Path(unit.onnx_path).name for unit in units),
+            ",".join(sessions[0][0].get_providers()),
             "x".join(map(str, manifest.patch_size)),
             run_batch,
             workers,
         )
+
+    def _fold_predictor(
+        self, session: ort.InferenceSession, unit: ModelManifest, fixed_batch: int | None
+    ) -> PatchPredictor:
+        """The raw network of one fold file: float32 patches in, float32 scores out, split
+        into runs of the engine's batch (in parallel on the patch threads); a model with a
+        fixed batch axis gets its last run padded."""
+        input_name, output_name = unit.input_name, unit.output_name
+        run_batch, pool = self._run_batch, self._pool
+
+        def run(batch: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+            n = len(batch)
+            feed = np.ascontiguousarray(batch, dtype=np.float32)
+            if fixed_batch is not None and n < fixed_batch:
+                feed = np.concatenate(
+                    [feed, np.zeros((fixed_batch - n, *feed.shape[1:]), feed.dtype)]
+                )
+            try:
+                out = session.run([output_name], {input_name: feed})[0]
+            except _ORT_ERRORS as exc:
+                raise EngineError(f"model {unit.name!r}: inference failed: {exc}") from exc
+            return np.asarray(out[:n], dtype=np.float32)
+
+        def predict(batch: Any) -> Any:
+            if len(batch) <= run_batch:
+                return run(batch)
+            chunks = [batch[i : i + run_batch] for i in range(0, len(batch), run_batch)]
+            results = pool.map(run, chunks) if pool is not None else map(run, chunks)
+            return np.concatenate(list(results))
+
+        return predict
+
+    def fold_predictors(self) -> list[PatchPredictor]:
+        """The loaded fold networks (:class:`engines.base.TrainedEngine`), NumPy in and out.
+
+        Raises
+        ------
+        EngineError
+            Before :meth:`load`.
+        """
+        if self._manifest is None:
+            raise EngineError("onnxruntime: fold_predictors() called before load()")
+        return list(self._folds)
+
+    def window_batch(self) -> int:
+        """Tiles per predictor call: one run of the session per patch thread."""
+        return self._run_batch * self._workers
+
+    def to_device(self, hu: npt.NDArray[np.float32]) -> Any:
+        """The volume itself (ONNX Runtime runs on NumPy arrays)."""
+        return hu
+
+    def to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
+        """The label map as a uint8 NumPy array."""
+        return np.asarray(labels, dtype=np.uint8)
+
+    def device_scope(self) -> AbstractContextManager[None]:
+        """Nothing to enter on the CPU."""
+        return nullcontext()
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Return the uint8 label map of a ``(z, y, x)`` volume in Hounsfield units.
@@ -140,6 +211,11 @@ class OrtEngine:
         session, manifest = self._session, self._manifest
         if session is None or manifest is None:
             raise EngineError("onnxruntime: segment() called before load()")
+        if manifest.is_trained:
+            raise EngineError(
+                f"model {manifest.name!r} is a trained (version-2) model: it runs with the "
+                "volume's geometry through engines.trained.segment_trained"
+            )
         volume = np.asarray(hu)
         if volume.ndim != 3 or min(volume.shape) < 1:
             raise EngineError(f"expected a non-empty (z, y, x) volume, got shape {volume.shape}")
@@ -183,6 +259,7 @@ class OrtEngine:
             self._pool = None
         self._session = None
         self._manifest = None
+        self._folds = []
 
     def __enter__(self) -> OrtEngine:
         return self
@@ -218,8 +295,9 @@ def preprocess(hu: npt.NDArray[Any], manifest: ModelManifest) -> npt.NDArray[np.
     return x
 
 
-def _check_signature(session: ort.InferenceSession, manifest: ModelManifest) -> int:
-    """Check the model's input and output against the manifest; return the batch size."""
+def _check_signature(session: ort.InferenceSession, manifest: ModelManifest) -> tuple[int, bool]:
+    """Check the model's input and output against the manifest; return the batch size and
+    whether the model's batch axis is fixed."""
     where = f"model {manifest.name!r}"
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
@@ -234,7 +312,7 @@ def _check_signature(session: ort.InferenceSession, manifest: ModelManifest) -> 
     in_shape = list(inputs[manifest.input_name].shape)
     out_shape = list(outputs[manifest.output_name].shape)
     want_in = [None, 1, *manifest.patch_size]
-    want_out = [None, output_channels(manifest.output_kind, manifest.num_classes)]
+    want_out = [None, manifest.output_channels]
     want_out += manifest.patch_size
     for label, shape, want in (("input", in_shape, want_in), ("output", out_shape, want_out)):
         if len(shape) != 5 or any(
@@ -247,5 +325,5 @@ def _check_signature(session: ort.InferenceSession, manifest: ModelManifest) -> 
             )
     batch = in_shape[0]
     if isinstance(batch, int):
-        return batch
-    return max(1, manifest.batch_opt)
+        return batch, True
+    return max(1, manifest.batch_opt), False

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import EngineError, LabelSums
+from engines.base import EngineError, LabelSums, PatchPredictor
 
 if TYPE_CHECKING:
     from engines.manifest import ModelManifest
@@ -198,6 +198,8 @@ class TorchEngine:
         self._dev: Any = None
         self._graphs: dict[int, tuple[Any, Any, Any]] = {}
         self._batch = 1
+        #: Version 2: one loaded engine per fold file (``manifest.model_files()``).
+        self.fold_engines: list[TorchEngine] = []
 
     @property
     def half(self) -> bool:
@@ -220,8 +222,66 @@ class TorchEngine:
         """Convert the model, move it to the device and warm it up (compile, graphs).
 
         With ``compile=True`` and a ``cache_dir``, a cached compiled artefact is loaded
-        instead (no conversion, no compilation), or built and stored first.
+        instead (no conversion, no compilation), or built and stored first. A version-2
+        manifest loads one module per fold file (every part's folds for a composite), each
+        with its own cache entry (:attr:`fold_engines`).
         """
+        for fold in self.fold_engines:  # a previous trained model's
+            fold.close()
+        self.fold_engines = []
+        if not manifest.is_trained:
+            self._load_single(manifest)
+            return
+        started = time.perf_counter()
+        self.close()
+        folds: list[TorchEngine] = []
+        try:
+            for unit in manifest.model_files():
+                fold = TorchEngine(
+                    device=self.device,
+                    precision=self.precision,
+                    compile=self.compile,
+                    cuda_graphs=self.cuda_graphs,
+                    batch_size=self.batch_size,
+                    channels_last=self.channels_last,
+                    tf32=self.tf32,
+                    compile_mode=self.compile_mode,
+                    cache_dir=self.cache_dir,
+                    compile_cache=self.compile_cache,
+                )
+                fold._load_single(unit)
+                folds.append(fold)
+        except BaseException:
+            for fold in folds:
+                fold.close()
+            raise
+        first = folds[0]
+        self.manifest = manifest
+        self.fold_engines = folds
+        self._torch, self._dev, self._dtype, self._batch = (
+            first._torch,
+            first._dev,
+            first._dtype,
+            first._batch,
+        )
+        self.load_seconds = time.perf_counter() - started
+        infos = [fold.load_info for fold in folds]
+        self.load_info = {
+            "compiled": infos[0].get("compiled", ""),
+            "cache_hit": all(info.get("cache_hit", False) for info in infos),
+            "folds": infos,
+        }
+        if all(info.get("artefact") for info in infos):
+            self.load_info["artefact"] = ", ".join(str(info["artefact"]) for info in infos)
+        logger.info(
+            "torch engine ready for trained model %s: %d fold module(s) in %.1f s",
+            manifest.name,
+            len(folds),
+            self.load_seconds,
+        )
+
+    def _load_single(self, manifest: ModelManifest) -> None:
+        """:meth:`load` of one ONNX file (a version-1 model, or one fold)."""
         started = time.perf_counter()
         torch = self._torch = _import_torch()
         dev = torch.device(self.device)
@@ -416,6 +476,49 @@ class TorchEngine:
         """Public form of the predictor the sliding window calls (for benchmarks)."""
         return self._predict(patches)
 
+    def fold_predictors(self) -> list[PatchPredictor]:
+        """One predictor per fold file (:class:`engines.base.TrainedEngine`): float32
+        ``(N, 1, *patch)`` tensors on the device in, float32 scores on the device out (cast to
+        FP16 inside where the engine runs in half precision; a compiled or graphed module's
+        batch is split or padded to its static size)."""
+        if self.manifest is None:
+            raise EngineError("torch engine used before load()")
+        if not self.fold_engines:
+            return [self._predict]
+        return [fold._predict for fold in self.fold_engines]
+
+    def window_batch(self) -> int:
+        """Tiles per predictor call: the engine's batch (see :func:`default_batch`)."""
+        return self._batch
+
+    def to_device(self, hu: npt.NDArray[np.float32]) -> Any:
+        """The volume as a float32 tensor on the engine's device (one copy)."""
+        if self._torch is None:
+            raise EngineError("torch engine used before load()")
+        host = self._torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32))
+        return host.to(self._dev)
+
+    def to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
+        """The uint8 label map, copied back through page-locked memory on a GPU."""
+        return self._to_host(labels.to(self._torch.uint8))
+
+    @contextlib.contextmanager
+    def device_scope(self) -> Iterator[None]:
+        """``torch.inference_mode`` on the engine's device; out of GPU memory becomes an
+        :class:`EngineError`."""
+        torch = self._torch
+        if torch is None:
+            raise EngineError("torch engine used before load()")
+        try:
+            with torch.inference_mode():
+                if self._dev.type == "cuda":
+                    with torch.cuda.device(self._dev):
+                        yield
+                else:
+                    yield
+        except torch.cuda.OutOfMemoryError as exc:
+            raise EngineError(f"out of GPU memory running a trained model: {exc}") from exc
+
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Label map of a ``(z, y, x)`` HU volume, computed on the engine's device."""
         labels, _ = self._segment(hu, sums=False)
@@ -442,6 +545,11 @@ class TorchEngine:
 
         if self.manifest is None:
             raise EngineError("torch engine used before load()")
+        if self.manifest.is_trained:
+            raise EngineError(
+                f"model {self.manifest.name} is a trained (version-2) model: it runs with the "
+                "volume's geometry through engines.trained.segment_trained"
+            )
         if hu.ndim != 3:
             raise EngineError(f"expected a (z, y, x) volume, got shape {hu.shape}")
         torch, m = self._torch, self.manifest
@@ -523,7 +631,10 @@ class TorchEngine:
         return array
 
     def close(self) -> None:
-        """Drop the module, graphs and cached device memory."""
+        """Drop the module (every fold's), graphs and cached device memory."""
+        for fold in self.fold_engines:
+            fold.close()
+        self.fold_engines = []
         self._graphs = {}
         self._fn = self._module = None
         if self._torch is not None and self._dev is not None and self._dev.type == "cuda":

@@ -34,16 +34,17 @@ second one (own stream and buffers) can be created per worker thread if that eve
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import EngineError
+from engines.base import EngineError, PatchPredictor
 from engines.engine_cache import CachedEngine, EngineCache, EngineRecord, atomic_write
-from engines.sliding_window import output_channels
 from engines.trt_build import (
     PORTABLE,
     Flavour,
@@ -163,7 +164,7 @@ class TrtRunner:
             with self.device:
                 self.stream = cp.cuda.Stream(non_blocking=True)
                 self._inputs = cp.empty((2, batch_size, 1, *patch), dtype=input_dtype)
-                channels = output_channels(manifest.output_kind, manifest.num_classes)
+                channels = manifest.output_channels
                 self._outputs = cp.empty((2, batch_size, channels, *patch), dtype=output_dtype)
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise EngineError(f"out of GPU memory for the TensorRT bindings: {exc}") from exc
@@ -364,41 +365,132 @@ class TensorRTEngine:
         self.device = device
         self.batch_size = batch_size
         self.built: CachedEngine | None = None
+        #: Every fold file's engine (version 2), in ``manifest.model_files()`` order.
+        self.built_folds: list[CachedEngine] = []
+        self.manifest: ModelManifest | None = None
         self._runner: TrtRunner | None = None
+        self._runners: list[TrtRunner] = []
 
     def load(self, manifest: ModelManifest) -> None:
-        """Check the GPU, build or reuse the engine, and prepare an execution context."""
+        """Check the GPU, build or reuse the engine, and prepare an execution context.
+
+        A version-2 manifest gets one engine (own cache entry) and one execution context per
+        fold file, every part's folds for a composite (:attr:`built_folds`).
+        """
         gpu = gpu_info(self.device)
         lib = load_flavour(self.flavour)
         target = resolve_target(lib, self.target, self.device)
         check_runnable(lib, target, gpu)
-        self.built = build_engine(
-            manifest,
-            cache_dir=self.cache_dir,
-            precision=self.precision,
-            flavour=lib.name,
-            target=target,
-        )
+        units = manifest.model_files() if manifest.is_trained else (manifest,)
+        built = [
+            build_engine(
+                unit,
+                cache_dir=self.cache_dir,
+                precision=self.precision,
+                flavour=lib.name,
+                target=target,
+            )
+            for unit in units
+        ]
+        self.built = built[0]
+        self.built_folds = built
         self.close()
         cache = EngineCache(self.cache_dir)
-        rt_cache = cache.runtime_cache_path(self.built.key) if lib.is_rtx else None
-        self._runner = TrtRunner.from_plan(
-            lib.module,
-            self.built.path.read_bytes(),
-            manifest,
-            device=self.device,
-            batch_size=self.batch_size or max(1, manifest.batch_opt),
-            runtime_cache=rt_cache,
-        )
+        runners: list[TrtRunner] = []
+        try:
+            for unit, engine in zip(units, built, strict=True):
+                rt_cache = cache.runtime_cache_path(engine.key) if lib.is_rtx else None
+                runners.append(
+                    TrtRunner.from_plan(
+                        lib.module,
+                        engine.path.read_bytes(),
+                        unit,
+                        device=self.device,
+                        batch_size=self.batch_size or max(1, unit.batch_opt),
+                        runtime_cache=rt_cache,
+                    )
+                )
+        except BaseException:
+            for runner in runners:
+                runner.close()
+            raise
+        self._runner = runners[0]
+        self._runners = runners
+        self.manifest = manifest
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Label map of ``hu`` (``(z, y, x)`` HU), computed on the GPU."""
-        if self._runner is None:
+        if self._runner is None or self.manifest is None:
             raise EngineError("tensorrt engine used before load()")
+        if self.manifest.is_trained:
+            raise EngineError(
+                f"model {self.manifest.name} is a trained (version-2) model: it runs with the "
+                "volume's geometry through engines.trained.segment_trained"
+            )
         return self._runner.segment(hu)
 
+    def fold_predictors(self) -> list[PatchPredictor]:
+        """One predictor per fold file (:class:`engines.base.TrainedEngine`): CuPy patches
+        in, float32 CuPy scores out. Each fold runs on its runner's stream, ordered after the
+        caller's stream by events, and the caller's stream waits for its result."""
+        if not self._runners:
+            raise EngineError("tensorrt engine used before load()")
+        return [self._fold_predictor(runner) for runner in self._runners]
+
+    @staticmethod
+    def _fold_predictor(runner: TrtRunner) -> PatchPredictor:
+        cp = runner._cp
+
+        def predict(patches: Any) -> Any:
+            caller = cp.cuda.get_current_stream()
+            runner.stream.wait_event(caller.record())
+            with runner.stream:
+                out = runner.predict(patches)
+            caller.wait_event(runner.stream.record())
+            return out
+
+        return predict
+
+    def window_batch(self) -> int:
+        """Tiles per predictor call: the runners' batch (``batch.opt`` unless configured)."""
+        if self._runner is None:
+            raise EngineError("tensorrt engine used before load()")
+        return self._runner.batch_size
+
+    def to_device(self, hu: npt.NDArray[np.float32]) -> Any:
+        """The volume on the GPU (through the first runner's pinned buffers and stream)."""
+        if self._runner is None:
+            raise EngineError("tensorrt engine used before load()")
+        return self._runner.upload(hu)
+
+    def to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
+        """The uint8 label map from the GPU; the runtime caches are saved after the first."""
+        assert self._runner is not None
+        cp = self._runner._cp
+        stream = cp.cuda.get_current_stream()
+        result: npt.NDArray[np.uint8] = labels.astype(cp.uint8, copy=False).get(stream=stream)
+        stream.synchronize()
+        for runner in self._runners:
+            runner._save_runtime_cache()
+        return result
+
+    @contextlib.contextmanager
+    def device_scope(self) -> Iterator[None]:
+        """The engine's device and the first runner's stream; out of GPU memory becomes an
+        :class:`EngineError`."""
+        runner = self._runner
+        if runner is None:
+            raise EngineError("tensorrt engine used before load()")
+        cp = runner._cp
+        try:
+            with runner.device, runner.stream:
+                yield
+        except cp.cuda.memory.OutOfMemoryError as exc:
+            raise EngineError(f"out of GPU memory running a trained model: {exc}") from exc
+
     def close(self) -> None:
-        """Free the execution context, device buffers and stream."""
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
+        """Free the execution contexts, device buffers and streams."""
+        for runner in self._runners:
+            runner.close()
+        self._runners = []
+        self._runner = None

@@ -20,6 +20,11 @@ An engine that can sum the HU per label where its label map is (:class:`engines.
 the torch backend on a GPU) hands those sums over, and the SR's statistics are derived from them
 (:func:`node.statistics.statistics_from_sums`) instead of reading the label map and the volume
 again on the CPU. One INFO line per job splits the work after inference into its parts.
+
+A version-2 (trained) model runs through :func:`engines.trained.segment_trained` with the
+volume's geometry (reorientation, resampling to the model's spacing, nnU-Net's window over
+every fold, the labels back on the source grid); a series it does not accept (gantry tilt, an
+oblique series) fails its job with the reason.
 """
 
 from __future__ import annotations
@@ -264,13 +269,13 @@ class Worker:
         if self.prepare_mode == "before":
             seg_plan, sr_plan = self._prepare(volume, manifest, uids, created)
             clock.lap("prepare")
-            labels, sums = _segment(engine, volume)
+            labels, sums = _segment(engine, manifest, volume)
             clock.lap("inference")
         else:
             with _switch_interval(PREPARE_SWITCH_INTERVAL_S):
                 plans = self._helper.submit(self._timed_prepare, volume, manifest, uids, created)
                 try:
-                    labels, sums = _segment(engine, volume)
+                    labels, sums = _segment(engine, manifest, volume)
                 finally:
                     clock.lap("inference")
                 (seg_plan, sr_plan), prepared = plans.result()  # its errors fail the job
@@ -476,8 +481,22 @@ def _switch_interval(seconds: float) -> Iterator[None]:
         sys.setswitchinterval(saved)
 
 
-def _segment(engine: Engine, volume: Volume) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
-    """The engine's label map, and its per-label HU sums when the engine computes them."""
+def _segment(
+    engine: Engine, manifest: ModelManifest, volume: Volume
+) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
+    """The engine's label map, and its per-label HU sums when the engine computes them.
+
+    A version-2 (trained) model runs through :func:`engines.trained.segment_trained` with the
+    volume's geometry (no sums: the SR's statistics are then computed from the label map); a
+    series the model cannot take (gantry tilt, oblique) raises
+    :class:`engines.preprocess.GeometryError`, an :class:`EngineError`: the job fails with
+    that reason.
+    """
+    if manifest.is_trained:
+        from engines.preprocess.orientation import Geometry
+        from engines.trained import segment_trained
+
+        return segment_trained(engine, manifest, volume.hu, Geometry.from_volume(volume)), None
     if isinstance(engine, SumsEngine):
         return engine.segment_with_sums(volume.hu)
     return engine.segment(volume.hu), None

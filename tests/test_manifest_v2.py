@@ -299,12 +299,12 @@ def test_not_an_object(tmp_path: Path) -> None:
         load_manifest(path)
 
 
-def test_node_and_engine_build_refuse_a_v2_model_until_its_contract_runs(
+def test_node_and_engine_build_refuse_a_v2_model_whose_network_returns_labels(
     tmp_path: Path,
 ) -> None:
-    """A version 2 manifest validates, but the engines would ignore its contract: the node
-    refuses to start with it and ``segnode engine build`` refuses to build it, each saying
-    why (exit status 1, no traceback)."""
+    """Version 2 runs (engines.trained), but nnU-Net's window blends scores: a version-2
+    model with ``"output_kind": "labels"`` is refused by the node at start and by ``segnode
+    engine build``, each saying why (exit status 1, no traceback)."""
     import subprocess
     import sys
 
@@ -313,8 +313,9 @@ def test_node_and_engine_build_refuse_a_v2_model_until_its_contract_runs(
     from tests.conftest import ROOT, free_port
 
     check_runnable(load_manifest(default_manifest_path()))  # version 1 runs
-    manifest = _write(tmp_path, VALID)
-    with pytest.raises(ManifestError, match="manifest version 2 .* not run by this release"):
+    check_runnable(load_manifest(_write(tmp_path, VALID)))  # and version 2
+    manifest = _write(tmp_path, {**VALID, "output_kind": "labels"})
+    with pytest.raises(ManifestError, match="output_kind 'labels' cannot run as a version-2"):
         check_runnable(load_manifest(manifest))
     config = write_config(
         tmp_path / "config.toml", tmp_path / "data", free_port(), model={"manifest": str(manifest)}
@@ -328,4 +329,4 @@ def test_node_and_engine_build_refuse_a_v2_model_until_its_contract_runs(
             timeout=120,
         )
         assert done.returncode == 1, (command, done.stderr)
-        assert "not run by this release yet" in done.stderr and "Traceback" not in done.stderr
+        assert "output_kind 'labels' cannot run" in done.stderr and "Traceback" not in done.stderr
