@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
             if isinstance(action, argparse._SubParsersAction):
                 for child in action.choices.values():
                     _common(child)
+
+    from engines.importers.cli import add_model_parser
+
+    add_model_parser(sub)
     return parser
 
 
@@ -410,6 +414,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.command in COMMANDS:
             return COMMANDS[args.command](args)
+        if args.command == "model":
+            from engines.importers.cli import run_model_command
+
+            return run_model_command(args)
         from engines.engine_cli import run_engine_command
 
         cfg = _config(args)

@@ -1,0 +1,136 @@
+"""``segnode model import nnunet|totalsegmentator``: the command line of the importers.
+
+The node's CLI registers the sub-commands with :func:`add_model_parser` and dispatches to
+:func:`run_model_command`::
+
+    segnode model import nnunet FOLDER --name NAME [--folds 0 1 2 3 4]
+            [--checkpoint final|best] [--configuration 3d_fullres]
+            [--labels FILE|totalsegmentator] [--allow-generic]
+            [--orientation CODE|source] [--model-version 1.0.0] [--out DIR]
+    segnode model import totalsegmentator WEIGHTS_DIR [--task total] [--name total]
+            [--labels FILE|totalsegmentator] [--allow-generic] [--model-version 1.0.0]
+            [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from engines.base import EngineError
+
+
+def add_model_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``model import nnunet`` and ``model import totalsegmentator``.
+
+    Returns the ``model`` parser; the chosen action is in ``args.model_command`` and
+    ``args.import_kind``.
+    """
+    model = subparsers.add_parser("model", help="import trained models (nnU-Net, TotalSegmentator)")
+    actions = model.add_subparsers(dest="model_command", required=True)
+    imp = actions.add_parser("import", help="import a trained model as ONNX + manifest")
+    kinds = imp.add_subparsers(dest="import_kind", required=True)
+
+    nn = kinds.add_parser("nnunet", help="an nnU-Net v2 trained-model folder")
+    nn.add_argument("folder", type=Path, help="<results>/DatasetXXX_Name/<Trainer>__<Plans>__<cfg>")
+    nn.add_argument("--name", required=True, help="model name (manifest NAME.json)")
+    nn.add_argument("--folds", nargs="+", default=["0", "1", "2", "3", "4"], metavar="FOLD")
+    nn.add_argument("--checkpoint", choices=("final", "best"), default="final")
+    nn.add_argument(
+        "--configuration", default=None, help="default: from the folder name, else 3d_fullres"
+    )
+    nn.add_argument(
+        "--orientation",
+        default=None,
+        help="orientation code of the training arrays (e.g. SPL, SAL, SAR) or 'source'; "
+        "default SAR for readers that reorient to RAS, else SPL (docs/import.md)",
+    )
+    _shared(nn)
+
+    ts = kinds.add_parser("totalsegmentator", help="TotalSegmentator's weights (composite)")
+    ts.add_argument(
+        "weights_dir",
+        type=Path,
+        help="folder with Dataset291_... (~/.totalsegmentator/nnunet/results)",
+    )
+    ts.add_argument("--task", default="total", choices=("total",))
+    ts.add_argument("--name", default="total", help="model name (manifest NAME.json)")
+    _shared(ts)
+    return model  # type: ignore[no-any-return]
+
+
+def _shared(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--labels",
+        default=None,
+        metavar="FILE|totalsegmentator",
+        help="SNOMED CT mapping CSV (TotalSegmentator's format), or 'totalsegmentator' for "
+        "the one in the installed package; without it every label gets a generic code",
+    )
+    p.add_argument(
+        "--allow-generic",
+        action="store_true",
+        help="labels the CSV does not name get the generic code instead of an error",
+    )
+    p.add_argument("--model-version", default="1.0.0", help="the manifest's version")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: ./NAME)")
+
+
+def run_model_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run ``segnode model import ...``; returns the exit status (1 with a message on error)."""
+    stream = out or sys.stdout
+    from engines.importers.labels import load_label_csv
+
+    try:
+        codes = load_label_csv(args.labels) if args.labels else None
+        source = args.labels or "labels CSV"
+        target = args.out or Path(args.name)
+        if args.import_kind == "nnunet":
+            from engines.importers.nnunet import import_nnunet
+            from engines.importers.nnunet_plans import parse_fold
+
+            report = import_nnunet(
+                args.folder,
+                target,
+                args.name,
+                folds=[parse_fold(f) for f in args.folds],
+                checkpoint=args.checkpoint,
+                configuration=args.configuration,
+                codes=codes,
+                codes_source=source,
+                allow_generic=args.allow_generic,
+                orientation=args.orientation,
+                version=args.model_version,
+            )
+            for line in report.lines():
+                print(line, file=stream)
+            return 0
+        from engines.importers.totalsegmentator import import_totalsegmentator
+
+        reports, composite, path, notes = import_totalsegmentator(
+            args.weights_dir,
+            target,
+            args.name,
+            task=args.task,
+            codes=codes,
+            codes_source=source,
+            allow_generic=args.allow_generic,
+            version=args.model_version,
+        )
+        for report in reports:
+            for line in report.lines():
+                print(line, file=stream)
+        print(
+            f"composite {composite['name']} {composite['version']}: "
+            f"{len(composite['labels'])} labels from {len(composite['parts'])} parts",
+            file=stream,
+        )
+        for note in notes:
+            print(f"  {note}", file=stream)
+        print(f"wrote {path}", file=stream)
+        return 0
+    except EngineError as exc:
+        print(f"segnode: model import: {exc}", file=sys.stderr)
+        return 1
