@@ -9,6 +9,11 @@ patches through the session with a single intra-op thread, and the sliding windo
 one batch per thread at a time. A small, memory-bound graph such as the default "tissue"
 model then keeps each core on its own patch, in its own cache, with no hand-over between
 threads at every operator (see docs/performance.md).
+
+A version-2 (trained) manifest loads one session per fold file
+(:meth:`~engines.manifest.ModelManifest.model_files`); :meth:`OrtEngine.fold_predictors`
+hands them to :func:`engines.trained.segment_trained` (NumPy in and out, patches split into
+runs of the session's batch shared out over the same patch threads).
 """
 
 from __future__ import annotations

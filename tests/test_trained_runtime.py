@@ -545,3 +545,109 @@ def test_engine_build_builds_every_fold_with_its_own_key(
     records = list_engines(tmp_path / "engines")
     assert len(records) == 2 and all(r.valid for r in records)
     assert {r.key.model_sha256 for r in records} == {u.sha256() for u in manifest.model_files()}
+
+
+# ------------------------------------------------------------------------- worker and node
+
+
+def _reread(seg_path: Path, files: list[Path]) -> npt.NDArray[np.uint8]:
+    """The SEG's labels per source instance through highdicom, in label values."""
+    import highdicom as hd
+    from pydicom import dcmread
+
+    seg = hd.seg.segread(seg_path)
+    sources = sorted(
+        (dcmread(f, stop_before_pixels=True) for f in files),
+        key=lambda d: float(d.ImagePositionPatient[2]),
+    )
+    numbers = np.asarray(
+        seg.get_pixels_by_source_instance(
+            source_sop_instance_uids=[str(d.SOPInstanceUID) for d in sources],
+            combine_segments=True,
+            assert_missing_frames_are_empty=True,
+        )
+    )
+    lut = np.zeros(256, dtype=np.uint8)
+    for item in seg.SegmentSequence:  # segment number -> the label it was named after
+        lut[int(item.SegmentNumber)] = {"Soft tissue": 1, "Bone": 2}[str(item.SegmentLabel)]
+    return lut[numbers]
+
+
+def _direct(manifest: ModelManifest, files: list[Path]) -> npt.NDArray[np.uint8]:
+    from node.volume import assemble_volume
+
+    volume = assemble_volume(files)
+    engine = OrtEngine(threads=1)
+    engine.load(manifest)
+    return segment_trained(engine, manifest, volume.hu, Geometry.from_volume(volume))
+
+
+def test_worker_runs_a_trained_model_and_fails_a_tilted_series_with_the_reason(
+    tmp_path: Path, ort_engine: OrtEngine, manifest: ModelManifest
+) -> None:
+    """The worker on a real ledger and spool: a tilted series becomes a failed job saying
+    why; the next series is segmented on the source grid, its SEG and SR written."""
+    from pydicom import dcmread
+
+    from node.config import from_dict
+    from node.synthetic import write_synthetic_series
+    from node.worker import Worker, result_paths
+    from storage.ledger import Ledger
+    from storage.spool import Spool
+    from tests.test_worker import ingest
+
+    cfg = replace(from_dict({}), data_dir=tmp_path)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    spool = Spool(tmp_path / "spool")
+    worker = Worker(cfg, ledger, ort_engine, manifest)
+    t = math.radians(15.0)
+    tilted = write_synthetic_series(
+        tmp_path / "tilted",
+        rows=48,
+        columns=48,
+        slices=12,
+        seed=5,
+        orientation=[1.0, 0.0, 0.0, 0.0, math.cos(t), math.sin(t)],
+    )
+    straight = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=20, seed=6)
+    jobs = []
+    for files in (tilted, straight):
+        uid = ingest(ledger, spool, files)
+        jobs.append(ledger.create_job(uid, trigger="test", model="default", engine="onnxruntime"))
+    assert worker.run_once() and worker.run_once()
+    failed, done = (ledger.job(j) for j in jobs)  # type: ignore[arg-type]
+    assert failed is not None and failed.state == "failed"
+    assert "oblique series: an image axis is 15.0 degrees" in (failed.reason or "")
+    assert "gantry_tilt_allowed" in (failed.reason or "")
+    assert done is not None and done.state == "done", done.reason if done else None
+    seg_path, sr_path = sorted(result_paths(tmp_path, done.id))
+    want = _direct(manifest, straight)
+    assert set(np.unique(want).tolist()) == {0, 1, 2}
+    assert np.array_equal(_reread(seg_path, straight), want)
+    assert dcmread(sr_path).Modality == "SR"
+
+
+def test_node_segments_a_series_with_a_trained_model(
+    make_node: Any, manifest: ModelManifest, tmp_path: Path
+) -> None:
+    """``segnode serve`` with a version-2 model in ``[model]``: a series sent over DICOM
+    (pynetdicom) gives a SEG whose labels, read back by highdicom, are those computed
+    directly with segment_trained."""
+    from node.synthetic import write_synthetic_series
+    from node.worker import result_paths
+    from scripts.harness import send_files
+    from tests.conftest import wait_for
+
+    node = make_node(model={"manifest": str(manifest.fold_paths[0].parent / "bands.json")})
+    files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=20, seed=7)
+    sent = send_files(files, node.port)
+    assert sent.complete, sent
+
+    def finished() -> Any:
+        jobs = node.jobs()["jobs"]
+        return jobs if jobs and jobs[0]["state"] in ("done", "failed") else None
+
+    [job] = wait_for(finished, 90, "the trained model's job")
+    assert job["state"] == "done", job
+    seg_path, _ = sorted(result_paths(node.data_dir, int(job["id"])))
+    assert np.array_equal(_reread(seg_path, files), _direct(manifest, files))
