@@ -647,10 +647,10 @@ def test_cli_imports_and_reports(tmp_path, tiny_model):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("model tiny 1.0.0: 3 labels, 2 fold(s), patch [32, 32, 32]")
+    assert lines[0].startswith("model tiny 1.0.0: 3 labels, 2 folds, patch [32, 32, 32]")
     assert "orientation SPL (default for this reader" in lines[0]
     assert lines[1].startswith("  fold 0: ONNX Runtime vs torch on a random patch: max |diff|")
-    assert "1 label(s) got the generic code SCT 85756007 'Tissue': kidney_left" in done.stdout
+    assert "1 label got the generic code SCT 85756007 'Tissue': kidney_left" in done.stdout
     assert lines[-1] == f"wrote {out / 'tiny.json'}"
     assert load_manifest(out / "tiny.json").fold_paths[1].name == "fold_1.onnx"
 

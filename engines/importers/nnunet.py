@@ -55,8 +55,9 @@ class ImportReport:
         m = self.manifest
         geo = m["geometry"]
         out = [
-            f"model {m['name']} {m['version']}: {len(m['labels'])} labels, "
-            f"{len(m['folds'])} fold(s), patch {m['patch_size']}, spacing {geo['spacing']} mm, "
+            f"model {m['name']} {m['version']}: {_count(len(m['labels']), 'label')}, "
+            f"{_count(len(m['folds']), 'fold')}, patch {m['patch_size']}, "
+            f"spacing {geo['spacing']} mm, "
             f"orientation {geo['orientation']}{self.orientation_note}",
         ]
         for fold, diff, scale in self.checks:
@@ -66,11 +67,15 @@ class ImportReport:
             )
         if self.generic:
             out.append(
-                f"  {len(self.generic)} label(s) got the generic code SCT 85756007 'Tissue': "
-                + ", ".join(self.generic)
+                f"  {_count(len(self.generic), 'label')} got the generic code "
+                f"SCT 85756007 'Tissue': {', '.join(self.generic)}"
             )
         out.append(f"wrote {self.manifest_path}")
         return out
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def sha256(path: Path) -> str:
