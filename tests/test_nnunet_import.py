@@ -671,3 +671,95 @@ def test_cli_refuses_a_broken_plans_file(tmp_path):
         "nnunet", str(folder), "--name", "x", "--folds", "0", "--out", str(tmp_path / "o")
     )
     assert done.returncode == 1 and "plans.json: cannot read" in done.stderr
+
+
+def test_imported_model_runs_in_the_node_as_nnunet_runs_the_checkpoints(tmp_path):
+    """The imported folder through the node's runtime (ONNX Runtime engine, segment_trained)
+    against nnUNetPredictor running the two checkpoints' torch networks on the same array."""
+    torch = _needs_nnunet()
+    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
+    from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
+
+    from engines.importers.nnunet import import_nnunet
+    from engines.ort_backend import OrtEngine
+    from engines.preprocess.orientation import Geometry
+    from engines.trained import segment_trained
+
+    plans = plans_json(spacing=(1.2, 1.2, 2.0), transpose=(2, 0, 1))
+    dataset = dataset_json()
+    folder = write_folder(tmp_path / "results", plans, dataset)
+    nets = [network_for(plans, dataset, seed) for seed in (1, 2)]
+    for fold, net in enumerate(nets):
+        save_checkpoint(folder, fold, net, plans, dataset, mirror=(1, 2))
+    import_nnunet(folder, tmp_path / "m", "m", folds=[0, 1])
+
+    zz, yy, xx = np.mgrid[0:40, 0:56, 0:60]
+    body = (yy - 28) ** 2 / 400 + (xx - 30) ** 2 / 500 < 1
+    noise = np.random.default_rng(0).normal(0, 20, zz.shape)
+    hu = np.where(body, 60.0, -1000.0) + 300 * np.sin(zz / 5) * np.cos(xx / 7) + noise
+    hu = hu.astype(np.float32)
+    spacing = (1.6, 0.9, 0.9)  # head-first supine axial: the node's array is SPL
+    positions = [(0.0, 0.0, k * spacing[0]) for k in range(hu.shape[0])]
+    geo = Geometry.from_image_plane((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), positions, spacing[1:])
+
+    manager = PlansManager(plans)
+    predictor = nnUNetPredictor(
+        perform_everything_on_device=False, device=torch.device("cpu"), allow_tqdm=False
+    )
+    predictor.manual_initialization(
+        nets[0],
+        manager,
+        manager.get_configuration("3d_fullres"),
+        [net.state_dict() for net in nets],
+        dataset,
+        "nnUNetTrainer",
+        (1, 2),
+    )
+    want = predictor.predict_single_npy_array(hu[None], {"spacing": list(spacing)})
+
+    def run(orientation: str) -> Any:
+        path = tmp_path / "m" / "m.json"
+        raw = json.loads(path.read_text())
+        raw["geometry"]["orientation"] = orientation
+        path.write_text(json.dumps(raw))
+        manifest = load_manifest(path)
+        engine = OrtEngine(threads=2)
+        engine.load(manifest)
+        return segment_trained(engine, manifest, hu, geo)
+
+    got = run("SPL")
+    counts = np.bincount(want.ravel().astype(np.int64), minlength=4)
+    assert (counts[1:] > 5000).all(), counts  # three labels, each sizeable
+    # nnU-Net accumulates in float16, the node in float32: a few voxels on near-ties differ
+    assert (got == want).mean() > 0.995, (got == want).mean()
+    assert (run("SAL") == want).mean() < 0.95  # the wrong orientation shows
+
+
+def test_cli_imports_totalsegmentators_five_parts(tmp_path):
+    from engines.importers.totalsegmentator import TASKS
+
+    profile = TASKS["total"]
+    weights = tmp_path / "nnunet" / "results"
+    trainer = profile.trainer_folder.split("__")[0]
+    for i, (task_id, folder_name) in enumerate(profile.datasets):
+        plans = plans_json(spacing=(1.5, 1.5, 1.5), features=(2, 4, 8))
+        # part i has i + 1 labels; the last part repeats the first part's first name
+        labels = {"background": 0, **{f"s{task_id}_{k}": k + 1 for k in range(i + 1)}}
+        if i == 4:
+            labels = {"background": 0, "s291_0": 1, "rib": 2}
+        dataset = dataset_json(labels)
+        folder = write_folder(weights, plans, dataset, name=folder_name, trainer=trainer)
+        net = network_for(plans, dataset, task_id)
+        save_checkpoint(folder, 0, net, plans, dataset, mirror=None, trainer=trainer)
+    out = tmp_path / "total"
+    done = run_cli("totalsegmentator", str(tmp_path), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "composite total 1.0.0: 11 labels from 5 parts" in done.stdout
+    assert "total.json: loads: 11 labels from 5 parts" in done.stdout
+    composite = json.loads((out / "total.json").read_text())
+    assert [p["manifest"] for p in composite["parts"]] == [
+        f"part_{task_id}/model.json" for task_id, _ in profile.datasets
+    ]
+    assert composite["parts"][4]["labels"] == {"1": 1, "2": 11}  # s291_0 keeps its number
+    manifest = load_manifest(out / "total.json")
+    assert len(manifest.labels) == 11 and len(manifest.parts) == 5
