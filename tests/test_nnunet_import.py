@@ -763,3 +763,24 @@ def test_cli_imports_totalsegmentators_five_parts(tmp_path):
     assert composite["parts"][4]["labels"] == {"1": 1, "2": 11}  # s291_0 keeps its number
     manifest = load_manifest(out / "total.json")
     assert len(manifest.labels) == 11 and len(manifest.parts) == 5
+
+
+def test_a_failed_import_leaves_the_model_folder_as_it_was(tmp_path):
+    from engines.importers.nnunet import import_nnunet
+
+    plans = plans_json()
+    dataset = dataset_json()
+    folder = write_folder(tmp_path / "results", plans, dataset)
+    save_checkpoint(folder, 0, network_for(plans, dataset, 1), plans, dataset)
+    other = plans_json(features=(4, 8, 32))
+    save_checkpoint(folder, 1, network_for(other, dataset, 2), other, dataset)
+    out = tmp_path / "models" / "m"
+    import_nnunet(folder, out, "m", folds=[0])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    save_checkpoint(folder, 0, network_for(plans, dataset, 5), plans, dataset)  # retrained
+    with pytest.raises(ModelImportError, match="fold 1"):
+        import_nnunet(folder, out, "m", folds=[0, 1])  # the new fold 0 exports, fold 1 fails
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m"]  # no staging folder left
+    with pytest.raises(ModelImportError, match="--name: '../m'"):
+        import_nnunet(folder, out, "../m", folds=[0])

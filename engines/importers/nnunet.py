@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -30,12 +31,15 @@ from engines.base import EngineError
 from engines.importers import ModelImportError
 from engines.importers.labels import LabelCodes, label_entries
 from engines.importers.nnunet_plans import (
+    ModelFolder,
     default_orientation,
     manifest_dict,
     output_layout,
     read_model_folder,
     resolve_configuration,
 )
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 @dataclass
@@ -162,18 +166,16 @@ def import_nnunet(
     ModelImportError
         Anything that stops the import; the message names the file, fold or field.
     """
-    from engines.importers import export
-
+    if not _NAME.fullmatch(name):
+        raise ModelImportError(
+            f"--name: {name!r}: letters, digits, '.', '_' and '-' only (it names files)"
+        )
     source = read_model_folder(folder, list(folds), checkpoint, configuration)
-    config = resolve_configuration(source.plans, source.configuration)
     layout = output_layout(source.dataset, str(folder / "dataset.json"))
     labels, generic = label_entries(
         layout.names, codes, allow_generic=allow_generic, source=codes_source
     )
     chosen = orientation or default_orientation(source.plans, source.dataset)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    patch = tuple(int(v) for v in config["patch_size"])
-    in_channels = len(source.dataset.get("channel_names", source.dataset.get("modality", {})))
 
     # the manifest's pure checks first: a plan the contract cannot express fails before export
     onnx_names = [f"fold_{f}.onnx" for f, _ in source.checkpoints]
@@ -192,6 +194,52 @@ def import_nnunet(
         spacing=spacing,
     )
 
+    # everything is written to a staging folder beside OUT and moved in at the end, the
+    # manifest last: a failed import leaves OUT as it was
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.import-"))
+    try:
+        report = _export_all(
+            source, staging, out_dir, name, labels, generic, chosen, manifest_filename,
+            version=version, checkpoint=checkpoint, codes_source=codes_source if codes else None,
+            orientation_default=orientation is None, overlap=overlap, mirror=mirror,
+            resampling=resampling, spacing=spacing, profile=profile,
+        )  # fmt: skip
+        _publish(staging, out_dir, report.manifest_path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return report
+
+
+def _export_all(
+    source: ModelFolder,
+    staging: Path,
+    out_dir: Path,
+    name: str,
+    labels: list[dict[str, Any]],
+    generic: list[str],
+    chosen: str,
+    manifest_filename: str | None,
+    *,
+    version: str,
+    checkpoint: str,
+    codes_source: str | None,
+    orientation_default: bool,
+    overlap: float,
+    mirror: bool,
+    resampling: dict[str, Any] | None,
+    spacing: Sequence[float] | None,
+    profile: str | None,
+) -> ImportReport:
+    """Export every fold into ``staging`` and write the manifest, copies and ``import.json``
+    there; the report names the final paths in ``out_dir``."""
+    from engines.importers import export
+
+    folder = source.path
+    config = resolve_configuration(source.plans, source.configuration)
+    patch = tuple(int(v) for v in config["patch_size"])
+    in_channels = len(source.dataset.get("channel_names", source.dataset.get("modality", {})))
+    onnx_names = [f"fold_{f}.onnx" for f, _ in source.checkpoints]
     checks: list[tuple[str, float, float]] = []
     provenance: list[dict[str, Any]] = []
     mirror_axes: tuple[int, ...] | None = None
@@ -207,7 +255,7 @@ def import_nnunet(
             mirror_axes, trainer = ckpt.mirror_axes, ckpt.trainer_name
         network = export.build_network(source.plans, source.dataset, source.configuration)
         export.load_weights(network, ckpt)
-        onnx_path = out_dir / onnx_name
+        onnx_path = staging / onnx_name
         export.export_onnx(network, patch, in_channels, onnx_path)
         check = export.check_export(network, onnx_path, patch, in_channels, fold)
         checks.append((str(fold), check.max_abs_diff, check.max_abs_logit))
@@ -241,11 +289,11 @@ def import_nnunet(
         resampling=resampling,
         spacing=spacing,
     )
-    manifest_path = out_dir / (manifest_filename or f"{name}.json")
+    manifest_name = manifest_filename or f"{name}.json"
     for copied in ("plans.json", "dataset.json"):
-        shutil.copyfile(folder / copied, out_dir / copied)
+        shutil.copyfile(folder / copied, staging / copied)
     write_json(
-        out_dir / "import.json",
+        staging / "import.json",
         {
             "source": str(folder.resolve()),
             "importer": "segnode model import nnunet",
@@ -255,14 +303,22 @@ def import_nnunet(
             "trainer_name": trainer,
             "folds": provenance,
             "orientation": chosen,
-            "orientation_default": orientation is None,
-            "labels_csv": codes_source if codes is not None else None,
+            "orientation_default": orientation_default,
+            "labels_csv": codes_source,
             "generic_labels": generic,
             "versions": export.versions(),
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
         },
     )
-    write_json(manifest_path, manifest)
-    check_manifest(manifest_path)
-    note = "" if orientation is not None else " (default for this reader: docs/import.md)"
-    return ImportReport(out_dir, manifest_path, manifest, checks, generic, note)
+    write_json(staging / manifest_name, manifest)
+    check_manifest(staging / manifest_name)
+    note = " (default for this reader: docs/import.md)" if orientation_default else ""
+    return ImportReport(out_dir, out_dir / manifest_name, manifest, checks, generic, note)
+
+
+def _publish(staging: Path, out_dir: Path, manifest_name: str) -> None:
+    """Move the staged files into ``out_dir`` (created if need be), the manifest last."""
+    out_dir.mkdir(exist_ok=True)
+    names = sorted(p.name for p in staging.iterdir() if p.name != manifest_name)
+    for file_name in [*names, manifest_name]:
+        os.replace(staging / file_name, out_dir / file_name)
