@@ -98,9 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                 for child in action.choices.values():
                     _common(child)
 
-    from engines.importers.cli import add_model_parser
-
-    add_model_parser(sub)
+    try:
+        from engines.importers.cli import add_model_parser
+    except ImportError:
+        pass
+    else:
+        add_model_parser(sub)
     return parser
 
 
