@@ -784,3 +784,25 @@ def test_a_failed_import_leaves_the_model_folder_as_it_was(tmp_path):
     assert sorted(p.name for p in out.parent.iterdir()) == ["m"]  # no staging folder left
     with pytest.raises(ModelImportError, match="--name: '../m'"):
         import_nnunet(folder, out, "../m", folds=[0])
+
+
+def test_region_based_model_exports_one_channel_per_region(tmp_path):
+    import onnxruntime as ort
+
+    from engines.importers.nnunet import import_nnunet
+
+    plans = plans_json()
+    dataset = dataset_json(
+        {"background": 0, "whole": [1, 2, 3], "core": [2, 3], "enhancing": 3},
+        regions_class_order=[1, 2, 3],
+    )
+    folder = write_folder(tmp_path / "results", plans, dataset)
+    save_checkpoint(folder, 0, network_for(plans, dataset, 4), plans, dataset)
+    import_nnunet(folder, tmp_path / "r", "r", folds=[0])
+    manifest = load_manifest(tmp_path / "r" / "r.json")
+    contract = manifest.model_contract()
+    assert contract.regions == ((1, 2, 3), (2, 3), (3,))
+    assert contract.regions_class_order == (1, 2, 3) and manifest.output_channels == 3
+    session = ort.InferenceSession(str(tmp_path / "r" / "fold_0.onnx"))
+    out = session.run(None, {"input": np.zeros((1, 1, 32, 32, 32), np.float32)})[0]
+    assert out.shape == (1, 3, 32, 32, 32)
