@@ -651,3 +651,34 @@ def test_node_segments_a_series_with_a_trained_model(
     assert job["state"] == "done", job
     seg_path, _ = sorted(result_paths(node.data_dir, int(job["id"])))
     assert np.array_equal(_reread(seg_path, files), _direct(manifest, files))
+
+
+def test_torch_cache_keeps_one_artefact_per_fold(manifest: ModelManifest, tmp_path: Path) -> None:
+    """The torch engine's compiled-artefact keys of the folds differ (fold file SHA-256 and
+    name), and storing one fold's artefact does not prune the other's as superseded."""
+    from engines.torch_cache import RuntimeFacts, TorchCache, load_or_build
+    from engines.torch_compile import torch_key
+
+    facts = RuntimeFacts("2.11.0+cu130", "13.0", "3.6.0", "1.5.15", "NVIDIA H200", "sm90")
+    cache = TorchCache(tmp_path)
+    keys = [
+        torch_key(
+            unit,
+            facts,
+            kind="inductor",
+            precision="fp16",
+            batch=2,
+            channels_last=True,
+            compile_mode="default",
+        )
+        for unit in manifest.model_files()
+    ]
+    assert len({k.digest() for k in keys}) == 2 and keys[0].model_name != keys[1].model_name
+    for round_ in ("build", "hit"):
+        for i, key in enumerate(keys):
+            loaded = load_or_build(
+                cache, key, lambda _tmp, i=i: f"fold {i}".encode(), lambda p: p.read_bytes()
+            )
+            assert loaded.value == f"fold {i}".encode() and loaded.hit == (round_ == "hit")
+            cache.prune_superseded(key)
+    assert len(cache.entries()) == 2
