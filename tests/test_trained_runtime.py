@@ -569,7 +569,8 @@ def _reread(seg_path: Path, files: list[Path]) -> npt.NDArray[np.uint8]:
     )
     lut = np.zeros(256, dtype=np.uint8)
     for item in seg.SegmentSequence:  # segment number -> the label it was named after
-        lut[int(item.SegmentNumber)] = {"Soft tissue": 1, "Bone": 2}[str(item.SegmentLabel)]
+        value = {"Soft tissue": 1, "Bone": 2, "Body": 3}[str(item.SegmentLabel)]
+        lut[int(item.SegmentNumber)] = value
     return lut[numbers]
 
 
@@ -682,3 +683,35 @@ def test_torch_cache_keeps_one_artefact_per_fold(manifest: ModelManifest, tmp_pa
             assert loaded.value == f"fold {i}".encode() and loaded.hit == (round_ == "hit")
             cache.prune_superseded(key)
     assert len(cache.entries()) == 2
+
+
+def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> None:
+    """A composite's job: the SEG holds the merged labels (segments named after the
+    composite's labels), equal to segment_trained's merge."""
+    from node.config import from_dict
+    from node.synthetic import write_synthetic_series
+    from node.worker import Worker, result_paths
+    from storage.ledger import Ledger
+    from storage.spool import Spool
+    from tests.test_worker import ingest
+
+    parts = [
+        {"manifest": "part_b/part_b.json", "labels": {"1": 3}},
+        {"manifest": "part_a/part_a.json", "labels": {"2": 2}},
+    ]
+    composite = load_manifest(write_composite(composite_dir, parts))
+    engine = OrtEngine(threads=2)
+    engine.load(composite)
+    cfg = replace(from_dict({}), data_dir=tmp_path)
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    worker = Worker(cfg, ledger, engine, composite)
+    files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=20, seed=8)
+    uid = ingest(ledger, Spool(tmp_path / "spool"), files)
+    job = ledger.create_job(uid, trigger="test", model="default", engine="onnxruntime")
+    assert job is not None and worker.run_once()
+    view = ledger.job(job)
+    assert view is not None and view.state == "done", view.reason if view else None
+    seg_path, _ = sorted(result_paths(tmp_path, job))
+    want = _direct(composite, files)
+    assert set(np.unique(want).tolist()) == {0, 2, 3}  # bone over body; soft tissue dropped
+    assert np.array_equal(_reread(seg_path, files), want)
