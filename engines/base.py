@@ -47,7 +47,11 @@ class Engine(Protocol):
         """Prepare the model for inference (session, engine build or cache hit)."""
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
-        """Return the label map (uint8, same shape as ``hu``) for a ``(z, y, x)`` HU volume."""
+        """Return the label map (uint8, same shape as ``hu``) for a ``(z, y, x)`` HU volume.
+
+        Version-1 models only: a backend loaded with a version-2 manifest raises
+        :class:`EngineError` here (use :func:`engines.trained.segment_trained`).
+        """
 
     def close(self) -> None:
         """Release sessions, device memory and streams."""
