@@ -477,6 +477,7 @@ def csv_file(tmp_path: Path, names: list[str]) -> Path:
 
 
 def test_import_exports_each_fold_as_the_torch_network(tmp_path, tiny_model):
+    _needs_nnunet()
     import onnxruntime as ort
 
     from engines.importers.nnunet import import_nnunet
@@ -787,6 +788,7 @@ def test_a_failed_import_leaves_the_model_folder_as_it_was(tmp_path):
 
 
 def test_region_based_model_exports_one_channel_per_region(tmp_path):
+    _needs_nnunet()
     import onnxruntime as ort
 
     from engines.importers.nnunet import import_nnunet
