@@ -157,6 +157,7 @@ def synthetic_datasets(
     modality: str = "CT",
     series_number: int = 1,
     images_in_acquisition: bool = False,
+    hu: npt.NDArray[np.int16] | None = None,
 ) -> list[Dataset]:
     """Build the phantom as single-frame CT Image Storage datasets (uncompressed, in memory).
 
@@ -180,6 +181,8 @@ def synthetic_datasets(
     images_in_acquisition
         Write Images in Acquisition (0020,1002) = ``slices`` (the count hint that lets the
         node complete the series geometrically).
+    hu
+        ``(slices, rows, columns)`` HU values to store instead of the phantom (-1024..3071).
 
     Returns
     -------
@@ -189,7 +192,10 @@ def synthetic_datasets(
     study_uid = study_uid or _uid(seed, "study")
     series_uid = series_uid or _uid(seed, "series", series_number)
     frame_of_reference_uid = frame_of_reference_uid or _uid(seed, "for")
-    hu = phantom_hu(rows, columns, slices, seed=seed)
+    if hu is None:
+        hu = phantom_hu(rows, columns, slices, seed=seed)
+    elif hu.shape != (slices, rows, columns):
+        raise ValueError(f"hu has shape {hu.shape}, expected {(slices, rows, columns)}")
     stored = (hu.astype(np.int32) - RESCALE_INTERCEPT).astype(np.uint16)
     positions, normal = _positions(
         orientation, rows, columns, slices, pixel_spacing, slice_spacing, origin
@@ -345,6 +351,7 @@ def write_synthetic_series(
     origin: Sequence[float] | None = None,
     frame_of_reference_uid: str | None = None,
     images_in_acquisition: bool = False,
+    hu: npt.NDArray[np.int16] | None = None,
 ) -> list[Path]:
     """Write the phantom as a CT Image Storage series, one file per slice.
 
@@ -379,6 +386,7 @@ def write_synthetic_series(
         patient_id=patient_id,
         modality=modality,
         images_in_acquisition=images_in_acquisition,
+        hu=hu,
     )
     for k, ds in enumerate(datasets, start=1):
         encode(ds, transfer_syntax)
