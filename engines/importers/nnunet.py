@@ -92,9 +92,16 @@ def sha256(path: Path) -> str:
 
 
 def write_json(path: Path, value: Any) -> None:
-    """Write ``value`` as indented JSON, atomically (temporary file, fsync, rename)."""
+    """Write ``value`` as indented JSON, atomically (temporary file, fsync, rename).
+
+    The file is readable by all (0644 less the umask), like the ONNX files beside it, so that a
+    node running as its own service user can read a model imported by an administrator.
+    """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o644 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(value, f, indent=2)
             f.write("\n")
