@@ -6,7 +6,9 @@ preprocessor and trainer on the patient-space phantom (:mod:`scripts.nnunet_phan
 the oracle series: 0.7 x 0.7 x 1.25 mm head-first and feet-first, 0.8 x 0.8 x 5 mm, 1.5 mm
 isotropic and a coronal acquisition. Its segmentations are the golden file
 ``tests/data/nnunet_trained_golden.npz``; ``segnode model import nnunet`` turned the trained
-folder into ``tests/data/nnunet_phantom/`` (two ONNX folds and a version-2 manifest).
+folder into ``tests/data/nnunet_phantom/`` (two ONNX folds and a version-2 manifest; the
+folds' weights are stored as float16 and computed in float32, ``scripts/onnx_fp16_storage.py``,
+to keep each file under 2 MB).
 
 Here segnode reads the same series as DICOM (the node's own volume assembly from the
 headers), runs the imported model on ONNX Runtime, and must agree with ``nnUNetPredictor``
