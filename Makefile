@@ -50,9 +50,14 @@ bench: venv tools
 	$(BIN)/python -m bench.ingest --out bench/out
 
 # GPU benchmark (H200 or any CUDA GPU with torch, CuPy, onnx2torch): U-Net patch throughput
-# and full-volume latency per backend, ratios to PyTorch eager FP32 measured in the same run.
+# and full-volume latency per backend, ratios to PyTorch eager FP32 measured in the same run;
+# then an imported nnU-Net model against nnUNetPredictor (needs nnunetv2 and SimpleITK; the
+# trained model from scripts.make_nnunet_trained, NNUNET_MODEL=...tar.gz, or trained first):
+# the GPU oracle and the speed-up, bench/out/nnunet_gpu.{json,md}.
+NNUNET_MODEL ?=
 bench-gpu: venv
 	$(BIN)/python -m bench.gpu_bench --out bench/out
+	$(BIN)/python -m bench.nnunet_gpu --out bench/out $(if $(NNUNET_MODEL),--model $(NNUNET_MODEL))
 
 # GPU end to end (CUDA GPU with torch and onnx2torch; no DCMTK or Orthanc needed): segnode serve
 # with the torch engine (compiled and cached), a pynetdicom SCU and results SCP on loopback;

@@ -49,7 +49,8 @@ replaced by ``"folds"`` (one ONNX file per fold; their logits are averaged)::
                       "percentile_00_5": -1000.0, "percentile_99_5": 1500.0}
       },
       "resampling": {"data_order": 3, "logits_order": 1, "order_z": 0,
-                     "anisotropy_threshold": 3.0, "force_separate_z": null},
+                     "anisotropy_threshold": 3.0, "force_separate_z": null,
+                     "scheme": "nnunet"},      # or "totalsegmentator"
       "labels": [...],                    # as version 1
       "regions": [[1, 2], [2]], "regions_class_order": [1, 2]   # optional: sigmoid outputs
     }
@@ -100,13 +101,24 @@ class ManifestError(EngineError):
 
 @dataclass(frozen=True)
 class LabelSpec:
-    """One output class of a model, with its SNOMED CT codes."""
+    """One output class of a model, with its SNOMED CT codes.
+
+    ``modifier`` qualifies ``type`` (laterality: left, right); ``anatomic_region`` and its
+    ``anatomic_region_modifier`` say where the structure lies, for types that do not.
+    """
 
     value: int
     name: str
     category: Code
     type: Code
     color: tuple[int, int, int] = (255, 0, 0)
+    modifier: Code | None = None
+    anatomic_region: Code | None = None
+    anatomic_region_modifier: Code | None = None
+
+
+RESAMPLING_SCHEMES = ("nnunet", "totalsegmentator")
+"""Values of ``resampling.scheme`` (:attr:`ModelContract.scheme`)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +150,13 @@ class ModelContract:
     anisotropy_threshold, force_separate_z
         When to resample the low-resolution axis separately (nnU-Net's ``ANISO_THRESHOLD``
         and ``force_separate_z``: ``None`` decides from the spacings).
+    scheme
+        ``"nnunet"``: nnU-Net's order of operations (crop, normalise, resample with
+        centre-aligned grids; the scores back to the source grid). ``"totalsegmentator"``:
+        TotalSegmentator's ``change_spacing`` first (the HU image resampled to ``spacing``
+        on corner-aligned grids with ``data_order``, truncated to integers), then crop and
+        normalise on that grid, and the label map back with nearest neighbours (corner
+        aligned); see :func:`engines.preprocess.pipeline.run_model`.
     sigma_scale
         Gaussian importance sigma as a fraction of the patch size.
     mirror_axes
@@ -159,6 +178,7 @@ class ModelContract:
     order_z: int = 0
     anisotropy_threshold: float = ANISO_THRESHOLD
     force_separate_z: bool | None = None
+    scheme: str = "nnunet"
     sigma_scale: float = 0.125
     mirror_axes: tuple[int, ...] = ()
     regions: tuple[tuple[int, ...], ...] | None = None
@@ -409,6 +429,10 @@ def load_manifest(path: str | Path) -> ModelManifest:
         raise ManifestError(f"{p}: invalid manifest: {exc!r}") from exc
 
 
+_OPTIONAL_CODES = ("modifier", "anatomic_region", "anatomic_region_modifier")
+"""Optional codes of a label entry (:class:`LabelSpec`)."""
+
+
 def _labels(raw: dict[str, Any], p: Path) -> tuple[LabelSpec, ...]:
     """The ``labels`` list, values 1..N in order (KeyError/TypeError/ValueError on a
     malformed entry: the caller names the file)."""
@@ -419,6 +443,11 @@ def _labels(raw: dict[str, Any], p: Path) -> tuple[LabelSpec, ...]:
             category=_code(item["category"], f"{p}: labels[{i}].category"),
             type=_code(item["type"], f"{p}: labels[{i}].type"),
             color=tuple(int(c) for c in item.get("color", (255, 0, 0))),  # type: ignore[arg-type]
+            **{
+                key: _code(item[key], f"{p}: labels[{i}].{key}")
+                for key in _OPTIONAL_CODES
+                if item.get(key) is not None
+            },
         )
         for i, item in enumerate(raw["labels"])
     )
@@ -514,6 +543,16 @@ def _contract(raw: dict[str, Any], p: Path, num_labels: int) -> ModelContract:
     force = res.get("force_separate_z")
     if force is not None and not isinstance(force, bool):
         raise ManifestError(f"{p}: resampling.force_separate_z: true, false or null")
+    scheme = res.get("scheme", "nnunet")
+    if scheme not in RESAMPLING_SCHEMES:
+        raise ManifestError(
+            f"{p}: resampling.scheme: one of {', '.join(RESAMPLING_SCHEMES)}, got {scheme!r}"
+        )
+    if scheme == "totalsegmentator" and res.get("data_order", 3) not in (0, 1):
+        raise ManifestError(
+            f"{p}: resampling.data_order: the totalsegmentator scheme resamples with order 0 "
+            f"or 1, got {res.get('data_order', 3)!r}"
+        )
 
     sigma = _number(raw.get("sigma_scale", 0.125), f"{p}: sigma_scale", positive=True)
     mirror = raw.get("mirror_axes", [])
@@ -546,6 +585,7 @@ def _contract(raw: dict[str, Any], p: Path, num_labels: int) -> ModelContract:
             positive=True,
         ),
         force_separate_z=force,
+        scheme=str(scheme),
         sigma_scale=sigma,
         mirror_axes=tuple(int(a) for a in mirror),
         regions=regions,

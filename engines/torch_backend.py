@@ -77,6 +77,37 @@ def _import_torch() -> Any:
     return torch
 
 
+def inline_initializer_identities(model: Any) -> Any:
+    """Replace ``Identity`` nodes fed by an initializer with a copy of that initializer.
+
+    ONNX exporters deduplicate equal weights (for example the all-zero biases of an untrained
+    or freshly initialised network) into one initializer read through ``Identity`` nodes;
+    onnx2torch expects a convolution's weight and bias to be initializers. Returns ``model``,
+    changed in place.
+    """
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    keep = []
+    for node in graph.node:
+        if (
+            node.op_type == "Identity"
+            and node.input[0] in inits
+            and node.output[0] not in outputs
+            and node.output[0] not in inits
+        ):
+            copy = graph.initializer.add()
+            copy.CopyFrom(inits[node.input[0]])
+            copy.name = node.output[0]
+            inits[copy.name] = copy
+        else:
+            keep.append(node)
+    if len(keep) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(keep)
+    return model
+
+
 def convert_onnx(path: Any) -> Any:
     """Convert the ONNX file at ``path`` to a ``torch.nn.Module`` (on the CPU, float32).
 
@@ -96,7 +127,7 @@ def convert_onnx(path: Any) -> Any:
         raise EngineError(
             f"the torch engine needs onnx2torch (pip install onnx2torch): {exc}"
         ) from exc
-    model = onnx.load(str(path))
+    model = inline_initializer_identities(onnx.load(str(path)))
     try:
         return convert(model)
     except NotImplementedError as first:

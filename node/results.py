@@ -36,6 +36,7 @@ import numpy.typing as npt
 import pydicom
 from highdicom.sr import (
     AlgorithmIdentification,
+    CodedConcept,
     Comprehensive3DSR,
     DeviceObserverIdentifyingAttributes,
     FindingSite,
@@ -54,7 +55,7 @@ from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
 from pydicom.uid import generate_uid
 
-from engines.manifest import ModelManifest
+from engines.manifest import LabelSpec, ModelManifest
 from node.errors import NoSegmentsError as NoSegmentsError
 from node.errors import ResultError as ResultError
 from node.statistics import SegmentStatistics as SegmentStatistics
@@ -104,6 +105,46 @@ def derived_uid(*parts: str) -> str:
 
 def _code(value: tuple[str, str, str]) -> Code:
     return Code(value[0], value[1], value[2])
+
+
+def _finding_site(spec: LabelSpec) -> FindingSite:
+    """TID 1411's finding site of an anatomical label: its type, with its laterality."""
+    laterality = _code(spec.modifier) if spec.modifier is not None else None
+    return FindingSite(_code(spec.type), laterality=laterality)
+
+
+def segment_description(
+    spec: LabelSpec,
+    number: int,
+    algorithm: hd.AlgorithmIdentificationSequence,
+    tracking_uid: str,
+) -> hd.seg.SegmentDescription:
+    """The Segment Sequence item of ``spec``: label, category, type with its modifier
+    (laterality, inside the type's code item, PS3.3 C.8.20.2), anatomic region with its
+    modifier, algorithm, tracking identifiers and colour."""
+    description = hd.seg.SegmentDescription(
+        segment_number=number,
+        segment_label=spec.name[:64],
+        segmented_property_category=_code(spec.category),
+        segmented_property_type=_code(spec.type),
+        algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
+        algorithm_identification=algorithm,
+        tracking_uid=tracking_uid,
+        tracking_id=spec.name[:64],
+        anatomic_regions=[_code(spec.anatomic_region)] if spec.anatomic_region else None,
+        display_color=hd.color.CIELabColor.from_rgb(*spec.color),
+    )
+    if spec.modifier is not None:
+        item = description.SegmentedPropertyTypeCodeSequence[0]
+        item.SegmentedPropertyTypeModifierCodeSequence = [
+            CodedConcept.from_code(_code(spec.modifier))
+        ]
+    if spec.anatomic_region is not None and spec.anatomic_region_modifier is not None:
+        region = description.AnatomicRegionSequence[0]
+        region.AnatomicRegionModifierSequence = [
+            CodedConcept.from_code(_code(spec.anatomic_region_modifier))
+        ]
+    return description
 
 
 def _source_headers(volume: Volume) -> list[Dataset]:
@@ -211,16 +252,8 @@ def build_seg(
     for value, number in numbers.items():
         spec = manifest.label(value)
         descriptions.append(
-            hd.seg.SegmentDescription(
-                segment_number=number,
-                segment_label=spec.name[:64],
-                segmented_property_category=_code(spec.category),
-                segmented_property_type=_code(spec.type),
-                algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
-                algorithm_identification=algorithm,
-                tracking_uid=derived_uid(uids.seg_sop_uid, "segment", str(number)),
-                tracking_id=spec.name[:64],
-                display_color=hd.color.CIELabColor.from_rgb(*spec.color),
+            segment_description(
+                spec, number, algorithm, derived_uid(uids.seg_sop_uid, "segment", str(number))
             )
         )
     positions = [
@@ -394,7 +427,7 @@ def measurement_report(
                 ),
                 finding_type=_code(spec.type),
                 finding_category=_code(spec.category),
-                finding_sites=[FindingSite(_code(spec.type))] if anatomical else None,
+                finding_sites=[_finding_site(spec)] if anatomical else None,
                 algorithm_id=algorithm,
                 measurements=[
                     Measurement(

@@ -39,8 +39,8 @@ from node.results import (
     SEGMENTATION_STORAGE,
     ResultError,
     ResultUIDs,
-    _code,
     derived_uid,
+    segment_description,
 )
 from node.volume import Volume
 
@@ -313,17 +313,7 @@ def _description(
     spec: LabelSpec, number: int, algorithm: hd.AlgorithmIdentificationSequence
 ) -> hd.seg.SegmentDescription:
     """The segment description :func:`node.results.build_seg` writes for ``spec``."""
-    return hd.seg.SegmentDescription(
-        segment_number=number,
-        segment_label=spec.name[:64],
-        segmented_property_category=_code(spec.category),
-        segmented_property_type=_code(spec.type),
-        algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
-        algorithm_identification=algorithm,
-        tracking_uid=derived_uid("placeholder"),
-        tracking_id=spec.name[:64],
-        display_color=hd.color.CIELabColor.from_rgb(*spec.color),
-    )
+    return segment_description(spec, number, algorithm, derived_uid("placeholder"))
 
 
 def segment_item_parts(

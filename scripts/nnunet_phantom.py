@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -200,4 +201,25 @@ def oracle_cases() -> tuple[OracleCase, ...]:
             Grid.covering((FOV[0], FOV[2], FOV[1]), 0.8, 1.5, CORONAL),
             anatomy,
         ),
+    )
+
+
+def write_dicom_case(case: OracleCase, folder: Path, seed: int) -> list[Path]:
+    """The case's phantom written as a CT series (one file per slice) with the case's geometry."""
+    from node.synthetic import write_synthetic_series  # noqa: PLC0415 - only this helper needs it
+
+    hu, _ = sample(case.grid, case.anatomy)
+    g = case.grid
+    assert g.orientation is not None
+    return write_synthetic_series(
+        folder,
+        rows=g.rows,
+        columns=g.columns,
+        slices=g.slices,
+        pixel_spacing=g.pixel,
+        slice_spacing=g.slice,
+        orientation=g.orientation,
+        origin=[float(v) for v in g.origin],
+        seed=seed,
+        hu=hu,
     )

@@ -29,7 +29,7 @@ from engines.manifest import ModelManifest, load_manifest
 from engines.ort_backend import OrtEngine
 from engines.preprocess.orientation import Geometry
 from engines.trained import segment_trained
-from scripts.nnunet_phantom import LABELS, OracleCase, oracle_cases, sample
+from scripts.nnunet_phantom import LABELS, oracle_cases, write_dicom_case
 
 DATA = Path(__file__).resolve().parent / "data"
 MODEL = DATA / "nnunet_phantom" / "phantom.json"
@@ -48,27 +48,6 @@ def dice(a: npt.NDArray[Any], b: npt.NDArray[Any], label: int) -> float:
     x, y = a == label, b == label
     total = int(x.sum()) + int(y.sum())
     return 1.0 if total == 0 else 2.0 * int((x & y).sum()) / total
-
-
-def write_case(case: OracleCase, folder: Path, seed: int) -> list[Path]:
-    """The case's phantom as a CT series with the case's geometry."""
-    from node.synthetic import write_synthetic_series
-
-    hu, _ = sample(case.grid, case.anatomy)
-    g = case.grid
-    assert g.orientation is not None
-    return write_synthetic_series(
-        folder,
-        rows=g.rows,
-        columns=g.columns,
-        slices=g.slices,
-        pixel_spacing=g.pixel,
-        slice_spacing=g.slice,
-        orientation=g.orientation,
-        origin=[float(v) for v in g.origin],
-        seed=seed,
-        hu=hu,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +90,7 @@ def test_segnode_agrees_with_nnunet_predictor(
     Runtime: Dice >= 0.99 with nnUNetPredictor for every label, on the series' own grid."""
     from node.volume import assemble_volume
 
-    files = write_case(CASES[name], tmp_path / name, seed=11)
+    files = write_dicom_case(CASES[name], tmp_path / name, seed=11)
     volume = assemble_volume(files)
     labels = segment_trained(engine, manifest, volume.hu, Geometry.from_volume(volume))
     want = golden[f"{name}__nnunet"]
@@ -135,7 +114,7 @@ def test_node_seg_agrees_with_nnunet_predictor(
     from tests.conftest import wait_for
 
     case = CASES["native_ffs"]
-    files = write_case(case, tmp_path / "in", seed=12)
+    files = write_dicom_case(case, tmp_path / "in", seed=12)
     node = make_node(model={"manifest": str(MODEL)})
     assert send_files(files, node.port).complete
 

@@ -375,3 +375,67 @@ def test_run_model_checks_predict(tmp_path: Path) -> None:
         run_model(hu, geometry, manifest, lambda image: np.stack([image, image]))
     with pytest.raises(ValueError, match="predict returned labels"):
         run_model(hu, geometry, manifest, lambda image: np.zeros((1, 1, 1), dtype=np.uint8))
+
+
+def test_resample_corners_is_scipy_zoom_without_grid_mode() -> None:
+    """``grid="corners"`` (the TotalSegmentator scheme) equals ``scipy.ndimage.zoom`` with
+    ``grid_mode=False, mode="nearest"``, which TotalSegmentator's ``change_spacing`` calls,
+    for orders 0 and 1, up and down, and differs from the centre-aligned grid."""
+    ndimage = pytest.importorskip("scipy.ndimage")
+    rng = np.random.default_rng(4)
+    for shape, target in (((20, 31, 17), (9, 40, 17)), ((5, 6, 7), (11, 3, 8))):
+        data = rng.standard_normal(shape) * 100
+        zoom = [t / s for t, s in zip(target, shape, strict=True)]
+        for order in (0, 1):
+            want = ndimage.zoom(data, zoom, order=order, mode="nearest", grid_mode=False)
+            got = resample(data[None], target, order=order, grid="corners")[0]
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
+        centred = resample(data[None], target, order=1)[0]
+        assert np.abs(centred - want).max() > 1.0
+    with pytest.raises(ValueError, match="orders 0 and 1"):
+        resample(np.zeros((1, 4, 4, 4)), (8, 8, 8), order=3, grid="corners")
+    with pytest.raises(ValueError, match="grid must be one of"):
+        resample(np.zeros((1, 4, 4, 4)), (8, 8, 8), order=1, grid="edges")
+
+
+def test_resampling_scheme_is_validated(tmp_path: Path) -> None:
+    """``resampling.scheme``: nnunet (default) or totalsegmentator, the latter with order 0 or
+    1 only; anything else is refused with the key named."""
+    from engines.manifest import ManifestError
+
+    assert _v2(tmp_path).model_contract().scheme == "nnunet"
+    ts = {"scheme": "totalsegmentator", "data_order": 1}
+    assert _v2(tmp_path, resampling=ts).model_contract().scheme == "totalsegmentator"
+    with pytest.raises(ManifestError, match="resampling.data_order"):
+        _v2(tmp_path, resampling={**ts, "data_order": 3})
+    with pytest.raises(ManifestError, match="resampling.scheme"):
+        _v2(tmp_path, resampling={"scheme": "scipy"})
+
+
+def test_run_model_totalsegmentator_scheme_is_scipy_change_spacing(tmp_path: Path) -> None:
+    """The totalsegmentator scheme is TotalSegmentator's pipeline written with SciPy: the HU
+    image zoomed (order 1, grid_mode=False) to the model's spacing and truncated, labelled
+    there, and the labels zoomed back with order 0, on the model's orientation."""
+    ndimage = pytest.importorskip("scipy.ndimage")
+    rng = np.random.default_rng(9)
+    hu = ndimage.gaussian_filter(rng.standard_normal((30, 41, 37)), 3) * 4000
+    hu = hu.astype(np.float32)
+    geometry = Geometry.from_image_plane(
+        (-1.0, 0.0, 0.0), (0.0, 1.0, 0.0), [(0.0, 0.0, 2.5 * k) for k in range(30)], (0.7, 0.9)
+    )
+    manifest = _v2(tmp_path, resampling={"scheme": "totalsegmentator", "data_order": 1})
+    got = run_model(hu, geometry, manifest, _threshold_logits)
+
+    reorient = plan_reorientation(geometry, "SAR")
+    image = reorient.to_model(hu, np)
+    spacing = reorient.spacing_to_model(geometry.spacing)
+    shape = tuple(round(n * s / t) for n, s, t in zip(image.shape, spacing, SPACING, strict=True))
+    zoomed = ndimage.zoom(image.astype(np.float64), [n / o for n, o in zip(shape, image.shape,
+                          strict=True)], order=1, mode="nearest", grid_mode=False)  # fmt: skip
+    labels = _expected(np.trunc(zoomed))
+    back = ndimage.zoom(labels, [o / n for o, n in zip(image.shape, shape, strict=True)],
+                        order=0, mode="nearest", grid_mode=False)  # fmt: skip
+    want = reorient.to_source(back, np)
+    assert got.shape == hu.shape
+    np.testing.assert_array_equal(got, want)
+    assert 0 < int((got == 2).sum()) < got.size

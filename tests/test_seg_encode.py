@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import shutil
 import struct
 import subprocess
 from collections.abc import Callable, Iterator
@@ -699,3 +700,80 @@ def test_full_size_encode_and_check_agree() -> None:
     check_encoded(plan, encoded, labels)
     present = [[np.any(s == v) for s in labels] for v in range(1, 6)]
     assert encoded.number_of_frames == int(np.count_nonzero(present))
+
+
+LEFT = ("7771000", "SCT", "Left")
+RIGHT = ("24028007", "SCT", "Right")
+KIDNEY = ("64033007", "SCT", "Kidney")
+ABDOMEN = ("818981001", "SCT", "Abdomen")
+
+
+def lateral_manifest() -> ModelManifest:
+    """Two kidneys told apart by their laterality (as TotalSegmentator's labels are), one
+    structure with an anatomic region."""
+    category = ("123037004", "SCT", "Anatomical Structure")
+    return dataclasses.replace(
+        MANIFEST,
+        labels=(
+            LabelSpec(1, "kidney_left", category, KIDNEY, (185, 102, 83), modifier=LEFT),
+            LabelSpec(2, "kidney_right", category, KIDNEY, (185, 102, 83), modifier=RIGHT),
+            LabelSpec(
+                3,
+                "fat",
+                MANIFEST.labels[1].category,
+                MANIFEST.labels[1].type,
+                anatomic_region=ABDOMEN,
+                anatomic_region_modifier=LEFT,
+            ),  # fmt: skip
+        ),
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_laterality_and_anatomic_region(tmp_path: Path, kind: str) -> None:
+    """A label's laterality goes into its type's code item
+    (SegmentedPropertyTypeModifierCodeSequence) and its anatomic region into the segment;
+    the fast bytes equal highdicom's, highdicom reads the codes back, and the SR's finding
+    site carries the laterality."""
+    manifest = lateral_manifest()
+    volume = small_volume()
+    labels = truth(volume)
+    labels[labels > 3] = 3
+    encoded = assert_equal_to_highdicom(volume, labels, kind, manifest)
+    seg = hd.seg.segread(io.BytesIO(encoded.data))
+    found = {}
+    for item in seg.SegmentSequence:
+        if int(item.SegmentNumber) == 0:
+            continue
+        type_item = item.SegmentedPropertyTypeCodeSequence[0]
+        modifier = type_item.get("SegmentedPropertyTypeModifierCodeSequence")
+        region = item.get("AnatomicRegionSequence")
+        found[str(item.SegmentLabel)] = (
+            str(type_item.CodeValue),
+            str(modifier[0].CodeMeaning) if modifier else None,
+            str(region[0].CodeValue) if region else None,
+            str(region[0].AnatomicRegionModifierSequence[0].CodeMeaning) if region else None,
+        )
+    assert found == {
+        "kidney_left": ("64033007", "Left", None, None),
+        "kidney_right": ("64033007", "Right", None, None),
+        "fat": (MANIFEST.labels[1].type[0], None, "818981001", "Left"),
+    }
+    if kind == "BINARY" and shutil.which("dciodvfy"):
+        errors, warnings = dciodvfy(encoded.data, tmp_path / "lateral.dcm")
+        assert errors == [] and warnings == []
+    sr = build_sr(volume, labels, manifest, pydicom.dcmread(io.BytesIO(encoded.data)), UIDS,
+                  software_version=VERSION)  # fmt: skip
+    report = hd.sr.srread(io.BytesIO(_bytes(sr))).content
+    lateralities = sorted(
+        str(site.laterality.meaning) if site.laterality else "-"
+        for group in report.get_volumetric_roi_measurement_groups()
+        for site in group.finding_sites
+    )
+    assert lateralities == ["Left", "Right"]  # fat is no anatomical structure: no site
+
+
+def _bytes(ds: Dataset) -> bytes:
+    out = io.BytesIO()
+    ds.save_as(out, enforce_file_format=True)
+    return out.getvalue()

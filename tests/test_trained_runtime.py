@@ -715,3 +715,41 @@ def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> N
     want = _direct(composite, files)
     assert set(np.unique(want).tolist()) == {0, 2, 3}  # bone over body; soft tissue dropped
     assert np.array_equal(_reread(seg_path, files), want)
+
+
+def test_identity_fed_weights_become_initializers() -> None:
+    """ONNX exporters read equal weights (all-zero biases of a freshly initialised network)
+    through ``Identity`` nodes; the torch backend turns those into initializers of their own
+    before onnx2torch, which wants a convolution's weight and bias as initializers. The model
+    computes the same."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from engines.torch_backend import inline_initializer_identities
+
+    rng = np.random.default_rng(2)
+    weight = numpy_helper.from_array(rng.standard_normal((2, 1, 3, 3, 3)).astype(np.float32), "w")
+    bias = numpy_helper.from_array(np.zeros(2, dtype=np.float32), "b0")
+    nodes = [
+        helper.make_node("Identity", ["b0"], ["b1"]),
+        helper.make_node("Identity", ["b1"], ["b2"]),
+        helper.make_node("Conv", ["x", "w", "b2"], ["y"], pads=[1] * 6),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 4, 4])],
+        [weight, bias],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    before = model.SerializeToString()
+    fixed = inline_initializer_identities(model)
+    onnx.checker.check_model(fixed)
+    assert [n.op_type for n in fixed.graph.node] == ["Conv"]
+    assert {"b1", "b2"} <= {t.name for t in fixed.graph.initializer}
+    x = rng.standard_normal((1, 1, 4, 4, 4)).astype(np.float32)
+    want = ort.InferenceSession(before).run(None, {"x": x})[0]
+    got = ort.InferenceSession(fixed.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)

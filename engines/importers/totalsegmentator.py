@@ -60,11 +60,13 @@ TASKS = {
 }
 
 PROFILE_RESAMPLING = {
-    # change_spacing(..., order=1): one 3-D pass at order 1, never a separate z pass
+    # change_spacing(..., order=1) before nnU-Net: scipy.ndimage.zoom (corner-aligned), one
+    # 3-D pass at order 1, the image truncated to int32; nnU-Net then runs at the spacing
+    # it was trained on; the label map goes back with change_spacing(order=0)
+    "scheme": "totalsegmentator",
     "data_order": 1,
     "order_z": 0,
     "force_separate_z": False,
-    # the label map goes back with order 0; nearest-neighbour logits give the same arg-max
     "logits_order": 0,
 }
 

@@ -16,6 +16,14 @@ source grid.
    reorientation.
 
 The result is a label map of the source volume's shape: the SEG stays on the source grid.
+
+With ``resampling.scheme = "totalsegmentator"`` the order is TotalSegmentator's instead
+(``nnunet.py``: ``change_spacing`` around nnU-Net): reorient; resample the HU image to the
+target spacing on corner-aligned grids (``scipy.ndimage.zoom``, ``grid_mode=False``) with
+``data_order`` and truncate it to integers (its ``dtype=np.int32``); crop, normalise and
+predict on that grid (nnU-Net's own resampling is then the identity); arg-max there, paste
+into the resampled shape, and take the label map back with nearest neighbours on the same
+corner-aligned grids; undo the transpose and the reorientation.
 """
 
 from __future__ import annotations
@@ -84,6 +92,9 @@ def run_model(
     image = xp.permute_dims(reorient.to_model(hu, xp), forward)
     spacing_model = reorient.spacing_to_model(geometry.spacing)
     spacing = tuple(spacing_model[i] for i in forward)
+    if contract.scheme == "totalsegmentator":
+        labels = _resample_first(image, spacing, manifest, contract, predict, precise, xp)
+        return reorient.to_source(xp.permute_dims(labels, contract.transpose_backward), xp)
     full_shape = tuple(int(n) for n in image.shape)
 
     box = (
@@ -119,6 +130,44 @@ def run_model(
     full[box] = labels
     full = xp.permute_dims(full, contract.transpose_backward)
     return reorient.to_source(full, xp)
+
+
+def _resample_first(
+    image: Any,
+    spacing: tuple[float, ...],
+    manifest: ModelManifest,
+    contract: ModelContract,
+    predict: Predict,
+    precise: bool,
+    xp: Any,
+) -> Any:
+    """The ``"totalsegmentator"`` scheme on the reoriented, transposed image: uint8 labels
+    of the image's shape (see the module docstring)."""
+    source_shape = tuple(int(n) for n in image.shape)
+    target = contract.spacing if contract.spacing is not None else spacing
+    model_shape = compute_new_shape(source_shape, spacing, target)
+    resampled = resample(
+        image[None, ...], model_shape, order=contract.data_order, precise=precise, grid="corners"
+    )[0, ...]
+    resampled = xp.astype(xp.trunc(resampled), xp.float32)  # change_spacing(dtype=np.int32)
+    box = (
+        nonzero_bbox(resampled)
+        if contract.crop_to_nonzero
+        else tuple(slice(0, n) for n in model_shape)
+    )
+    cropped = contract.normalization(resampled[box])
+    cropped_shape = tuple(int(n) for n in cropped.shape)
+    scores = predict(cropped)
+    # on the model grid: nnU-Net's export resampling is the identity there
+    labels = _labels_on_source(
+        scores, manifest, contract, cropped_shape, cropped_shape, target, target, precise, xp
+    )
+    full = xp.zeros(model_shape, dtype=xp.uint8, device=array_device(image))
+    full[box] = labels
+    back = resample(xp.astype(full, xp.float32)[None, ...], source_shape, order=0, grid="corners")[
+        0, ...
+    ]
+    return xp.astype(back, xp.uint8)
 
 
 def _labels_on_source(

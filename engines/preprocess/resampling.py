@@ -24,6 +24,11 @@ array API so that one code path runs on NumPy (CPU) and on torch or CuPy (GPU):
 * order 1 is linear and order 0 the nearest voxel (``floor(c + 0.5)``) at the same
   coordinates, indices clamped to the edge (SciPy's ``"nearest"`` mode).
 
+``grid="corners"`` evaluates at ``o * (n_in - 1) / (n_out - 1)`` instead: the first and last
+voxel centres stay in place, as ``scipy.ndimage.zoom(grid_mode=False, mode="nearest")``, which
+TotalSegmentator's ``change_spacing`` calls (orders 0 and 1; no clipping, which linear and
+nearest interpolation never need).
+
 Coordinates and weights are computed on the host in float64 (small 1-D tables) and moved to
 the array's device; the volume arithmetic runs in float64 unless ``precise=False``.
 """
@@ -43,6 +48,10 @@ ANISO_THRESHOLD = 3.0
 
 ORDERS = (0, 1, 3)
 """Interpolation orders this module implements."""
+
+GRIDS = ("centers", "corners")
+"""Coordinate conventions: scikit-image / nnU-Net (``"centers"``) and ``scipy.ndimage.zoom``
+with ``grid_mode=False`` (``"corners"``, TotalSegmentator)."""
 
 _PAD = 12  # SciPy pads by 12 edge voxels before an order > 1 spline prefilter
 _POLE = math.sqrt(3.0) - 2.0  # the cubic B-spline's prefilter pole
@@ -103,6 +112,7 @@ def resample(
     separate_axis: int | None = None,
     order_z: int = 0,
     precise: bool = True,
+    grid: str = "centers",
 ) -> Any:
     """Resample a ``(C, z, y, x)`` array to ``(C, *new_shape)``, as nnU-Net's
     ``resample_data_or_seg`` with ``is_seg=False``.
@@ -123,6 +133,9 @@ def resample(
     precise
         Compute in float64 (as nnU-Net does); ``False`` keeps float32 (faster on a GPU,
         differences about 1e-6 relative).
+    grid
+        ``"centers"`` (nnU-Net) or ``"corners"`` (TotalSegmentator; orders 0 and 1, one 3-D
+        pass): see the module docstring.
 
     Returns
     -------
@@ -137,6 +150,10 @@ def resample(
         raise ValueError(f"order must be one of {ORDERS}, got {order}")
     if order_z not in (0, 1):
         raise ValueError(f"order_z must be 0 or 1, got {order_z}")
+    if grid not in GRIDS:
+        raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
+    if grid == "corners" and (order > 1 or separate_axis is not None):
+        raise ValueError("grid='corners' supports orders 0 and 1 in one 3-D pass")
     shape = tuple(int(n) for n in data.shape[1:])
     target = tuple(int(n) for n in new_shape)
     if len(target) != 3 or min(target) < 1:
@@ -145,7 +162,12 @@ def resample(
         return data
     out_dtype = data.dtype
     work = xp.astype(data, xp.float64 if precise else xp.float32)
-    if separate_axis is None:
+    if grid == "corners":
+        out = work
+        for axis in (1, 2, 3):
+            if shape[axis - 1] != target[axis - 1]:
+                out = _interpolate(out, axis, target[axis - 1], order, xp, corners=True)
+    elif separate_axis is None:
         out = _zoom(work, shape, target, (1, 2, 3), order, xp)
     else:
         if separate_axis not in (0, 1, 2):
@@ -221,13 +243,24 @@ def _prefilter(data: Any, axis: int, xp: Any) -> Any:
 
 
 def _interpolate(
-    data: Any, axis: int, size: int, order: int, xp: Any, *, padded: bool = False
+    data: Any,
+    axis: int,
+    size: int,
+    order: int,
+    xp: Any,
+    *,
+    padded: bool = False,
+    corners: bool = False,
 ) -> Any:
     """Evaluate ``data`` along ``axis`` at ``size`` grid-mode coordinates (order 0, 1 or 3;
-    order 3 expects spline coefficients padded by ``_PAD``)."""
+    order 3 expects spline coefficients padded by ``_PAD``), or corner-aligned ones."""
     n = int(data.shape[axis]) - (2 * _PAD if padded else 0)
-    scale = float(n) / size
-    coords = scale * (np.arange(size, dtype=np.float64) + 0.5) - 0.5
+    if corners:
+        step = (n - 1) / (size - 1) if size > 1 else 0.0
+        coords = np.arange(size, dtype=np.float64) * step
+    else:
+        scale = float(n) / size
+        coords = scale * (np.arange(size, dtype=np.float64) + 0.5) - 0.5
     dev = array_device(data)
     shape = [1] * data.ndim
     shape[axis] = size
