@@ -1,10 +1,11 @@
-"""One-off external check of node.seg_encode (not in CI): ``python -m bench.seg_dcmqi OUT``.
+"""External check of node.seg_encode with dcmqi: ``python -m bench.seg_dcmqi OUT``.
 
 Writes a synthetic CT series (axial and sagittal), encodes a BINARY SEG of the phantom's five
 labels with :class:`node.seg_encode.SegPlan`, converts it with dcmqi's ``segimage2itkimage``
 (``pip install dcmqi``) and compares each segment image with the label map and its geometry
 (origin, spacing, direction, size) with SimpleITK's reading of the CT series
-(``pip install SimpleITK``; both are outside the project's dependencies).
+(``pip install SimpleITK``; both are in the ``test`` extra, and
+``tests/test_seg_dcmqi.py`` runs this check in CI).
 """
 
 from __future__ import annotations
