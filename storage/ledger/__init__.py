@@ -1,0 +1,78 @@
+"""The job ledger: every state change of the node is one short SQLite transaction.
+
+SQLite runs in WAL mode with ``synchronous=FULL`` so that a committed row survives power loss,
+with one exception: the SCP's per-instance rows (:meth:`Ledger.record_instance`) are committed
+with ``synchronous=NORMAL`` - they survive a crash of the process, and the next ``FULL`` commit
+of any other transaction (a job, an event) makes them durable on disk too. The spool file of an
+acknowledged instance is always fsynced, so a power cut that loses the tail of those rows loses
+nothing acknowledged: :meth:`Ledger.missing_instances` lists spool files without a row and the
+node records them again at start-up (``Node.start``). Writers are serialised with a
+process-wide lock (SQLite allows one writer at a time anyway) so that concurrent associations
+never see ``database is locked``.
+
+The package is split by concern; each module says what it owns and what it must not touch:
+
+* :mod:`storage.ledger.states`: job and delivery states, their allowed moves (``move``).
+* :mod:`storage.ledger.connection`: the engine, sessions, pragmas, the hot sqlite3
+  connection and its lock, ``utcnow``.
+* :mod:`storage.ledger.instances`: recording received instances (the SCP's hot path).
+* :mod:`storage.ledger.senders`: learnt sender patterns and hold notes.
+* :mod:`storage.ledger.jobs`: creating, claiming, finishing, retrying and cancelling jobs.
+* :mod:`storage.ledger.outbox`: deliveries: due, attempted, sent, retried, given up.
+* :mod:`storage.ledger.views`: read-only views (``JobView``, counts, listings).
+* :mod:`storage.ledger.retention`: which series' files may go, and the record of it.
+
+:class:`Ledger` is the one class callers use: it is composed of one part per module, each
+method keeping its name and behaviour. Import from here, not from the modules.
+"""
+
+from __future__ import annotations
+
+from storage.ledger.connection import LedgerBase, utcnow
+from storage.ledger.instances import InstanceRecord, InstanceStore
+from storage.ledger.jobs import JobStore, NewJob
+from storage.ledger.outbox import DueDelivery, Outbox
+from storage.ledger.retention import PurgeCandidate, Retention
+from storage.ledger.senders import SenderStore
+from storage.ledger.states import (
+    ACTIVE_STATES,
+    DELIVERY_MOVES,
+    FINAL_STATES,
+    TRANSITIONS,
+    DeliveryStatus,
+    JobState,
+    TransitionError,
+    move,
+    move_delivery,
+)
+from storage.ledger.views import JobView, SeriesSummary, Views
+
+__all__ = [
+    "ACTIVE_STATES",
+    "DELIVERY_MOVES",
+    "FINAL_STATES",
+    "TRANSITIONS",
+    "DeliveryStatus",
+    "DueDelivery",
+    "InstanceRecord",
+    "JobState",
+    "JobView",
+    "Ledger",
+    "NewJob",
+    "PurgeCandidate",
+    "SeriesSummary",
+    "TransitionError",
+    "move",
+    "move_delivery",
+    "utcnow",
+]
+
+
+class Ledger(InstanceStore, SenderStore, JobStore, Outbox, Views, Retention, LedgerBase):
+    """The node's durable state, on one SQLite file.
+
+    Parameters
+    ----------
+    path
+        The database file; its folder is created with mode 0700.
+    """

@@ -1,0 +1,437 @@
+"""Jobs: from a series' pending instances to a finished job.
+
+Owns :class:`NewJob` and :class:`JobStore`: creating job versions (superseding older ones),
+taking a series without a job, claiming the next job, stage stamps, failing or finishing a
+job, saving its results with their outbox rows, crash recovery, an operator's retry and
+cancel, and appending events. Every state change goes through
+:func:`~storage.ledger.states.move` / :func:`~storage.ledger.states.move_delivery`.
+
+Must not touch: send attempts and their outcomes (the outbox module's; this one only creates
+deliveries with the results, cancels those of a superseded version and puts failed ones back
+to pending on a retry), nor the instances' hot path; it builds job snapshots through
+:class:`~storage.ledger.views.Views`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydicom.uid import generate_uid
+from sqlalchemy import func, or_, select, update
+
+from storage.ledger.connection import utcnow
+from storage.ledger.states import (
+    ACTIVE_STATES,
+    DeliveryStatus,
+    JobState,
+    move,
+    move_delivery,
+)
+from storage.ledger.views import JobView, Views
+from storage.models import Delivery, Event, Instance, Job, Result, Series
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """A job to create for a series version: a model, where its results go, its priority."""
+
+    model_name: str
+    model: str
+    engine: str
+    destinations: tuple[str, ...] = ()
+    priority: int = 0
+    rule: str = ""
+
+
+class JobStore(Views):
+    """Jobs and their lifecycle (a part of :class:`~storage.ledger.Ledger`)."""
+
+    def create_job(
+        self,
+        series_instance_uid: str,
+        *,
+        trigger: str,
+        model: str,
+        engine: str,
+        priority: int = 0,
+        model_name: str = "default",
+        destinations: Sequence[str] = (),
+    ) -> int | None:
+        """Turn a series' pending instances into a new job version with one model.
+
+        Returns the job id, or None when the series has nothing pending (another signal
+        already created the job). Older queued versions of the series are superseded.
+        """
+        spec = NewJob(model_name, model, engine, tuple(destinations), priority)
+        ids = self.create_jobs(series_instance_uid, trigger=trigger, jobs=[spec])
+        return ids[0] if ids else None
+
+    def create_jobs(
+        self, series_instance_uid: str, *, trigger: str, jobs: Sequence[NewJob]
+    ) -> list[int]:
+        """Turn a series' pending instances into a new version with one job per model.
+
+        All jobs share the version and the instances; each has its own result UIDs. Returns
+        their ids, or ``[]`` when the series has nothing pending (another signal already
+        created the jobs). Older queued jobs of the series are superseded.
+        """
+        now = utcnow()
+        if not jobs:
+            return []
+        with self._tx() as s:
+            series = s.scalar(
+                select(Series).where(Series.series_instance_uid == series_instance_uid)
+            )
+            if series is None or series.pending_since is None:
+                return []
+            version = (
+                s.scalar(select(func.max(Job.version)).where(Job.series_id == series.id)) or 0
+            ) + 1
+            # Older versions whose results have not left the node never will: queued and
+            # running jobs, and encoded jobs with nothing delivered yet (their deliveries are
+            # cancelled). A job that delivered something keeps going (its results are
+            # replaced, and withdrawn where the destination takes rejection notes).
+            sent_any = (
+                select(Delivery.id)
+                .where(Delivery.job_id == Job.id, Delivery.status == DeliveryStatus.SENT)
+                .exists()
+            )
+            undelivered = s.scalars(
+                select(Job.id).where(
+                    Job.series_id == series.id,
+                    or_(
+                        Job.state.in_((JobState.QUEUED, JobState.RUNNING)),
+                        (Job.state == JobState.ENCODED) & ~sent_any,
+                    ),
+                )
+            ).all()
+            if undelivered:
+                why = f"superseded by v{version} before its results were sent"
+                for old_job in s.scalars(select(Job).where(Job.id.in_(undelivered))):
+                    move(s, old_job, JobState.SUPERSEDED, now, message=why)
+                    old_job.finished_at, old_job.reason = now, why
+                pending = s.scalars(
+                    select(Delivery).where(
+                        Delivery.job_id.in_(undelivered),
+                        Delivery.status == DeliveryStatus.PENDING,
+                    )
+                )
+                for d in pending.all():
+                    move_delivery(s, d, DeliveryStatus.CANCELLED, now, f"superseded by v{version}")
+                    d.last_error = f"superseded by v{version}"
+            older = s.scalars(
+                select(Job.id).where(
+                    Job.series_id == series.id,
+                    Job.state.in_((JobState.ENCODED, JobState.SENT, JobState.DONE)),
+                )
+            ).all()
+            first, last = s.execute(
+                select(func.min(Instance.received_at), func.max(Instance.received_at)).where(
+                    Instance.series_id == series.id
+                )
+            ).one()
+            ids: list[int] = []
+            for spec in jobs:
+                job = Job(
+                    series_id=series.id,
+                    version=version,
+                    state=JobState.QUEUED.value,
+                    priority=spec.priority,
+                    model=spec.model,
+                    model_name=spec.model_name,
+                    rule=spec.rule,
+                    destinations=json.dumps(list(spec.destinations)),
+                    engine=spec.engine,
+                    trigger=trigger,
+                    instance_count=series.instance_count,
+                    first_instance_at=first,
+                    last_instance_at=last,
+                    created_at=now,
+                    seg_series_uid=generate_uid(),
+                    seg_sop_uid=generate_uid(),
+                    sr_series_uid=generate_uid(),
+                    sr_sop_uid=generate_uid(),
+                )
+                s.add(job)
+                s.flush()
+                ids.append(job.id)
+                s.add(
+                    Event(
+                        at=now,
+                        kind="job-created",
+                        job_id=job.id,
+                        series_id=series.id,
+                        message=f"v{version} by {trigger}, {series.instance_count} instances, "
+                        f"model {spec.model_name}",
+                    )
+                )
+            series.pending_since = None
+            series.ignored_reason = None
+            for old_id in older:  # a late instance reopened the series: older results replaced
+                s.add(
+                    Event(
+                        at=now,
+                        kind="results-superseded",
+                        job_id=old_id,
+                        series_id=series.id,
+                        message=f"results superseded by job {ids[0]} (v{version})",
+                    )
+                )
+            return ids
+
+    def ignore_series(self, series_instance_uid: str, reason: str) -> bool:
+        """Take a series' pending instances without a job (routing selected no model).
+
+        The series is listed by :meth:`ignored_series` with ``reason`` until new instances
+        arrive. Returns False when nothing was pending.
+        """
+        now = utcnow()
+        with self._tx() as s:
+            series = s.scalar(
+                select(Series).where(Series.series_instance_uid == series_instance_uid)
+            )
+            if series is None or series.pending_since is None:
+                return False
+            series.pending_since = None
+            series.ignored_reason = reason[:512]
+            s.add(Event(at=now, kind="ignored", series_id=series.id, message=reason[:2048]))
+            return True
+
+    def queued_siblings(self, job_id: int) -> int:
+        """Queued jobs of the same series version as ``job_id`` (other models)."""
+        with self._read() as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                return 0
+            n = s.scalar(
+                select(func.count(Job.id)).where(
+                    Job.series_id == job.series_id,
+                    Job.version == job.version,
+                    Job.state == JobState.QUEUED,
+                    Job.id != job.id,
+                )
+            )
+            return int(n or 0)
+
+    def claim_next_job(self) -> JobView | None:
+        """Take the most urgent queued job (highest priority, then oldest) and mark it running."""
+        now = utcnow()
+        with self._tx() as s:
+            job = s.scalar(
+                select(Job)
+                .where(Job.state == JobState.QUEUED)
+                .order_by(Job.priority.desc(), Job.created_at, Job.id)
+                .limit(1)
+            )
+            if job is None:
+                return None
+            move(s, job, JobState.RUNNING, now, message=f"attempt {job.attempts + 1}")
+            job.started_at = now
+            job.attempts += 1
+            s.flush()
+            return self._view(s, job)
+
+    def mark(self, job_id: int, stage: str) -> None:
+        """Set a stage timestamp (``volume_at``, ``inference_at``)."""
+        if stage not in ("volume_at", "inference_at"):
+            raise ValueError(stage)
+        with self._tx() as s:
+            s.execute(update(Job).where(Job.id == job_id).values({stage: utcnow()}))
+
+    def fail_job(self, job_id: int, reason: str) -> None:
+        """End a job as failed with a reason a human can act on."""
+        now = utcnow()
+        with self._tx() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.state != JobState.RUNNING:
+                return  # superseded (or cancelled) while it ran: that state stands
+            move(s, job, JobState.FAILED, now, message=reason)
+            job.reason = reason[:2048]
+            job.finished_at = now
+
+    def finish_empty(self, job_id: int, reason: str) -> None:
+        """End a job as ``done`` with nothing to send (the model found no segment)."""
+        now = utcnow()
+        with self._tx() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.state != JobState.RUNNING:
+                return
+            move(s, job, JobState.DONE, now, kind="job-empty", message=reason)
+            job.reason = reason[:2048]
+            job.encoded_at = now
+            job.finished_at = now
+
+    def superseded_sent(self, job_id: int) -> dict[str, list[tuple[str, Path]]]:
+        """Results of older versions of the job's series that were delivered (SEG and SR, not
+        rejection notes): destination -> [(SOP Instance UID, file)]."""
+        with self._read() as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                return {}
+            rows = s.execute(
+                select(Delivery.destination, Result.sop_instance_uid, Result.path)
+                .join(Result, Result.id == Delivery.result_id)
+                .join(Job, Job.id == Delivery.job_id)
+                .where(
+                    Job.series_id == job.series_id,
+                    Job.version < job.version,
+                    Delivery.status == DeliveryStatus.SENT,
+                    Result.kind.in_(("SEG", "SR")),
+                )
+                .order_by(Job.version, Result.order)
+            ).all()
+        out: dict[str, list[tuple[str, Path]]] = {}
+        for dest, sop, path in rows:
+            out.setdefault(dest, []).append((sop, Path(path)))
+        return out
+
+    def save_results(
+        self,
+        job_id: int,
+        results: Sequence[tuple[str, str, str, str, Path]],
+        destinations: Sequence[str],
+        notes: Sequence[tuple[str, str, str, str, Path, Sequence[str]]] = (),
+    ) -> bool:
+        """Record encoded result files and their outbox rows; the job becomes ``encoded``.
+
+        Returns False, recording nothing to send, when the job is no longer running (a newer
+        version superseded it) or its series received more instances while it ran (it is
+        then superseded: partial results never leave the node).
+
+        Parameters
+        ----------
+        results
+            ``(kind, sop_class_uid, sop_instance_uid, series_instance_uid, path)`` in send order.
+        destinations
+            Destination names (``AE@host:port``); one delivery row per result and destination.
+        notes
+            Objects for some destinations only, sent after ``results`` (rejection notes):
+            ``(kind, sop_class_uid, sop_instance_uid, series_instance_uid, path, destinations)``.
+        """
+        now = utcnow()
+        with self._tx() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.state != JobState.RUNNING:
+                return False
+            series = s.get(Series, job.series_id)
+            if series is not None and series.pending_since is not None:
+                # Instances arrived while the job ran: its results cover part of the series
+                # and must not leave; the next version (the new instances complete it) will.
+                reason = (
+                    f"the series received more instances while this job ran "
+                    f"({job.instance_count} -> {series.instance_count}); not sent"
+                )
+                move(s, job, JobState.SUPERSEDED, now, message=reason)
+                job.reason = reason
+                job.encoded_at = job.finished_at = now
+                return False
+            items: list[tuple[str, str, str, str, Path, Sequence[str]]] = [
+                (*r, destinations) for r in results
+            ]
+            items += notes
+            for order, (kind, cls, sop, series_uid, path, dests) in enumerate(items):
+                res = s.scalar(select(Result).where(Result.sop_instance_uid == sop))
+                if res is None:
+                    res = Result(
+                        job_id=job_id,
+                        kind=kind,
+                        sop_class_uid=cls,
+                        sop_instance_uid=sop,
+                        series_instance_uid=series_uid,
+                        path=str(path),
+                        order=order,
+                    )
+                    s.add(res)
+                    s.flush()
+                for dest in dests:
+                    exists = s.scalar(
+                        select(Delivery.id).where(
+                            Delivery.result_id == res.id, Delivery.destination == dest
+                        )
+                    )
+                    if exists is None:
+                        s.add(
+                            Delivery(
+                                result_id=res.id,
+                                job_id=job_id,
+                                destination=dest,
+                                status=DeliveryStatus.PENDING.value,
+                                next_attempt_at=now,
+                                created_at=now,
+                            )
+                        )
+            job.encoded_at = now
+            done = f"{len(results)} objects"
+            if destinations:
+                move(s, job, JobState.ENCODED, now, message=done)
+            else:
+                move(s, job, JobState.DONE, now, kind="job-encoded", message=done)
+                job.finished_at = now
+            return True
+
+    def recover(self, max_attempts: int) -> int:
+        """Put jobs interrupted by a crash back in the queue; return how many.
+
+        A job that was ``running`` goes back to ``queued`` (its result UIDs are kept), unless it
+        has already been tried ``max_attempts`` times, then it fails with that reason.
+        """
+        now = utcnow()
+        n = 0
+        with self._tx() as s:
+            for job in s.scalars(select(Job).where(Job.state == JobState.RUNNING)).all():
+                if job.attempts >= max_attempts:
+                    job.reason = f"interrupted {job.attempts} times while processing; giving up"
+                    move(s, job, JobState.FAILED, now, kind="recovered", message="now failed")
+                    job.finished_at = now
+                else:
+                    move(s, job, JobState.QUEUED, now, kind="recovered", message="now queued")
+                    n += 1
+        return n
+
+    def retry_job(self, job_id: int) -> bool:
+        """Requeue a failed or cancelled job (same result UIDs)."""
+        with self._tx() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.state not in (JobState.FAILED, JobState.CANCELLED):
+                return False
+            undelivered = s.scalar(
+                select(func.count(Delivery.id)).where(
+                    Delivery.job_id == job_id, Delivery.status == DeliveryStatus.FAILED
+                )
+            )
+            if job.encoded_at is not None and undelivered:
+                now = utcnow()
+                failed = s.scalars(
+                    select(Delivery).where(
+                        Delivery.job_id == job_id, Delivery.status == DeliveryStatus.FAILED
+                    )
+                )
+                for d in failed.all():
+                    move_delivery(s, d, DeliveryStatus.PENDING, now, "retried")
+                    d.next_attempt_at = d.created_at = now
+                    d.attempts = 0
+                move(s, job, JobState.ENCODED, utcnow(), kind="job-retried", message="send again")
+            else:
+                move(s, job, JobState.QUEUED, utcnow(), kind="job-retried", message="run again")
+            job.reason = None
+            job.finished_at = None
+            return True
+
+    def cancel_job(self, job_id: int) -> bool:
+        """Cancel a job that has not finished."""
+        with self._tx() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.state not in ACTIVE_STATES:
+                return False
+            now = utcnow()
+            move(s, job, JobState.CANCELLED, now, message=f"cancelled while {job.state}")
+            job.finished_at = now
+            return True
+
+    def event(self, kind: str, message: str, *, job_id: int | None = None) -> None:
+        """Append an event."""
+        with self._tx() as s:
+            s.add(Event(at=utcnow(), kind=kind, job_id=job_id, message=message[:2048]))

@@ -1,0 +1,203 @@
+"""The outbox: deliveries of results to their destinations.
+
+Owns :class:`DueDelivery` and :class:`Outbox`: which deliveries are due, the start of an
+attempt (one plain statement on the hot connection), its outcome (sent, retry later, given
+up; the job becomes ``sent`` or ``failed``), deferring a destination that cannot be reached,
+expiring deliveries past their age.
+
+Must not touch: job creation, claiming or results (the jobs module's); a delivery's status
+changes only through :func:`~storage.ledger.states.move_delivery`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import CursorResult
+
+from storage.ledger.connection import LedgerBase, utcnow
+from storage.ledger.states import DeliveryStatus, JobState, move, move_delivery
+from storage.models import Delivery, Event, Job, Result, Series
+
+
+@dataclass(frozen=True)
+class DueDelivery:
+    """A delivery whose next attempt is due."""
+
+    id: int
+    job_id: int
+    destination: str
+    path: str
+    kind: str
+    sop_instance_uid: str
+    attempts: int
+    sop_class_uid: str = ""
+
+
+class Outbox(LedgerBase):
+    """Deliveries and their attempts (a part of :class:`~storage.ledger.Ledger`)."""
+
+    def due_deliveries(self, now: datetime | None = None, limit: int = 64) -> list[DueDelivery]:
+        """Pending deliveries whose next attempt is due, oldest job first, SEG before SR."""
+        now = now or utcnow()
+        with self._read() as s:
+            rows = s.execute(
+                select(Delivery, Result)
+                .join(Result, Result.id == Delivery.result_id)
+                .join(Job, Job.id == Delivery.job_id)
+                .join(Series, Series.id == Job.series_id)
+                .where(Delivery.status == DeliveryStatus.PENDING, Delivery.next_attempt_at <= now)
+                .where(Job.state == JobState.ENCODED)
+                # Not while newer instances of the series wait for their job: that job will
+                # supersede this one (a series that grows after encoding is not sent).
+                .where(Series.pending_since.is_(None))
+                .order_by(Job.priority.desc(), Delivery.job_id, Result.order)
+                .limit(limit)
+            ).all()
+            return [
+                DueDelivery(
+                    id=d.id,
+                    job_id=d.job_id,
+                    destination=d.destination,
+                    path=r.path,
+                    kind=r.kind,
+                    sop_instance_uid=r.sop_instance_uid,
+                    attempts=d.attempts,
+                    sop_class_uid=r.sop_class_uid,
+                )
+                for d, r in rows
+            ]
+
+    def delivery_sending(self, delivery_id: int) -> None:
+        """Record that the outbox starts an attempt of this delivery (the send stage).
+
+        One plain statement on the hot-path connection, without a WAL fsync: losing the
+        stamp to a power cut loses only a figure, and the attempt's outcome (the next
+        ``FULL`` commit) makes it durable.
+        """
+        stamp = self._stamp(utcnow())
+        with self._write_lock, self._hot_lock:
+            self._hot_connection().execute(_DELIVERY_SENDING, (stamp, delivery_id))
+
+    def delivery_done(self, delivery_id: int, status: int | str) -> None:
+        """Record a successful delivery and finish the job when all are sent.
+
+        ``status`` is the C-STORE status (0x0000) or a text such as ``"HTTP 200"`` (STOW-RS).
+        """
+        now = utcnow()
+        with self._tx() as s:
+            d = s.get(Delivery, delivery_id)
+            if d is None or d.status == DeliveryStatus.SENT:
+                return
+            move_delivery(s, d, DeliveryStatus.SENT, now, "acknowledged")
+            d.attempts += 1
+            d.last_status = status[:16] if isinstance(status, str) else f"0x{status:04X}"
+            d.last_error = None
+            d.sent_at = now
+            s.flush()
+            left = s.scalar(
+                select(func.count(Delivery.id)).where(
+                    Delivery.job_id == d.job_id, Delivery.status != DeliveryStatus.SENT
+                )
+            )
+            if not left:
+                job = s.get(Job, d.job_id)
+                if job is not None and job.state == JobState.ENCODED:
+                    move(s, job, JobState.SENT, now, message="all delivered")
+                    job.finished_at = now
+
+    def delivery_retry(
+        self, delivery_id: int, error: str, next_attempt_at: datetime, status: int | None = None
+    ) -> None:
+        """Record a failed attempt and when to try again."""
+        with self._tx() as s:
+            d = s.get(Delivery, delivery_id)
+            if d is None:
+                return
+            d.attempts += 1
+            d.last_error = error[:1024]
+            d.last_status = None if status is None else f"0x{status:04X}"
+            d.next_attempt_at = next_attempt_at
+            s.add(Event(at=utcnow(), kind="delivery-retry", job_id=d.job_id, message=error[:2048]))
+
+    def delivery_failed(self, delivery_id: int, error: str) -> None:
+        """Give up on a delivery; the job fails with the reason."""
+        now = utcnow()
+        with self._tx() as s:
+            d = s.get(Delivery, delivery_id)
+            if d is None or d.status != DeliveryStatus.PENDING:
+                return  # already settled (sent, given up or cancelled): that stands
+            move_delivery(s, d, DeliveryStatus.FAILED, now, error)
+            d.attempts += 1
+            d.last_error = error[:1024]
+            job = s.get(Job, d.job_id)
+            if job is not None and job.state == JobState.ENCODED:
+                job.reason = f"delivery to {d.destination} failed: {error}"[:2048]
+                move(s, job, JobState.FAILED, now, message=job.reason)
+                job.finished_at = now
+
+    def next_delivery_time(self) -> datetime | None:
+        """When the earliest pending delivery is due."""
+        with self._read() as s:
+            return s.scalar(
+                select(func.min(Delivery.next_attempt_at))
+                .join(Job, Job.id == Delivery.job_id)
+                .where(Delivery.status == DeliveryStatus.PENDING, Job.state == JobState.ENCODED)
+            )
+
+    def defer_destination(
+        self, destination: str, until: datetime, error: str, *, record: bool = True
+    ) -> int:
+        """Push every pending delivery to ``destination`` to ``until`` without using attempts.
+
+        Used when the destination cannot be reached at all (connection refused, association
+        rejected, circuit breaker open): that says nothing about the objects, so their attempt
+        counts stay; ``dispatch.max_age_s`` bounds how long they wait. ``record`` adds a
+        ``destination-down`` event (one per failed connection). Returns how many rows.
+        """
+        with self._tx() as s:
+            result: CursorResult[Any] = s.execute(  # type: ignore[assignment]
+                update(Delivery)
+                .where(
+                    Delivery.destination == destination,
+                    Delivery.status == DeliveryStatus.PENDING,
+                    Delivery.next_attempt_at < until,
+                )
+                .values(next_attempt_at=until, last_error=error[:1024])
+            )
+            n = result.rowcount
+            if record:
+                msg = f"{destination}: {error}"[:2048]
+                s.add(Event(at=utcnow(), kind="destination-down", message=msg))
+            return int(n or 0)
+
+    def expire_deliveries(self, created_before: datetime, reason: str) -> list[int]:
+        """Fail pending deliveries older than ``created_before``; return the failed job ids."""
+        now = utcnow()
+        failed: list[int] = []
+        with self._tx() as s:
+            rows = s.scalars(
+                select(Delivery)
+                .join(Job, Job.id == Delivery.job_id)
+                .where(
+                    Delivery.status == DeliveryStatus.PENDING,
+                    Delivery.created_at < created_before,
+                    Job.state == JobState.ENCODED,
+                )
+            ).all()
+            for d in rows:
+                move_delivery(s, d, DeliveryStatus.FAILED, now, reason)
+                d.last_error = reason[:1024]
+                job = s.get(Job, d.job_id)
+                if job is not None and job.state == JobState.ENCODED:
+                    job.reason = f"delivery to {d.destination} failed: {reason}"[:2048]
+                    move(s, job, JobState.FAILED, now, message=job.reason)
+                    job.finished_at = now
+                    failed.append(job.id)
+        return failed
+
+
+_DELIVERY_SENDING = "UPDATE deliveries SET sending_at = ? WHERE id = ?"

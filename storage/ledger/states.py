@@ -1,0 +1,136 @@
+"""Job and delivery states, and the only moves between them.
+
+Owns :class:`JobState`, :class:`DeliveryStatus`, their transition tables
+(:data:`TRANSITIONS`, :data:`DELIVERY_MOVES`), :data:`ACTIVE_STATES` /
+:data:`FINAL_STATES`, :class:`TransitionError` and the two functions every state change goes
+through, :func:`move` and :func:`move_delivery` (each checks the move and records its event in
+the caller's session).
+
+Must not touch: connections, sessions or transactions (the caller's session is the
+transaction), nor any query; it only changes the row it is given and adds its event.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from sqlalchemy.orm import Session
+
+from storage.models import Delivery, Event, Job
+
+
+class JobState(StrEnum):
+    """Where a job is. The ledger stores the value; the value compares equal to its text."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    ENCODED = "encoded"
+    SENT = "sent"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    SUPERSEDED = "superseded"
+
+
+#: The moves a job may make (:func:`move`); any other is a bug and raises.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    # claimed by the worker; a newer series version or an operator ends it first
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.SUPERSEDED, JobState.CANCELLED}),
+    # results saved (sent next, or done with no destination / no segment), failed, superseded
+    # by a newer version, cancelled; back to queued when a restart interrupted it
+    JobState.RUNNING: frozenset(
+        {
+            JobState.ENCODED,
+            JobState.DONE,
+            JobState.FAILED,
+            JobState.SUPERSEDED,
+            JobState.CANCELLED,
+            JobState.QUEUED,
+        }
+    ),
+    # every delivery acknowledged, one given up, a newer version before any was sent
+    JobState.ENCODED: frozenset(
+        {JobState.SENT, JobState.FAILED, JobState.SUPERSEDED, JobState.CANCELLED}
+    ),
+    # an operator's retry: run again, or only send again what failed to go out
+    JobState.FAILED: frozenset({JobState.QUEUED, JobState.ENCODED}),
+    JobState.CANCELLED: frozenset({JobState.QUEUED, JobState.ENCODED}),
+    JobState.SENT: frozenset(),
+    JobState.DONE: frozenset(),
+    JobState.SUPERSEDED: frozenset(),
+}
+
+#: Jobs that are not finished: the worker or the outbox still has something to do.
+ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.ENCODED)
+FINAL_STATES = tuple(state for state, moves in TRANSITIONS.items() if state not in ACTIVE_STATES)
+
+
+class DeliveryStatus(StrEnum):
+    """Where one result's delivery to one destination is."""
+
+    PENDING = "pending"
+    SENT = "sent"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+#: The moves a delivery may make (:func:`move_delivery`). A delivery given up (failed) or
+#: cancelled may still turn out sent: its acknowledgement arrived after it was given up, and
+#: the ledger records what happened.
+DELIVERY_MOVES: dict[DeliveryStatus, frozenset[DeliveryStatus]] = {
+    DeliveryStatus.PENDING: frozenset(
+        {DeliveryStatus.SENT, DeliveryStatus.FAILED, DeliveryStatus.CANCELLED}
+    ),
+    DeliveryStatus.FAILED: frozenset({DeliveryStatus.PENDING, DeliveryStatus.SENT}),
+    DeliveryStatus.CANCELLED: frozenset({DeliveryStatus.SENT}),
+    DeliveryStatus.SENT: frozenset(),
+}
+
+
+class TransitionError(RuntimeError):
+    """A job was asked to make a move :data:`TRANSITIONS` does not allow (a bug)."""
+
+
+def move_delivery(
+    s: Session, d: Delivery, to: DeliveryStatus, now: datetime, message: str = ""
+) -> None:
+    """Move delivery ``d`` to ``to``, checked against :data:`DELIVERY_MOVES`, and record the
+    event (``delivery-<status>``, naming the destination).
+
+    Raises
+    ------
+    TransitionError
+        The move is not allowed from the delivery's status.
+    """
+    now_status = DeliveryStatus(d.status)
+    if to not in DELIVERY_MOVES[now_status]:
+        raise TransitionError(f"delivery {d.id}: {now_status} -> {to} is not an allowed move")
+    d.status = to.value
+    text = f"{d.destination}: {message or f'{now_status} -> {to}'}"
+    s.add(Event(at=now, kind=f"delivery-{to}", job_id=d.job_id, message=text[:2048]))
+
+
+def move(
+    s: Session,
+    job: Job,
+    to: JobState,
+    now: datetime,
+    *,
+    kind: str | None = None,
+    message: str | None = None,
+) -> None:
+    """Move ``job`` to ``to`` in session ``s``, checked against :data:`TRANSITIONS`, and
+    record the event (``kind``, default ``job-<state>``, with ``message``).
+
+    Raises
+    ------
+    TransitionError
+        The move is not allowed from the job's state.
+    """
+    now_state = JobState(job.state)
+    if to not in TRANSITIONS[now_state]:
+        raise TransitionError(f"job {job.id}: {now_state} -> {to} is not an allowed move")
+    job.state = to.value
+    text = message if message is not None else f"{now_state} -> {to}"
+    s.add(Event(at=now, kind=kind or f"job-{to}", job_id=job.id, message=text[:2048]))
