@@ -44,9 +44,9 @@ from node.results import ResultUIDs, build_seg, build_sr, segment_statistics, ve
 from node.seg_check import check_encoded
 from node.seg_encode import SegPlan
 from node.sr_encode import SrPlan
-from node.synthetic import phantom_labels, synthetic_datasets
 from node.volume import Volume, assemble_from_datasets
 from node.worker import encode
+from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
 MANIFEST = "engines/models/tissue/tissue.json"
 

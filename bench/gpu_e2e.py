@@ -12,8 +12,9 @@ on loopback, in one invocation, per model (``--models``; the nnU-Net-style U-Net
    ``--precision`` and ``compile = true`` (unless ``--no-compile``) and the SCP as its only
    destination; the time from its spawn to its port accepting connections is the
    restart-to-ready time with the compiled model cached.
-3. Synthetic 512 x 512 x ``--slices`` CT series (:func:`node.synthetic.synthetic_datasets`,
-   new Study/Series/SOP Instance UIDs each, made before anything is timed) are sent by a
+3. Synthetic 512 x 512 x ``--slices`` CT series
+   (:func:`tests.fixtures.synthetic.synthetic_datasets`, new Study/Series/SOP Instance UIDs
+   each, made before anything is timed) are sent by a
    pynetdicom SCU on one association each: one warm-up, then ``--runs`` measured series.
    Per series: last C-STORE response (taken at the SCU) -> SEG and SR both acknowledged by
    the SCP, and the stages from the node's ledger (completion, queue, volume, inference,
@@ -214,7 +215,7 @@ def ledger_job_for(data: Path, series_uid: str) -> dict[str, Any] | None:
 
 def make_series(slices: int, seed: int) -> list[Any]:
     """A synthetic CT series in memory (UIDs derived from ``seed``: new for every seed)."""
-    from node.synthetic import synthetic_datasets
+    from tests.fixtures.synthetic import synthetic_datasets
 
     return synthetic_datasets(rows=512, columns=512, slices=slices, seed=seed)
 

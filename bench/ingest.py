@@ -54,7 +54,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def series(name: str, slices: int, seed: int, hint: bool) -> Path:
     """A cached synthetic 512x512 series under bench/generated/."""
-    from node.synthetic import write_synthetic_series
+    from tests.fixtures.synthetic import write_synthetic_series
 
     out = ROOT / "bench" / "generated" / name
     done = out.with_name(f"{name}.done")

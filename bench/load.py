@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from node.synthetic import write_synthetic_series
 from scripts.harness import LOOPBACK, NodeRunner, free_port, peak_rss_mb, write_config
+from tests.fixtures.synthetic import write_synthetic_series
 
 
 @dataclass

@@ -22,8 +22,8 @@ from engines.manifest import load_manifest
 from node.results import ResultUIDs
 from node.seg_check import check_encoded
 from node.seg_encode import SegPlan
-from node.synthetic import AXIAL, SAGITTAL, phantom_labels, write_synthetic_series
 from node.volume import assemble_volume
+from tests.fixtures.synthetic import AXIAL, SAGITTAL, phantom_labels, write_synthetic_series
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ Run::
     .venv/bin/python -m bench.sr_encode_bench                 # 128 x 512 x 512, 5 labels
     .venv/bin/python -m bench.sr_encode_bench --slices 32 --runs 9 --json
 
-On the synthetic phantom series (``node.synthetic``) with its label map (five labels), the
+On the synthetic phantom series (``tests.fixtures.synthetic``) with its label map (five labels), the
 median wall and process CPU time of ``--runs`` runs of:
 
 * baseline: the statistics as they were (``np.bincount`` with float64 weights), highdicom's
@@ -57,13 +57,13 @@ from node.results import (
 )
 from node.sr_encode import SrPlan
 from node.statistics import SegmentStatsAccumulator, _bincount, numbering
-from node.synthetic import phantom_labels, synthetic_datasets
 from node.volume import Volume, assemble_from_datasets
 from node.worker import encode
+from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
 _TISSUE = ("85756007", "SCT", "Tissue")
 _ANATOMY = ("91723000", "SCT", "Anatomical Structure")
-#: The phantom's labels (node.synthetic), as a model would describe them.
+#: The phantom's labels (tests.fixtures.synthetic), as a model would describe them.
 MANIFEST = ModelManifest(
     name="phantom",
     version="1.0.0",

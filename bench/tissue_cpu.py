@@ -4,7 +4,7 @@
 
 Each tree (this one, and ``--baseline``, another checkout such as ``git archive <commit> | tar
 -x -C DIR``) gets a worker process that builds the synthetic series
-(``node.synthetic.synthetic_datasets(slices=N, seed=0)`` assembled by
+(``tests.fixtures.synthetic.synthetic_datasets(slices=N, seed=0)`` assembled by
 ``node.volume.assemble_from_datasets``), loads the tree's default model with
 ``engines.base.create_engine("onnxruntime")`` (default threads) and segments once to warm up.
 The runs then alternate between the workers, one ``segment`` at a time, so that both see the
@@ -29,7 +29,7 @@ import numpy as np
 from engines.base import create_engine
 from engines.manifest import load_manifest
 from engines.models import default_manifest_path
-from node.synthetic import synthetic_datasets
+from tests.fixtures.synthetic import synthetic_datasets
 from node.volume import assemble_from_datasets
 
 hu = assemble_from_datasets(synthetic_datasets(slices=int(sys.argv[1]), seed=0)).hu

@@ -46,8 +46,8 @@ from typing import Any
 
 from pydicom import dcmread
 
-from node.synthetic import write_synthetic_series
 from scripts.harness import CountingSCP, NodeRunner, free_port, send_files, write_config
+from tests.fixtures.synthetic import write_synthetic_series
 
 STAGES = ("association", "released", "volume", "inference", "encoding", "sending", "after")
 ACTIVE = ("queued", "running", "encoded")

@@ -206,7 +206,7 @@ def oracle_cases() -> tuple[OracleCase, ...]:
 
 def write_dicom_case(case: OracleCase, folder: Path, seed: int) -> list[Path]:
     """The case's phantom written as a CT series (one file per slice) with the case's geometry."""
-    from node.synthetic import write_synthetic_series  # noqa: PLC0415 - only this helper needs it
+    from tests.fixtures.synthetic import write_synthetic_series  # noqa: PLC0415 - only this helper needs it
 
     hu, _ = sample(case.grid, case.anatomy)
     g = case.grid

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.synthetic import write_synthetic_series
 from scripts.harness import CountingSCP, NodeRunner, free_port, send_files, write_config
+from tests.fixtures.synthetic import write_synthetic_series
 
 
 def ledger_rows(db: Path, sql: str) -> list[tuple[Any, ...]]:

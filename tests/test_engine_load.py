@@ -20,9 +20,9 @@ from engines.ort_backend import OrtEngine
 from node.config import load_config
 from node.errors import ConfigError, SegnodeError
 from node.service import Node
-from node.synthetic import synthetic_datasets
 from scripts.harness import write_config
 from tests.conftest import free_port, wait_for
+from tests.fixtures.synthetic import synthetic_datasets
 
 
 class GatedEngine:

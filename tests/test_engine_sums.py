@@ -27,11 +27,11 @@ from engines.ort_backend import OrtEngine
 from node.config import DEFAULT_MODEL, ConfigError, from_dict
 from node.errors import ResultError
 from node.statistics import SegmentStatistics, segment_statistics, statistics_from_sums
-from node.synthetic import synthetic_datasets, write_synthetic_series
 from node.volume import Volume, assemble_from_datasets
 from node.worker import Worker, result_paths
 from storage.ledger import Ledger
 from storage.spool import Spool
+from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
 from tests.test_worker import ingest
 
 MANIFEST = load_manifest(DEFAULT_MODEL)

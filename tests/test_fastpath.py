@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from node.synthetic import write_synthetic_series
 from tests.conftest import LOOPBACK, NodeProcess, Orthanc, free_port, wait_for
+from tests.fixtures.synthetic import write_synthetic_series
 from tests.test_interop import storescu
 
 pytestmark = pytest.mark.interop

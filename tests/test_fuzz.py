@@ -51,8 +51,8 @@ from pynetdicom.pdu_primitives import (
 from pynetdicom.presentation import build_context
 
 from node.header import Header, HeaderError, parse_header
-from node.synthetic import write_synthetic_series
 from tests.conftest import LOOPBACK
+from tests.fixtures.synthetic import write_synthetic_series
 from tests.scp_harness import SCPHarness, store
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # pydicom on garbage values

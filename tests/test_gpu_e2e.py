@@ -19,9 +19,9 @@ from pynetdicom import AE
 from engines.manifest import load_manifest
 from engines.ort_backend import OrtEngine
 from node.config import DEFAULT_MODEL
-from node.synthetic import write_synthetic_series
 from node.volume import assemble_volume
 from tests.conftest import LOOPBACK, wait_for
+from tests.fixtures.synthetic import write_synthetic_series
 
 torch: Any = pytest.importorskip("torch", reason="PyTorch not installed (GPU machines only)")
 pytest.importorskip("onnx2torch", reason="onnx2torch not installed (pip install onnx2torch)")

@@ -13,9 +13,9 @@ from pydicom import dcmread
 from node.config import NodeConfig, PeerRule, from_dict
 from node.guards import AccessPolicy, DiskGuard, SeriesBudget
 from node.retention import Retention
-from node.synthetic import write_synthetic_series
 from storage.ledger import InstanceRecord, Ledger
 from storage.spool import Spool
+from tests.fixtures.synthetic import write_synthetic_series
 from tests.scp_harness import SCPHarness, store
 from tests.test_outbox import encoded_job
 

@@ -19,7 +19,6 @@ from pydicom.filebase import DicomBytesIO
 from engines.manifest import load_manifest
 from engines.ort_backend import OrtEngine
 from node.config import DEFAULT_MODEL
-from node.synthetic import write_synthetic_series
 from node.volume import assemble_volume
 from tests.conftest import (
     LOOPBACK,
@@ -32,6 +31,7 @@ from tests.conftest import (
     start_orthanc,
     wait_for,
 )
+from tests.fixtures.synthetic import write_synthetic_series
 
 pytestmark = pytest.mark.interop
 

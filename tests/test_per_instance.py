@@ -18,7 +18,6 @@ import pytest
 from pydicom import dcmread
 from pydicom.filebase import DicomBytesIO
 
-from node.synthetic import write_synthetic_series
 from tests.conftest import (
     LOOPBACK,
     NodeProcess,
@@ -28,6 +27,7 @@ from tests.conftest import (
     start_orthanc,
     wait_for,
 )
+from tests.fixtures.synthetic import write_synthetic_series
 from tests.test_interop import count_results, orthanc_results
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]

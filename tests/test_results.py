@@ -26,15 +26,15 @@ from node.results import (
     segment_statistics,
     verify_seg,
 )
-from node.synthetic import (
+from node.volume import Volume, assemble_from_datasets, assemble_volume
+from tests.conftest import LIVER, PHANTOM, require_data, require_tool
+from tests.fixtures.synthetic import (
     AXIAL,
     SAGITTAL,
     phantom_labels,
     synthetic_datasets,
     write_enhanced_ct,
 )
-from node.volume import Volume, assemble_from_datasets, assemble_volume
-from tests.conftest import LIVER, PHANTOM, require_data, require_tool
 
 ROWS, COLUMNS, SLICES = 48, 40, 8
 SCT_TISSUE = ("85756007", "SCT", "Tissue")

@@ -19,8 +19,6 @@ from pydicom import dcmread
 from pydicom.filebase import DicomBytesIO
 
 from node.config import DEFAULT_MODEL
-from node.sample_study import write_sample_study
-from node.synthetic import write_synthetic_series
 from tests.conftest import (
     LOOPBACK,
     NodeProcess,
@@ -30,6 +28,8 @@ from tests.conftest import (
     require_tool,
     wait_for,
 )
+from tests.fixtures.sample_study import write_sample_study
+from tests.fixtures.synthetic import write_synthetic_series
 
 pytestmark = pytest.mark.interop
 

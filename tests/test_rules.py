@@ -29,9 +29,9 @@ from node.rules import (
     SeriesFacts,
     facts_from_dataset,
 )
-from node.sample_study import write_sample_study
 from node.stow import StowTarget, multipart_related, parse_response
-from node.synthetic import write_enhanced_ct
+from tests.fixtures.sample_study import write_sample_study
+from tests.fixtures.synthetic import write_enhanced_ct
 
 ROOT = Path(__file__).resolve().parent.parent
 

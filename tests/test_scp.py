@@ -27,10 +27,10 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 from node.config import from_dict
 from node.scp import StoreSCP
 from node.series import CompletionTracker
-from node.synthetic import write_synthetic_series
 from storage.ledger import Ledger
 from storage.spool import Spool
 from tests.conftest import LOOPBACK
+from tests.fixtures.synthetic import write_synthetic_series
 from tests.scp_harness import settle_rejection
 
 

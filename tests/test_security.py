@@ -25,11 +25,11 @@ from pynetdicom import AE
 
 from node.config import TLSConfig
 from node.scu import Dispatcher
-from node.synthetic import write_synthetic_series
 from node.tls import server_context
 from scripts.harness import CountingSCP, NodeRunner, free_port, send_files, write_config
 from storage.ledger import Ledger
 from tests.conftest import LOOPBACK, require_tool, wait_for
+from tests.fixtures.synthetic import write_synthetic_series
 from tests.scp_harness import SCPHarness, store
 from tests.test_outbox import encoded_job, outbox_config
 

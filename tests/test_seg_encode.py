@@ -43,10 +43,10 @@ from node.seg_header import (
     SEGMENTATION_STORAGE,
     SHARED_FUNCTIONAL_GROUPS,
 )
-from node.synthetic import SAGITTAL, phantom_labels, write_enhanced_ct
 from node.volume import Volume, assemble_volume
 from node.worker import encode
 from tests.conftest import LIVER, PHANTOM, require_data, require_tool
+from tests.fixtures.synthetic import SAGITTAL, phantom_labels, write_enhanced_ct
 from tests.test_results import MANIFEST, OBLIQUE, SOURCE_WARNINGS, UIDS, small_volume, truth
 
 VERSION = "0.1.0"

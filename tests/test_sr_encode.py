@@ -37,10 +37,10 @@ from node.results import (
 )
 from node.sr_encode import SrPlan
 from node.statistics import SegmentStatsAccumulator, _bincount, label_counts, numbering
-from node.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
 from node.volume import Volume, assemble_from_datasets, assemble_volume
 from node.worker import encode
 from tests.conftest import PHANTOM, require_data, require_tool
+from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
 from tests.test_results import MANIFEST, SOURCE_WARNINGS, UIDS
 
 NOW = datetime.datetime(2026, 12, 4, 3, 4, 5, 678901)

@@ -17,9 +17,9 @@ import pytest
 from node import sr_encode
 from node.results import SEGMENTATION_STORAGE, ResultUIDs, build_seg, build_sr, segment_statistics
 from node.sr_encode import SrPlan
-from node.synthetic import synthetic_datasets
 from node.volume import Volume, assemble_from_datasets
 from node.worker import encode
+from tests.fixtures.synthetic import synthetic_datasets
 from tests.test_results import MANIFEST
 from tests.test_sr_encode import NOW, PRESENT, _enhanced, _labels, _phantom, _synthetic
 from tests.test_sr_encode import pinned_clock as pinned_clock

@@ -12,10 +12,10 @@ from pydicom import dcmread
 from pydicom.uid import ExplicitVRLittleEndian
 from pynetdicom.sop_class import CTImageStorage  # type: ignore[attr-defined]
 
-from node.synthetic import write_synthetic_series
 from storage.ledger import InstanceRecord, Ledger
 from storage.spool import POOL_SUFFIX, Spool
 from tests.conftest import wait_for
+from tests.fixtures.synthetic import write_synthetic_series
 
 SMALL = 4096  # pool file size in these tests (bytes)
 

@@ -18,8 +18,8 @@ from pydicom.uid import (
 
 from node.series import SeriesGeometry, uniform_stack
 from node.streaming import Arrival, SlabPool, StreamingAssembler, _permute_in_place
-from node.synthetic import SAGITTAL, write_enhanced_ct, write_synthetic_series
 from node.volume import Volume, assemble_volume, rescale_into
+from tests.fixtures.synthetic import SAGITTAL, write_enhanced_ct, write_synthetic_series
 
 
 def assert_same_volume(a: Volume, b: Volume) -> None:

@@ -26,8 +26,8 @@ import pytest
 from engines import create_engine, load_manifest
 from engines.base import Engine
 from engines.models import default_manifest_path
-from node.synthetic import AXIAL, CORONAL, SAGITTAL, synthetic_datasets
 from node.volume import assemble_from_datasets, assemble_volume
+from tests.fixtures.synthetic import AXIAL, CORONAL, SAGITTAL, synthetic_datasets
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -591,10 +591,10 @@ def test_worker_runs_a_trained_model_and_fails_a_tilted_series_with_the_reason(
     from pydicom import dcmread
 
     from node.config import from_dict
-    from node.synthetic import write_synthetic_series
     from node.worker import Worker, result_paths
     from storage.ledger import Ledger
     from storage.spool import Spool
+    from tests.fixtures.synthetic import write_synthetic_series
     from tests.test_worker import ingest
 
     cfg = replace(from_dict({}), data_dir=tmp_path)
@@ -634,10 +634,10 @@ def test_node_segments_a_series_with_a_trained_model(
     """``segnode serve`` with a version-2 model in ``[model]``: a series sent over DICOM
     (pynetdicom) gives a SEG whose labels, read back by highdicom, are those computed
     directly with segment_trained."""
-    from node.synthetic import write_synthetic_series
     from node.worker import result_paths
     from scripts.harness import send_files
     from tests.conftest import wait_for
+    from tests.fixtures.synthetic import write_synthetic_series
 
     node = make_node(model={"manifest": str(manifest.fold_paths[0].parent / "bands.json")})
     files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=20, seed=7)
@@ -689,10 +689,10 @@ def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> N
     """A composite's job: the SEG holds the merged labels (segments named after the
     composite's labels), equal to segment_trained's merge."""
     from node.config import from_dict
-    from node.synthetic import write_synthetic_series
     from node.worker import Worker, result_paths
     from storage.ledger import Ledger
     from storage.spool import Spool
+    from tests.fixtures.synthetic import write_synthetic_series
     from tests.test_worker import ingest
 
     parts = [

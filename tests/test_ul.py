@@ -31,7 +31,6 @@ from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[at
 from node.header import parse_header
 from node.scp import file_meta
 from node.streaming import Arrival
-from node.synthetic import write_synthetic_series
 from node.ul import (
     IMPLEMENTATION_CLASS_UID,
     IMPLEMENTATION_VERSION,
@@ -43,6 +42,7 @@ from node.ul import (
 from storage.ledger import InstanceRecord, Ledger
 from storage.spool import Spool, SpoolError, _after
 from tests.conftest import LOOPBACK
+from tests.fixtures.synthetic import write_synthetic_series
 from tests.scp_harness import SCPHarness, store
 
 

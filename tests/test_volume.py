@@ -21,7 +21,9 @@ from pydicom.uid import (
     generate_uid,
 )
 
-from node.synthetic import (
+from node.volume import Volume, VolumeError, assemble_from_datasets, assemble_volume
+from tests.conftest import LIVER, PHANTOM, require_data
+from tests.fixtures.synthetic import (
     AXIAL,
     SAGITTAL,
     jpeg_lossless_sv1,
@@ -30,8 +32,6 @@ from node.synthetic import (
     write_enhanced_ct,
     write_synthetic_series,
 )
-from node.volume import Volume, VolumeError, assemble_from_datasets, assemble_volume
-from tests.conftest import LIVER, PHANTOM, require_data
 
 ROWS, COLUMNS, SLICES = 32, 40, 6
 OBLIQUE = (

@@ -23,9 +23,9 @@ import pytest
 
 from node.config import TLSConfig, from_dict
 from node.errors import ConfigError
-from node.synthetic import write_synthetic_series
 from scripts.harness import CountingSCP, send_files
 from tests.conftest import LOOPBACK, ROOT, NodeProcess, free_port, require_tool, wait_for
+from tests.fixtures.synthetic import write_synthetic_series
 
 TOKEN = "s3cret-token-for-the-web-tests-0123456789"
 PATIENT_ID = "PID-WEB-7731"

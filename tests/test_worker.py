@@ -13,10 +13,10 @@ from engines.manifest import load_manifest
 from engines.ort_backend import OrtEngine
 from node.config import DEFAULT_MODEL, from_dict
 from node.results import ResultError
-from node.synthetic import synthetic_datasets, write_synthetic_series
 from node.worker import Worker, result_paths
 from storage.ledger import InstanceRecord, Ledger
 from storage.spool import Spool
+from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def test_start_caches_the_sr_template_that_real_series_use(
     code = (
         "import sys, node.service, node.worker\n"
         "node.worker.assemble_from_datasets(node.worker.warm_up_series(), min_slices=2)\n"
-        "bad = [m for m in ('node.synthetic', 'node.sample_study') if m in sys.modules]\n"
+        "bad = [m for m in sys.modules if m == 'tests' or m.startswith('tests.')]\n"
         "sys.exit(f'fixtures imported: {bad}' if bad else 0)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
