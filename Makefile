@@ -27,8 +27,8 @@ tools:
 	     else echo "note: install dcmtk orthanc dicom3tools for the interop tests"; fi; }
 
 lint: $(VENV)/.test-deps
-	$(BIN)/ruff check node engines storage tests bench scripts
-	$(BIN)/ruff format --check node engines storage tests bench scripts
+	$(BIN)/ruff check segnode/*.py node engines storage tests bench scripts
+	$(BIN)/ruff format --check segnode/*.py node engines storage tests bench scripts
 
 typecheck: $(VENV)/.test-deps
 	$(BIN)/mypy
@@ -71,7 +71,7 @@ bench-torch-warm: venv
 	$(BIN)/python -m bench.torch_warm --out bench/out
 
 model: venv
-	$(BIN)/python -m engines.models.build_tissue
+	$(BIN)/python -m segnode.engines.models.build_tissue
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

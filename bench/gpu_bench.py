@@ -12,7 +12,7 @@ synthetic 128x512x512 CT, and measures, in one process and on one GPU:
 * PyTorch eager FP32 (true FP32: TF32 off) -- the baseline every ratio refers to,
 * PyTorch eager TF32, eager FP16 (NCDHW and channels-last), FP16 + CUDA graphs, FP16 +
   ``torch.compile`` (channels-last and NCDHW; ``--max-autotune`` adds the slow autotuned mode),
-* TensorRT, when :class:`engines.trt_backend.TensorRTEngine` can run here (else the reason).
+* TensorRT, when :class:`segnode.engines.trt_backend.TensorRTEngine` can run here (else the reason).
 
 For each: patches/s at the manifest's optimal batch, full-volume latency (median of
 ``--repeats`` after one warm-up, host array in, uint8 label map out), achieved TFLOP/s against
@@ -264,7 +264,7 @@ def bench_torch_variants(
     variants: list[tuple[str, dict[str, Any], str]],
 ) -> list[dict[str, Any]]:
     """Measure each PyTorch configuration; keep each label map in ``labels``."""
-    from engines.torch_backend import TorchEngine
+    from segnode.engines.torch_backend import TorchEngine
 
     batch = max(1, manifest.batch_opt)
     patches = n_patches(volume.shape, manifest.patch_size, manifest.overlap)
@@ -346,8 +346,8 @@ def bench_tensorrt(
     manifest: Any, volume: npt.NDArray[np.float32], args: argparse.Namespace
 ) -> dict[str, Any]:
     """TensorRT through TensorRTEngine, or the reason it cannot run here."""
-    from engines.base import EngineError
-    from engines.trt_backend import TensorRTEngine
+    from segnode.engines.base import EngineError
+    from segnode.engines.trt_backend import TensorRTEngine
 
     engine = TensorRTEngine(cache_dir=args.work / "engines", precision="fp16")
     try:
@@ -364,12 +364,12 @@ def bench_tensorrt(
 
 def tissue_agreement(torch: Any, shape: tuple[int, int, int]) -> dict[str, Any]:
     """TorchEngine (GPU, fp32 and fp16) vs OrtEngine (CPU) on the bundled tissue model."""
-    from engines.base import create_engine
-    from engines.manifest import load_manifest
-    from engines.torch_backend import TorchEngine
+    from segnode.engines.base import create_engine
+    from segnode.engines.manifest import load_manifest
+    from segnode.engines.torch_backend import TorchEngine
 
     if not TISSUE.exists():
-        return {"error": f"{TISSUE} missing (python -m engines.models.build_tissue)"}
+        return {"error": f"{TISSUE} missing (python -m segnode.engines.models.build_tissue)"}
     manifest = load_manifest(TISSUE)
     hu = synthetic_ct(shape, seed=1)
     ort_engine = create_engine("onnxruntime")
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engines.manifest import load_manifest
+    from segnode.engines.manifest import load_manifest
 
     if not torch.cuda.is_available():
         print("no CUDA GPU: this benchmark needs one")

@@ -22,8 +22,8 @@ trained-model folder; without one the script trains it first, a few minutes on a
     One 512 x 512 x 300 CT (0.7 x 0.7 x 1.25 mm) in memory; preprocessing + inference +
     export (labels back on the CT's grid, on the host) timed for ``nnUNetPredictor``
     (``predict_single_npy_array``, the image read beforehand with the plans' own reader) and
-    for segnode (:func:`engines.trained.segment_trained`, torch engine FP16 on the GPU), with
-    and without mirroring, for two networks: the trained tiny model and nnU-Net's default
+    for segnode (:func:`segnode.engines.trained.segment_trained`, torch engine FP16 on the GPU),
+    with and without mirroring, for two networks: the trained tiny model and nnU-Net's default
     3d_fullres architecture (32-320 features, 6 stages, 128^3 patch, as nnU-Net plans it for
     CT at 1.5 mm; weights from nnU-Net's own initialisation - the speed does not depend on
     them). Medians of ``--repeats`` runs after one warm-up each.
@@ -151,7 +151,7 @@ def full_size_folder(tiny: Path, work: Path) -> Path:
 def import_folder(folder: Path, out: Path, name: str) -> tuple[Path, Path, float]:
     """``segnode model import nnunet`` of ``folder`` (both folds); the manifest, a copy of it
     without mirroring, and the import's wall time."""
-    from engines.importers.nnunet import import_nnunet  # noqa: PLC0415
+    from segnode.engines.importers.nnunet import import_nnunet  # noqa: PLC0415
 
     t0 = time.perf_counter()
     report = import_nnunet(folder, out, name, folds=FOLDS, allow_generic=True)
@@ -187,8 +187,8 @@ def predictor(folder: Path, mirroring: bool) -> Any:
 
 def torch_engine(manifest_path: Path, precision: str = "fp16") -> Any:
     """segnode's torch engine on the GPU, loaded with ``manifest_path``."""
-    from engines.manifest import load_manifest  # noqa: PLC0415
-    from engines.torch_backend import TorchEngine  # noqa: PLC0415
+    from segnode.engines.manifest import load_manifest  # noqa: PLC0415
+    from segnode.engines.torch_backend import TorchEngine  # noqa: PLC0415
 
     engine = TorchEngine(device="cuda", precision=precision)
     engine.load(load_manifest(manifest_path))
@@ -207,12 +207,12 @@ def read_labels(path: Path) -> npt.NDArray[np.uint8]:
 
 def run_oracle(folder: Path, manifest_path: Path, work: Path) -> dict[str, Any]:
     """nnUNetPredictor live on the GPU vs segnode's GPU (and CPU) path on the oracle series."""
-    from engines.manifest import load_manifest  # noqa: PLC0415
-    from engines.ort_backend import OrtEngine  # noqa: PLC0415
-    from engines.preprocess.orientation import Geometry  # noqa: PLC0415
-    from engines.trained import segment_trained  # noqa: PLC0415
-    from node.volume import assemble_volume  # noqa: PLC0415
     from scripts.nnunet_phantom import write_dicom_case  # noqa: PLC0415
+    from segnode.engines.manifest import load_manifest  # noqa: PLC0415
+    from segnode.engines.ort_backend import OrtEngine  # noqa: PLC0415
+    from segnode.engines.preprocess.orientation import Geometry  # noqa: PLC0415
+    from segnode.engines.trained import segment_trained  # noqa: PLC0415
+    from segnode.node.volume import assemble_volume  # noqa: PLC0415
 
     test, pred = work / "oracle_in", work / "oracle_pred"
     test.mkdir(parents=True, exist_ok=True)
@@ -294,9 +294,9 @@ def run_speed(
     """Both sides, with and without mirroring, on the same in-memory CT."""
     import torch  # noqa: PLC0415
 
-    from engines.manifest import load_manifest  # noqa: PLC0415
-    from engines.preprocess.orientation import Geometry  # noqa: PLC0415
-    from engines.trained import segment_trained  # noqa: PLC0415
+    from segnode.engines.manifest import load_manifest  # noqa: PLC0415
+    from segnode.engines.preprocess.orientation import Geometry  # noqa: PLC0415
+    from segnode.engines.trained import segment_trained  # noqa: PLC0415
 
     row_dir, col_dir, normal = grid.directions
     positions = [grid.origin + k * grid.slice * normal for k in range(grid.slices)]
@@ -351,7 +351,7 @@ def run_speed(
 
 def _head(geometry: Any, grid: Grid) -> Any:
     """Geometry of the first 64 slices (warm-up)."""
-    from engines.preprocess.orientation import Geometry  # noqa: PLC0415
+    from segnode.engines.preprocess.orientation import Geometry  # noqa: PLC0415
 
     row_dir, col_dir, normal = grid.directions
     positions = [grid.origin + k * grid.slice * normal for k in range(64)]

@@ -5,7 +5,7 @@
    destinations segments ``bench/generated/ct128`` (synthetic 512x512x128 CT, default model on
    the CPU); the results are cached under ``bench/generated/outbox-results``.
 2. **Variants**, interleaved round by round (``--rounds``), each with its own ledger and
-   :class:`~node.scu.Dispatcher` sending to one Orthanc:
+   :class:`~segnode.node.scu.Dispatcher` sending to one Orthanc:
 
    * ``before`` - ``node/scu.py`` as of ``--before`` (a git revision; skipped when empty):
      the file decoded with ``dcmread`` and encoded again by pynetdicom, a new association;
@@ -48,11 +48,11 @@ from pydicom import dcmread
 from pydicom.uid import generate_uid
 
 from bench.ingest import orthanc
-from node.config import Config, from_dict
-from node.scu import Dispatcher
 from scripts.harness import NodeRunner, free_port, send_files, write_config
-from storage.ledger import InstanceRecord, Ledger
-from storage.spool import write_atomic
+from segnode.node.config import Config, from_dict
+from segnode.node.scu import Dispatcher
+from segnode.storage.ledger import InstanceRecord, Ledger
+from segnode.storage.spool import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"

@@ -1,7 +1,7 @@
-"""External check of node.seg_encode with dcmqi: ``python -m bench.seg_dcmqi OUT``.
+"""External check of segnode.node.seg_encode with dcmqi: ``python -m bench.seg_dcmqi OUT``.
 
 Writes a synthetic CT series (axial and sagittal), encodes a BINARY SEG of the phantom's five
-labels with :class:`node.seg_encode.SegPlan`, converts it with dcmqi's ``segimage2itkimage``
+labels with :class:`segnode.node.seg_encode.SegPlan`, converts it with dcmqi's ``segimage2itkimage``
 (``pip install dcmqi``) and compares each segment image with the label map and its geometry
 (origin, spacing, direction, size) with SimpleITK's reading of the CT series
 (``pip install SimpleITK``; both are in the ``test`` extra, and
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.manifest import load_manifest
-from node.results import ResultUIDs
-from node.seg_check import check_encoded
-from node.seg_encode import SegPlan
-from node.volume import assemble_volume
+from segnode.engines.manifest import load_manifest
+from segnode.node.results import ResultUIDs
+from segnode.node.seg_check import check_encoded
+from segnode.node.seg_encode import SegPlan
+from segnode.node.volume import assemble_volume
 from tests.fixtures.synthetic import AXIAL, SAGITTAL, phantom_labels, write_synthetic_series
 
 

@@ -1,4 +1,4 @@
-"""The SR of a result: statistics and encoding, before and after :mod:`node.sr_encode`.
+"""The SR of a result: statistics and encoding, before and after :mod:`segnode.node.sr_encode`.
 
 Run::
 
@@ -9,12 +9,13 @@ On the synthetic phantom series (``tests.fixtures.synthetic``) with its label ma
 median wall and process CPU time of ``--runs`` runs of:
 
 * baseline: the statistics as they were (``np.bincount`` with float64 weights), highdicom's
-  Comprehensive 3D SR (what ``build_sr`` builds) and pydicom's writer (``node.worker.encode``);
+  Comprehensive 3D SR (what ``build_sr`` builds) and pydicom's writer
+  (``segnode.node.worker.encode``);
 * ``build_sr`` + write as it is now (the new statistics inside);
-* the new statistics (:func:`node.results.segment_statistics`), and the same fed slab by
-  slab to a :class:`node.statistics.SegmentStatsAccumulator`;
-* :meth:`node.sr_encode.SrPlan.prepare` (off the critical path: before the labels exist);
-* :meth:`node.sr_encode.SrPlan.encode`;
+* the new statistics (:func:`segnode.node.results.segment_statistics`), and the same fed slab by
+  slab to a :class:`segnode.node.statistics.SegmentStatsAccumulator`;
+* :meth:`segnode.node.sr_encode.SrPlan.prepare` (off the critical path: before the labels exist);
+* :meth:`segnode.node.sr_encode.SrPlan.encode`;
 
 and the ratio of the baseline to statistics + encode, the part that waits for the labels.
 The statistics are checked against the bincount ones and the encoded bytes against
@@ -43,8 +44,8 @@ import numpy as np
 import numpy.typing as npt
 from pydicom.dataset import Dataset
 
-from engines.manifest import LabelSpec, ModelManifest
-from node.results import (
+from segnode.engines.manifest import LabelSpec, ModelManifest
+from segnode.node.results import (
     SEGMENTATION_STORAGE,
     ResultUIDs,
     SegmentStatistics,
@@ -55,10 +56,10 @@ from node.results import (
     segment_statistics,
     sr_document,
 )
-from node.sr_encode import SrPlan
-from node.statistics import SegmentStatsAccumulator, _bincount, numbering
-from node.volume import Volume, assemble_from_datasets
-from node.worker import encode
+from segnode.node.sr_encode import SrPlan
+from segnode.node.statistics import SegmentStatsAccumulator, _bincount, numbering
+from segnode.node.volume import Volume, assemble_from_datasets
+from segnode.node.worker import encode
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
 _TISSUE = ("85756007", "SCT", "Tissue")

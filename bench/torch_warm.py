@@ -6,7 +6,7 @@ Run on a CUDA machine with torch and onnx2torch::
 
 For each model (the nnU-Net-style U-Net of :mod:`bench.unet` and the bundled tissue model)
 and each way of loading, one **fresh process** (as a node restart is) loads a
-:class:`engines.torch_backend.TorchEngine` (FP16) and segments a synthetic 128x512x512 CT
+:class:`segnode.engines.torch_backend.TorchEngine` (FP16) and segments a synthetic 128x512x512 CT
 twice. Ways of loading:
 
 * ``eager``: no compilation (the reference for the label maps' agreement);
@@ -46,8 +46,8 @@ t_spawn = float(sys.argv[1])
 import torch
 t_torch = time.time()
 import numpy as np
-from engines.manifest import load_manifest
-from engines.torch_backend import TorchEngine
+from segnode.engines.manifest import load_manifest
+from segnode.engines.torch_backend import TorchEngine
 from bench.gpu_bench import synthetic_ct
 manifest, mode, cache, out, shape, device = sys.argv[2:8]
 options = {"precision": "fp16", "device": device}

@@ -221,7 +221,7 @@ def build_unet(spec: UNetSpec = FULL) -> UNetModel:
 def write_unet(out_dir: str | Path, spec: UNetSpec = FULL, *, name: str = "unet") -> Path:
     """Write ``<name>.onnx`` and its manifest ``<name>.json`` into ``out_dir``.
 
-    The manifest follows :mod:`engines.manifest`; its extra keys ``flops_per_patch`` and
+    The manifest follows :mod:`segnode.engines.manifest`; its extra keys ``flops_per_patch`` and
     ``params`` are read by the benchmark. Returns the manifest path.
     """
     out = Path(out_dir)

@@ -1,13 +1,13 @@
 """Inference engines: a backend interface, a registry by name, model manifests, sliding window."""
 
-from engines.base import (
+from segnode.engines.base import (
     Engine,
     EngineError,
     available_backends,
     create_engine,
     register_backend,
 )
-from engines.manifest import LabelSpec, ModelManifest, load_manifest
+from segnode.engines.manifest import LabelSpec, ModelManifest, load_manifest
 
 __all__ = [
     "Engine",

@@ -1,16 +1,16 @@
 """The engine interface and the registry of backends by name.
 
 A backend turns a CT volume (Hounsfield units, float32, shape ``(z, y, x)``) into a uint8
-label map of the same shape, using a model described by a :class:`~engines.manifest.ModelManifest`.
-Backends register a factory under a name (``"onnxruntime"``, ``"tensorrt"``, ``"torch"``); heavy
-modules (CUDA, TensorRT, torch) are imported only inside the factory, so the CPU install never
-needs them.
+label map of the same shape, using a model described by a
+:class:`~segnode.engines.manifest.ModelManifest`. Backends register a factory under a name
+(``"onnxruntime"``, ``"tensorrt"``, ``"torch"``); heavy modules (CUDA, TensorRT, torch) are imported
+only inside the factory, so the CPU install never needs them.
 
 A version-2 (trained) manifest is not run by :meth:`Engine.segment`: its contract needs the
 volume's geometry (reorientation, resampling to the model's spacing) and nnU-Net's window over
 every fold. A backend that runs one also implements :class:`TrainedEngine` (loading one
-network per fold file, :meth:`engines.manifest.ModelManifest.model_files`), and
-:func:`engines.trained.segment_trained` drives it.
+network per fold file, :meth:`segnode.engines.manifest.ModelManifest.model_files`), and
+:func:`segnode.engines.trained.segment_trained` drives it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from engines.manifest import ModelManifest
+    from segnode.engines.manifest import ModelManifest
 
 
 class EngineError(Exception):
@@ -50,7 +50,7 @@ class Engine(Protocol):
         """Return the label map (uint8, same shape as ``hu``) for a ``(z, y, x)`` HU volume.
 
         Version-1 models only: a backend loaded with a version-2 manifest raises
-        :class:`EngineError` here (use :func:`engines.trained.segment_trained`).
+        :class:`EngineError` here (use :func:`segnode.engines.trained.segment_trained`).
         """
 
     def close(self) -> None:
@@ -64,7 +64,7 @@ class LabelSums:
     Each array is indexed by label value ``0 .. len - 1`` (0: background) and covers every
     value the map holds. A backend that has the label map and the HU on its device computes
     them there (:class:`SumsEngine`), so that the node does not read the volume again;
-    :func:`node.statistics.statistics_from_sums` turns them into the SR's statistics.
+    :func:`segnode.node.statistics.statistics_from_sums` turns them into the SR's statistics.
 
     Attributes
     ----------
@@ -95,11 +95,13 @@ class TrainedEngine(Protocol):
     """A backend that runs version-2 (trained) models: one network per fold file.
 
     After :meth:`Engine.load` with a version-2 manifest the backend holds one network per
-    entry of :meth:`~engines.manifest.ModelManifest.model_files` (every fold; for a composite
-    every fold of every part, part by part). :func:`engines.trained.segment_trained` moves the
-    HU volume to the backend's device, runs :func:`engines.preprocess.pipeline.run_model`
-    there around :func:`engines.nnunet_window.predict_for_manifest` with these predictors,
-    and takes the labels back.
+    entry of :meth:`~segnode.engines.manifest.ModelManifest.model_files` (every fold; for a
+    composite every fold of every part, part by part).
+    :func:`segnode.engines.trained.segment_trained` moves the HU volume to the backend's device,
+    runs
+    :func:`segnode.engines.preprocess.pipeline.run_model` there around
+    :func:`segnode.engines.nnunet_window.predict_for_manifest` with these predictors, and takes the
+    labels back.
     """
 
     def fold_predictors(self) -> list[PatchPredictor]:
@@ -131,9 +133,9 @@ Factory = Callable[..., Engine]
 
 # name -> "module:attribute"; resolved lazily so that importing engines never imports CUDA.
 _BUILTIN: dict[str, str] = {
-    "onnxruntime": "engines.ort_backend:OrtEngine",
-    "tensorrt": "engines.trt_backend:TensorRTEngine",
-    "torch": "engines.torch_backend:TorchEngine",
+    "onnxruntime": "segnode.engines.ort_backend:OrtEngine",
+    "tensorrt": "segnode.engines.trt_backend:TensorRTEngine",
+    "torch": "segnode.engines.torch_backend:TorchEngine",
 }
 _REGISTRY: dict[str, Factory] = {}
 

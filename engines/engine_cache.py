@@ -1,7 +1,7 @@
 """On-disk cache of serialized TensorRT engines, keyed by everything that makes them differ.
 
-:func:`engines.trt_build.build_engine` fills it; :func:`engines.trt_build.list_engines` and
-``segnode engine list`` read it.
+:func:`segnode.engines.trt_build.build_engine` fills it;
+:func:`segnode.engines.trt_build.list_engines` and ``segnode engine list`` read it.
 
 Layout of ``<data_dir>/engines/``::
 
@@ -118,7 +118,7 @@ class EngineKey:
 
 @dataclass(frozen=True)
 class CachedEngine:
-    """Result of :func:`engines.trt_backend.build_engine`.
+    """Result of :func:`segnode.engines.trt_backend.build_engine`.
 
     Attributes
     ----------

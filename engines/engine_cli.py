@@ -12,8 +12,8 @@ The node's CLI registers the sub-commands with :func:`add_engine_parser` and dis
 On a machine without a GPU ``auto`` builds with TensorRT-RTX ahead of time (a portable engine
 for compute capability 8.0 and later); with full TensorRT and a GPU it builds for that GPU.
 ``--engine torch`` compiles the model as the node's ``torch`` engine with ``compile = true``
-does at its first start (same options, same key: :mod:`engines.torch_cache`), so that the node
-starts by loading the artefact; it needs the GPU the node will use. A version-2 (trained)
+does at its first start (same options, same key: :mod:`segnode.engines.torch_cache`), so that the
+node starts by loading the artefact; it needs the GPU the node will use. A version-2 (trained)
 model gets one engine or artefact per fold file, every part's for a composite, each with its
 own cache key (the fold file's SHA-256).
 """
@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from engines.base import EngineError
-from engines.manifest import ModelManifest, check_runnable, load_manifest
+from segnode.engines.base import EngineError
+from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
@@ -68,7 +68,7 @@ def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
 def resolve_model(spec: str | None, default_model: Path) -> ModelManifest:
     """Load the manifest named by ``spec``: a path, a bundled model name, or the default;
     one the engines cannot run as its contract says is refused
-    (:func:`engines.manifest.check_runnable`)."""
+    (:func:`segnode.engines.manifest.check_runnable`)."""
     manifest = _find_model(spec, default_model)
     check_runnable(manifest)
     return manifest
@@ -118,7 +118,7 @@ def run_engine_command(
     try:
         if args.engine_command == "build" and getattr(args, "engine", "tensorrt") == "torch":
             return _build_torch(args, resolve_model(args.model, default_model), cache_dir, stream)
-        from engines.trt_backend import build_engine, list_engines
+        from segnode.engines.trt_backend import build_engine, list_engines
 
         if args.engine_command == "build":
             manifest = resolve_model(args.model, default_model)
@@ -168,7 +168,7 @@ def _build_torch(
     args: argparse.Namespace, manifest: ModelManifest, cache_dir: Path, stream: TextIO
 ) -> int:
     """Compile (or find) the torch engine's artefact, exactly as the node's first start would."""
-    from engines.torch_backend import TorchEngine
+    from segnode.engines.torch_backend import TorchEngine
 
     engine = TorchEngine(
         device=args.device,
@@ -201,7 +201,7 @@ def _build_torch(
 
 
 def _list_torch(cache_dir: Path, stream: TextIO) -> None:
-    from engines.torch_cache import SUBDIR, TorchCache
+    from segnode.engines.torch_cache import SUBDIR, TorchCache
 
     records = TorchCache(cache_dir / SUBDIR).entries(verify=True)
     print(f"compiled torch models {cache_dir / SUBDIR}: {len(records)}", file=stream)

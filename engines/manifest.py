@@ -68,7 +68,7 @@ version-2 manifest of its own (path relative to the composite file) and maps its
     }
 
 The order of operations, and what each key means exactly, is in docs/integration.md
-("Model contract v2") and :mod:`engines.preprocess`. A version-1 manifest gets an equivalent
+("Model contract v2") and :mod:`segnode.engines.preprocess`. A version-1 manifest gets an equivalent
 :class:`ModelContract` (source orientation, no resampling, its clip/scale/offset), so the
 preprocessing runtime runs both.
 """
@@ -85,10 +85,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import EngineError
-from engines.preprocess.intensity import CTNormalization, LinearNormalization, Normalization
-from engines.preprocess.orientation import SOURCE, check_orientation_code
-from engines.preprocess.resampling import ANISO_THRESHOLD, ORDERS
+from segnode.engines.base import EngineError
+from segnode.engines.preprocess.intensity import CTNormalization, LinearNormalization, Normalization
+from segnode.engines.preprocess.orientation import SOURCE, check_orientation_code
+from segnode.engines.preprocess.resampling import ANISO_THRESHOLD, ORDERS
 
 Code = tuple[str, str, str]  # (value, scheme designator, meaning)
 
@@ -156,7 +156,7 @@ class ModelContract:
         TotalSegmentator's ``change_spacing`` first (the HU image resampled to ``spacing``
         on corner-aligned grids with ``data_order``, truncated to integers), then crop and
         normalise on that grid, and the label map back with nearest neighbours (corner
-        aligned); see :func:`engines.preprocess.pipeline.run_model`.
+        aligned); see :func:`segnode.engines.preprocess.pipeline.run_model`.
     sigma_scale
         Gaussian importance sigma as a fraction of the patch size.
     mirror_axes
@@ -242,7 +242,8 @@ class ModelManifest:
     @property
     def is_trained(self) -> bool:
         """True for a version-2 manifest (one model or a composite): it runs through
-        :func:`engines.trained.segment_trained`, not :meth:`engines.base.Engine.segment`."""
+        :func:`segnode.engines.trained.segment_trained`, not
+        :meth:`segnode.engines.base.Engine.segment`."""
         return self.manifest_version == 2
 
     @property
@@ -330,8 +331,8 @@ def _overlap(raw: Any, where: Path) -> float | tuple[float, float, float]:
 def check_runnable(manifest: ModelManifest) -> None:
     """Refuse a manifest the node cannot run as its contract says.
 
-    Version 1 runs on the source grid (:meth:`engines.base.Engine.segment`); version 2
-    (one trained model or a composite) through :func:`engines.trained.segment_trained`,
+    Version 1 runs on the source grid (:meth:`segnode.engines.base.Engine.segment`); version 2
+    (one trained model or a composite) through :func:`segnode.engines.trained.segment_trained`,
     nnU-Net's blended sliding window over every fold. That window blends scores, so a
     version-2 model whose network returns labels (``"output_kind": "labels"``) is refused.
 

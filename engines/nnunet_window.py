@@ -1,6 +1,6 @@
 """nnU-Net v2's sliding window, returning logits, for version-2 (trained) models.
 
-:mod:`engines.sliding_window` is the node's own Gaussian sliding window for version-1 models
+:mod:`segnode.engines.sliding_window` is the node's own Gaussian sliding window for version-1 models
 (its tile placement, a Gaussian centred at ``(patch - 1) / 2``, arg-max out). A model trained
 by nnU-Net expects nnU-Net's own inference, reproduced here from nnunetv2 2.8.1
 (``nnunetv2/inference/sliding_window_prediction.py`` and ``predict_from_raw_data.py``,
@@ -43,7 +43,7 @@ Deliberate differences from nnU-Net's code:
 * Non-finite logits raise ``ValueError`` (nnU-Net raises on infinities only).
 
 Everything goes through the array-API namespace of the image (NumPy, torch, CuPy), as
-:mod:`engines.sliding_window` does.
+:mod:`segnode.engines.sliding_window` does.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ import numpy.typing as npt
 from array_api_compat import array_namespace
 from array_api_compat import device as array_device
 
-from engines.manifest import ModelManifest
+from segnode.engines.manifest import ModelManifest
 
 Array: TypeAlias = Any
 """An array of any array-API namespace (NumPy, CuPy, torch ...)."""
@@ -69,7 +69,7 @@ same namespace and device."""
 
 ImagePredictor: TypeAlias = Callable[[Array], Array]
 """``predict(image)``: float32 ``(z, y, x)`` in, float32 ``(C, z, y, x)`` logits out (what
-:func:`engines.preprocess.pipeline.run_model` takes)."""
+:func:`segnode.engines.preprocess.pipeline.run_model` takes)."""
 
 GAUSSIAN_DTYPES = ("float16", "float32", "float64")
 
@@ -417,7 +417,7 @@ def make_predict(
     channels: int | None = None,
 ) -> ImagePredictor:
     """``predict(image) -> (C, z, y, x)`` logits for
-    :func:`engines.preprocess.pipeline.run_model`, from per-fold patch predictors
+    :func:`segnode.engines.preprocess.pipeline.run_model`, from per-fold patch predictors
     (:func:`sliding_window_logits` with nnU-Net's Gaussian settings)."""
     folds = tuple(fold_predictors)
     if not folds:

@@ -1,8 +1,8 @@
 """The ONNX Runtime backend: runs any manifest's model on the CPU (or another ORT provider).
 
-Registered as ``"onnxruntime"`` in :mod:`engines.base`. Preprocessing follows the manifest
+Registered as ``"onnxruntime"`` in :mod:`segnode.engines.base`. Preprocessing follows the manifest
 (``clip(HU) * scale + offset``), inference goes through
-:func:`engines.sliding_window.sliding_window_segment` with NumPy arrays.
+:func:`segnode.engines.sliding_window.sliding_window_segment` with NumPy arrays.
 
 On the CPU the threads share the work by patch, not by operator: each thread runs whole
 patches through the session with a single intra-op thread, and the sliding window hands over
@@ -11,8 +11,8 @@ model then keeps each core on its own patch, in its own cache, with no hand-over
 threads at every operator (see docs/performance.md).
 
 A version-2 (trained) manifest loads one session per fold file
-(:meth:`~engines.manifest.ModelManifest.model_files`); :meth:`OrtEngine.fold_predictors`
-hands them to :func:`engines.trained.segment_trained` (NumPy in and out, patches split into
+(:meth:`~segnode.engines.manifest.ModelManifest.model_files`); :meth:`OrtEngine.fold_predictors`
+hands them to :func:`segnode.engines.trained.segment_trained` (NumPy in and out, patches split into
 runs of the session's batch shared out over the same patch threads).
 """
 
@@ -31,9 +31,9 @@ import numpy.typing as npt
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
-from engines.base import EngineError, PatchPredictor
-from engines.manifest import ModelManifest
-from engines.sliding_window import OUTPUT_KINDS, sliding_window_segment
+from segnode.engines.base import EngineError, PatchPredictor
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.sliding_window import OUTPUT_KINDS, sliding_window_segment
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class OrtEngine:
         return predict
 
     def fold_predictors(self) -> list[PatchPredictor]:
-        """The loaded fold networks (:class:`engines.base.TrainedEngine`), NumPy in and out.
+        """The loaded fold networks (:class:`segnode.engines.base.TrainedEngine`), NumPy in and out.
 
         Raises
         ------
@@ -219,7 +219,7 @@ class OrtEngine:
         if manifest.is_trained:
             raise EngineError(
                 f"model {manifest.name!r} is a trained (version-2) model: it runs with the "
-                "volume's geometry through engines.trained.segment_trained"
+                "volume's geometry through segnode.engines.trained.segment_trained"
             )
         volume = np.asarray(hu)
         if volume.ndim != 3 or min(volume.shape) < 1:

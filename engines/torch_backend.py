@@ -19,11 +19,11 @@ compile=True``.
 
 Compilation takes seconds to minutes. With a ``cache_dir`` (the node passes
 ``<data_dir>/engines``) the compiled model is kept as an artefact keyed by model, versions,
-GPU and options (:mod:`engines.torch_compile`, :mod:`engines.torch_cache`): the first start
-(or ``segnode engine build --engine torch``) compiles it, later starts load it. Without one,
-every process compiles again (``torch.compile`` at the first forward pass).
+GPU and options (:mod:`segnode.engines.torch_compile`, :mod:`segnode.engines.torch_cache`): the
+first start (or ``segnode engine build --engine torch``) compiles it, later starts load it. Without
+one, every process compiles again (``torch.compile`` at the first forward pass).
 
-The sliding window (:func:`engines.sliding_window.sliding_window_segment`) runs on torch
+The sliding window (:func:`segnode.engines.sliding_window.sliding_window_segment`) runs on torch
 tensors on the device; only the uint8 label map is copied back. With
 :meth:`TorchEngine.segment_with_sums` the per-label voxel counts and HU sums of the SR's
 statistics are computed there too (a few values copied back), so that the node does not
@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import EngineError, LabelSums, PatchPredictor
+from segnode.engines.base import EngineError, LabelSums, PatchPredictor
 
 if TYPE_CHECKING:
-    from engines.manifest import ModelManifest
+    from segnode.engines.manifest import ModelManifest
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def convert_onnx(path: Any) -> Any:
 
 
 class TorchEngine:
-    """The ``"torch"`` backend of :func:`engines.base.create_engine`.
+    """The ``"torch"`` backend of :func:`segnode.engines.base.create_engine`.
 
     Parameters
     ----------
@@ -175,7 +175,7 @@ class TorchEngine:
         Kind of artefact cached: ``"inductor"`` (``torch.compile`` with its caches saved and
         restored) or ``"aoti"`` (AOTInductor package, test-run in a child process when
         built; falls back to ``"inductor"`` when the model cannot be exported or the package
-        fails its test run). See :mod:`engines.torch_compile`.
+        fails its test run). See :mod:`segnode.engines.torch_compile`.
 
     Attributes
     ----------
@@ -377,7 +377,7 @@ class TorchEngine:
             torch, t0 = self._torch, time.perf_counter()
             module = convert_onnx(self.manifest.onnx_path).eval()
             if self.compile:
-                from engines.torch_compile import fold_constant_shapes
+                from segnode.engines.torch_compile import fold_constant_shapes
 
                 if folded := fold_constant_shapes(torch, module):
                     logger.info("%d constant axes/shapes folded for compilation", folded)
@@ -415,8 +415,8 @@ class TorchEngine:
     def _compile_cached(self, example: Any) -> Callable[[Any], Any] | None:
         """The predictor from the compiled-artefact cache (built on a miss), or None (with a
         warning) when nothing can be compiled: the caller then runs the model eagerly."""
-        from engines.torch_cache import SUBDIR, TorchCache
-        from engines.torch_compile import compile_cached, runtime_facts
+        from segnode.engines.torch_cache import SUBDIR, TorchCache
+        from segnode.engines.torch_compile import compile_cached, runtime_facts
 
         assert self.manifest is not None and self.cache_dir is not None
         try:
@@ -508,7 +508,7 @@ class TorchEngine:
         return self._predict(patches)
 
     def fold_predictors(self) -> list[PatchPredictor]:
-        """One predictor per fold file (:class:`engines.base.TrainedEngine`): float32
+        """One predictor per fold file (:class:`segnode.engines.base.TrainedEngine`): float32
         ``(N, 1, *patch)`` tensors on the device in, float32 scores on the device out (cast to
         FP16 inside where the engine runs in half precision; a compiled or graphed module's
         batch is split or padded to its static size)."""
@@ -559,11 +559,11 @@ class TorchEngine:
         self, hu: npt.NDArray[np.float32]
     ) -> tuple[npt.NDArray[np.uint8], LabelSums]:
         """The label map and, summed on the device, each label's voxel count, HU sum and
-        sum of squared HU (:class:`engines.base.SumsEngine`).
+        sum of squared HU (:class:`segnode.engines.base.SumsEngine`).
 
         The sums are float64 on the device (``torch.bincount`` with float64 weights); for
         integer HU, as CT stores them, they are exact and equal those of
-        :func:`node.statistics.segment_statistics` whatever the order of the additions.
+        :func:`segnode.node.statistics.segment_statistics` whatever the order of the additions.
         """
         labels, sums = self._segment(hu, sums=True)
         assert sums is not None
@@ -572,14 +572,14 @@ class TorchEngine:
     def _segment(
         self, hu: npt.NDArray[np.float32], *, sums: bool
     ) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
-        from engines.sliding_window import sliding_window_segment
+        from segnode.engines.sliding_window import sliding_window_segment
 
         if self.manifest is None:
             raise EngineError("torch engine used before load()")
         if self.manifest.is_trained:
             raise EngineError(
                 f"model {self.manifest.name} is a trained (version-2) model: it runs with the "
-                "volume's geometry through engines.trained.segment_trained"
+                "volume's geometry through segnode.engines.trained.segment_trained"
             )
         if hu.ndim != 3:
             raise EngineError(f"expected a (z, y, x) volume, got shape {hu.shape}")

@@ -21,8 +21,8 @@ Layout of ``<data_dir>/engines/torch/``::
 (:class:`TorchKey`) holds everything a compiled artefact depends on: the ONNX file's SHA-256,
 the torch, CUDA, Triton and onnx2torch versions, the GPU's name and compute capability,
 precision, batch, patch shape, memory format and compile mode. Files are written as
-:func:`engines.engine_cache.atomic_write` writes them (artefact before sidecar). A lookup trusts
-nothing: a sidecar written for another key (stale, or copied from another machine) or an
+:func:`segnode.engines.engine_cache.atomic_write` writes them (artefact before sidecar). A lookup
+trusts nothing: a sidecar written for another key (stale, or copied from another machine) or an
 artefact of another size or checksum (corrupt) is reported, removed and rebuilt; an artefact
 that passes the checks but does not load is removed and rebuilt too (:func:`load_or_build`).
 This module imports neither torch nor onnx, so its logic is tested on any machine.
@@ -45,8 +45,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engines.base import EngineError
-from engines.engine_cache import _safe, atomic_write
+from segnode.engines.base import EngineError
+from segnode.engines.engine_cache import _safe, atomic_write
 
 logger = logging.getLogger(__name__)
 

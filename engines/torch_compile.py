@@ -1,8 +1,8 @@
 """Compiled artefacts of the ``torch`` engine: AOTInductor packages and Inductor mega-caches.
 
-:class:`engines.torch_backend.TorchEngine` with ``compile=True`` and a ``cache_dir`` calls
+:class:`segnode.engines.torch_backend.TorchEngine` with ``compile=True`` and a ``cache_dir`` calls
 :func:`compile_cached`, which returns a predictor from the artefact cache of
-:mod:`engines.torch_cache`, building the artefact on a miss:
+:mod:`segnode.engines.torch_cache`, building the artefact on a miss:
 
 ``inductor`` (the default)
     ``torch.compile`` as without a cache, after which ``torch.compiler.save_cache_artifacts``
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.base import EngineError
-from engines.torch_cache import Loaded, RuntimeFacts, TorchCache, TorchKey, load_or_build
+from segnode.engines.base import EngineError
+from segnode.engines.torch_cache import Loaded, RuntimeFacts, TorchCache, TorchKey, load_or_build
 
 if TYPE_CHECKING:
-    from engines.manifest import ModelManifest
+    from segnode.engines.manifest import ModelManifest
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@
 
 1. the HU volume goes to the backend's device once (:meth:`TrainedEngine.to_device`);
 2. per model (the manifest itself, or each part of a composite in order):
-   :func:`engines.preprocess.pipeline.run_model` around
-   :func:`engines.nnunet_window.predict_for_manifest` with that model's fold predictors -
+   :func:`segnode.engines.preprocess.pipeline.run_model` around
+   :func:`segnode.engines.nnunet_window.predict_for_manifest` with that model's fold predictors -
    reorientation, cropping, normalisation, resampling to the model's spacing, nnU-Net's
    Gaussian window with mirroring and the fold average, the scores back to the source grid,
    arg-max - all on the device, inside :meth:`TrainedEngine.device_scope`;
@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import EngineError, PatchPredictor, TrainedEngine
-from engines.manifest import ModelManifest
-from engines.nnunet_window import predict_for_manifest
-from engines.preprocess.orientation import Geometry
-from engines.preprocess.pipeline import run_model
+from segnode.engines.base import EngineError, PatchPredictor, TrainedEngine
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.nnunet_window import predict_for_manifest
+from segnode.engines.preprocess.orientation import Geometry
+from segnode.engines.preprocess.pipeline import run_model
 
 
 def segment_trained(
@@ -41,7 +41,7 @@ def segment_trained(
     Parameters
     ----------
     engine
-        A :class:`~engines.base.TrainedEngine` loaded with ``manifest``.
+        A :class:`~segnode.engines.base.TrainedEngine` loaded with ``manifest``.
     manifest
         The version-2 manifest the engine was loaded with.
     hu

@@ -4,8 +4,8 @@ One code path serves NVIDIA TensorRT (module ``tensorrt``) and TensorRT for RTX 
 ``tensorrt_rtx``, or ``tensorrt_rtx_bindings`` from the split PyPI wheels
 ``tensorrt-rtx-cu13-libs`` + ``tensorrt-rtx-cu13-bindings``); ``flavour="auto"`` takes full
 TensorRT when it imports and a GPU is present, else TensorRT-RTX. Builds live in
-:mod:`engines.trt_build` (re-exported here: :func:`build_engine`, :func:`list_engines`), the
-cache in :mod:`engines.engine_cache`. The two flavours differ in three places:
+:mod:`segnode.engines.trt_build` (re-exported here: :func:`build_engine`, :func:`list_engines`), the
+cache in :mod:`segnode.engines.engine_cache`. The two flavours differ in three places:
 
 * **GPU target.** TensorRT builds for the GPU it runs on (key target ``sm90`` etc.) and needs
   one. TensorRT-RTX builds ahead of time without a GPU; by default its engine is *portable*
@@ -22,7 +22,7 @@ cache in :mod:`engines.engine_cache`. The two flavours differ in three places:
 
 Execution (:class:`TensorRTEngine`): the HU volume goes to the GPU once, through two pinned host
 buffers used alternately (the host copy of one chunk overlaps the DMA of the other);
-preprocessing, the sliding window (:func:`engines.sliding_window.sliding_window_segment` on
+preprocessing, the sliding window (:func:`segnode.engines.sliding_window.sliding_window_segment` on
 CuPy arrays), Gaussian blending and argmax all run on one CuPy stream per engine; each batch of
 patches is copied into one of two device input/output binding pairs (double buffering: the
 logits of batch *k* stay valid while batch *k + 1* is enqueued) and run with
@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import EngineError, PatchPredictor
-from engines.engine_cache import CachedEngine, EngineCache, EngineRecord, atomic_write
-from engines.trt_build import (
+from segnode.engines.base import EngineError, PatchPredictor
+from segnode.engines.engine_cache import CachedEngine, EngineCache, EngineRecord, atomic_write
+from segnode.engines.trt_build import (
     PORTABLE,
     Flavour,
     GpuInfo,
@@ -59,7 +59,7 @@ from engines.trt_build import (
 )
 
 if TYPE_CHECKING:
-    from engines.manifest import ModelManifest
+    from segnode.engines.manifest import ModelManifest
 
 __all__ = [
     "CachedEngine",
@@ -272,7 +272,7 @@ class TrtRunner:
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Label map of a ``(z, y, x)`` HU volume; only the uint8 result comes back."""
-        from engines.sliding_window import sliding_window_segment
+        from segnode.engines.sliding_window import sliding_window_segment
 
         cp = self._cp
         m = self.manifest
@@ -321,7 +321,7 @@ class TrtRunner:
 
 
 class TensorRTEngine:
-    """The ``"tensorrt"`` backend of :func:`engines.base.create_engine`.
+    """The ``"tensorrt"`` backend of :func:`segnode.engines.base.create_engine`.
 
     Parameters
     ----------
@@ -425,12 +425,12 @@ class TensorRTEngine:
         if self.manifest.is_trained:
             raise EngineError(
                 f"model {self.manifest.name} is a trained (version-2) model: it runs with the "
-                "volume's geometry through engines.trained.segment_trained"
+                "volume's geometry through segnode.engines.trained.segment_trained"
             )
         return self._runner.segment(hu)
 
     def fold_predictors(self) -> list[PatchPredictor]:
-        """One predictor per fold file (:class:`engines.base.TrainedEngine`): CuPy patches
+        """One predictor per fold file (:class:`segnode.engines.base.TrainedEngine`): CuPy patches
         in, float32 CuPy scores out. Each fold runs on its runner's stream, ordered after the
         caller's stream by events, and the caller's stream waits for its result."""
         if not self._runners:

@@ -1,9 +1,9 @@
 """Building TensorRT engines: flavour, GPU target, ONNX parsing, FP16, profile, timing cache.
 
 :func:`build_engine` returns the cached engine for a model, precision, TensorRT flavour and GPU
-target, building it on a miss (see :mod:`engines.engine_cache` for the cache and its checks).
-With TensorRT-RTX it builds ahead of time without a GPU, so it runs in CI;
-:mod:`engines.trt_backend` re-exports it and runs the engines.
+target, building it on a miss (see :mod:`segnode.engines.engine_cache` for the cache and its
+checks). With TensorRT-RTX it builds ahead of time without a GPU, so it runs in CI;
+:mod:`segnode.engines.trt_backend` re-exports it and runs the engines.
 """
 
 from __future__ import annotations
@@ -18,11 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.base import EngineError
-from engines.engine_cache import CachedEngine, EngineCache, EngineKey, EngineRecord, atomic_write
+from segnode.engines.base import EngineError
+from segnode.engines.engine_cache import (
+    CachedEngine,
+    EngineCache,
+    EngineKey,
+    EngineRecord,
+    atomic_write,
+)
 
 if TYPE_CHECKING:
-    from engines.manifest import ModelManifest
+    from segnode.engines.manifest import ModelManifest
 
 logger = logging.getLogger(__name__)
 

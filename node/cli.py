@@ -15,11 +15,11 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from node import __version__
-from node.config import Config, load_config
-from node.errors import ConfigError, SegnodeError
-from node.peers import parse_peer
-from node.web.facts import jobs_facts, ledger_status, send_seconds
+from segnode.node import __version__
+from segnode.node.config import Config, load_config
+from segnode.node.errors import ConfigError, SegnodeError
+from segnode.node.peers import parse_peer
+from segnode.node.web.facts import jobs_facts, ledger_status, send_seconds
 
 log = logging.getLogger("segnode")
 
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     try:
-        from engines.engine_cli import add_engine_parser
+        from segnode.engines.engine_cli import add_engine_parser
     except ImportError:
         pass
     else:
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                     _common(child)
 
     try:
-        from engines.importers.cli import add_model_parser
+        from segnode.engines.importers.cli import add_model_parser
     except ImportError:
         pass
     else:
@@ -125,8 +125,8 @@ def _setup_logging(level: str) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the node until SIGTERM/SIGINT."""
-    from engines.base import EngineError
-    from node.service import Node
+    from segnode.engines.base import EngineError
+    from segnode.node.service import Node
 
     cfg = load_config(args.config).with_overrides(
         port=args.port,
@@ -153,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_echo(args: argparse.Namespace) -> int:
     """C-ECHO a peer."""
-    from node.scu import echo
+    from segnode.node.scu import echo
 
     cfg = _config(args)
     peer = parse_peer(args.peer, "peer")
@@ -234,7 +234,7 @@ def _fmt_stage(stages: dict[str, datetime | None]) -> str:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     """Print recent jobs and ignored series."""
-    from node.service import open_state
+    from segnode.node.service import open_state
 
     cfg = _config(args)
     ledger, _ = open_state(cfg)
@@ -292,7 +292,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print ledger counts."""
-    from node.service import open_state
+    from segnode.node.service import open_state
 
     cfg = _config(args)
     ledger, _ = open_state(cfg)
@@ -306,7 +306,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_retry(args: argparse.Namespace) -> int:
     """Requeue a job, or every failed job with ``--failed``."""
-    from node.service import open_state
+    from segnode.node.service import open_state
 
     if (args.job is None) == (not args.failed):
         print("segnode retry: give a JOB id or --failed", file=sys.stderr)
@@ -329,7 +329,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancel a job."""
-    from node.service import open_state
+    from segnode.node.service import open_state
 
     ledger, _ = open_state(_config(args))
     try:
@@ -342,9 +342,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_rules(args: argparse.Namespace) -> int:
     """``segnode rules test``: the routing decision for each series of the files given."""
-    from engines.base import EngineError
-    from engines.manifest import load_manifest
-    from node.rules import Router, dry_run, model_specs, senders_from_peers
+    from segnode.engines.base import EngineError
+    from segnode.engines.manifest import load_manifest
+    from segnode.node.rules import Router, dry_run, model_specs, senders_from_peers
 
     cfg = _config(args)
     specs = {s.name: s for s in model_specs(cfg)}
@@ -418,10 +418,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.command in COMMANDS:
             return COMMANDS[args.command](args)
         if args.command == "model":
-            from engines.importers.cli import run_model_command
+            from segnode.engines.importers.cli import run_model_command
 
             return run_model_command(args)
-        from engines.engine_cli import run_engine_command
+        from segnode.engines.engine_cli import run_engine_command
 
         cfg = _config(args)
         return run_engine_command(args, data_dir=cfg.data_dir, default_model=cfg.model.manifest)

@@ -1,7 +1,8 @@
 """Configuration: ``config.toml`` parsed once into frozen, validated dataclasses.
 
 Every key is documented in the repository's ``config.toml``, which holds the defaults. An
-invalid value stops the node at start with a :class:`~node.errors.ConfigError` naming the key.
+invalid value stops the node at start with a :class:`~segnode.node.errors.ConfigError` naming the
+key.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.errors import ConfigError
-from node.peers import ClientTLS, Peer, parse_peer
-from node.peers import ae_title as _ae
-from node.peers import port as _port
+from segnode.node.errors import ConfigError
+from segnode.node.peers import ClientTLS, Peer, parse_peer
+from segnode.node.peers import ae_title as _ae
+from segnode.node.peers import port as _port
 
-if TYPE_CHECKING:  # node.rules and node.destinations import this module
-    from node.destinations import Destination
-    from node.rules import Routing
+if TYPE_CHECKING:  # segnode.node.rules and segnode.node.destinations import this module
+    from segnode.node.destinations import Destination
+    from segnode.node.rules import Routing
 
 _ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = _ROOT / "engines" / "models" / "tissue" / "tissue.json"
@@ -454,8 +455,8 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     dests = t.get("destinations", [])
     if not isinstance(dests, list):
         raise ConfigError('dispatch.destinations: must be a list of "AE@HOST:PORT" strings')
-    from node.destinations import parse_destination
-    from node.rules import parse_routing
+    from segnode.node.destinations import parse_destination
+    from segnode.node.rules import parse_routing
 
     def peer_table(x: dict[str, Any], key: str) -> Peer:
         return _tls_dest(x, key, path)
@@ -565,7 +566,7 @@ def _results(t: dict[str, Any]) -> ResultsConfig:
 
 
 def _default_routing() -> Routing:
-    from node.rules import Routing
+    from segnode.node.rules import Routing
 
     return Routing()
 

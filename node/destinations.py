@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from node.errors import ConfigError
-from node.peers import Peer, parse_peer
-from node.stow import STOW_PREFIX, StowTarget
+from segnode.node.errors import ConfigError
+from segnode.node.peers import Peer, parse_peer
+from segnode.node.stow import STOW_PREFIX, StowTarget
 
 #: The destination that means "back to the AE that sent the series".
 SENDER = "@sender"

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engines.base import Engine, EngineError, create_engine
-from engines.manifest import ModelManifest, check_runnable, load_manifest
-from node.rules import DEFAULT_MODEL_NAME, ModelSpec
+from segnode.engines.base import Engine, EngineError, create_engine
+from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
+from segnode.node.rules import DEFAULT_MODEL_NAME, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def engine_options(spec: ModelSpec, data_dir: Path) -> dict[str, Any]:
     if spec.engine == "tensorrt":
         return {"cache_dir": data_dir / "engines", "precision": spec.precision}
     if spec.engine == "torch":
-        # compiled artefacts are cached in <data_dir>/engines/torch (engines.torch_cache)
+        # compiled artefacts are cached in <data_dir>/engines/torch (segnode.engines.torch_cache)
         cache_dir = data_dir / "engines"
         return {"precision": spec.precision, "compile": spec.compile, "cache_dir": cache_dir}
     return {}

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from node.config import NodeConfig
+from segnode.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
 

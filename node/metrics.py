@@ -32,11 +32,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from storage.ledger import JobView, Ledger, utcnow
+from segnode.storage.ledger import JobView, Ledger, utcnow
 
 log = logging.getLogger(__name__)
 
-#: (stage, from, to) over :attr:`storage.ledger.JobView.stages` keys.
+#: (stage, from, to) over :attr:`segnode.storage.ledger.JobView.stages` keys.
 STAGES = (
     ("receive", "first_instance", "last_instance"),
     ("completion", "last_instance", "queued"),

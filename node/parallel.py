@@ -1,7 +1,7 @@
 """Run independent blocks of numpy work on a few threads.
 
-The SEG encoder (:mod:`node.seg_encode`) and its check (:mod:`node.seg_check`) walk the label
-map a few slices at a time with numpy operations (comparisons, ``packbits``, bitwise
+The SEG encoder (:mod:`segnode.node.seg_encode`) and its check (:mod:`segnode.node.seg_check`) walk
+the label map a few slices at a time with numpy operations (comparisons, ``packbits``, bitwise
 reductions) that release the GIL. :func:`map_blocks` hands such blocks
 to a shared pool of worker threads and returns their results in block order. The gain is
 modest because part of each block is Python that holds the GIL: on the H200 machine's CPU

@@ -3,9 +3,9 @@
 :class:`Peer` (and its :class:`ClientTLS`) is what the outbox sends to, what routing rules and
 destinations refer to and what ``[node] peers`` lists; :func:`parse_peer` reads the
 ``AE@HOST:PORT`` form and :func:`ae_title` checks an AE title (PS3.5 6.2). This module owns
-those values and their validation only; :mod:`node.config` builds the configuration from
-them, :mod:`node.destinations` and :mod:`node.rules` parse their sections with them. It
-imports nothing of the node but its errors, so that those three do not import each other in
+those values and their validation only; :mod:`segnode.node.config` builds the configuration from
+them, :mod:`segnode.node.destinations` and :mod:`segnode.node.rules` parse their sections with them.
+It imports nothing of the node but its errors, so that those three do not import each other in
 a circle.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from node.errors import ConfigError
+from segnode.node.errors import ConfigError
 
 _AE_OK = re.compile(r"^[\x20-\x5b\x5d-\x7e]{1,16}$")  # PS3.5 §6.2 AE: no backslash, no controls
 

@@ -17,8 +17,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from node.config import Config
-from storage.ledger import Ledger, PurgeCandidate, utcnow
+from segnode.node.config import Config
+from segnode.storage.ledger import Ledger, PurgeCandidate, utcnow
 
 log = logging.getLogger(__name__)
 

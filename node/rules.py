@@ -66,7 +66,7 @@ from pydicom import Dataset, dcmread
 from pydicom.errors import InvalidDicomError
 from pydicom.uid import UID
 
-from node.destinations import (
+from segnode.node.destinations import (
     SENDER,
     Destination,
     PathFn,
@@ -74,12 +74,12 @@ from node.destinations import (
     parse_destination,
     resolve,
 )
-from node.errors import ConfigError
-from node.peers import Peer, ae_title
-from node.volume import CT_CLASSES
+from segnode.node.errors import ConfigError
+from segnode.node.peers import Peer, ae_title
+from segnode.node.volume import CT_CLASSES
 
 if TYPE_CHECKING:
-    from node.config import Config
+    from segnode.node.config import Config
 
 ROUTING_MODES = ("first", "all")
 DEFAULT_MODEL_NAME = "default"
@@ -332,7 +332,7 @@ def _parse_match(t: Mapping[str, Any], key: str) -> Match:
 
 
 def _parse_models(raw: Any, path: PathFn) -> tuple[ModelSpec, ...]:
-    from engines.base import available_backends
+    from segnode.engines.base import available_backends
 
     if not isinstance(raw, dict):
         raise ConfigError("[models] must be a table of [models.NAME] tables")

@@ -1,6 +1,7 @@
 """The Storage SCP: accept, write, record, reply.
 
-The transport is :mod:`node.ul`, a blocking, non-polling Upper Layer acceptor (one thread per
+The transport is :mod:`segnode.node.ul`, a blocking, non-polling Upper Layer acceptor (one thread
+per
 association). The C-STORE handler follows pynetdicom's ``apps/common.py:handle_store`` shape:
 it never decodes pixels and never waits for inference. It validates the request, parses the
 elements before Pixel Data, writes the bytes as received to the spool atomically, records the
@@ -31,13 +32,13 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Verification,
 )
 
-from node import tls
-from node.config import Config, NodeConfig
-from node.guards import AccessPolicy, DiskGuard, SeriesBudget
-from node.header import Header, HeaderError, parse_header
-from node.series import CompletionTracker
-from node.streaming import Arrival
-from node.ul import (
+from segnode.node import tls
+from segnode.node.config import Config, NodeConfig
+from segnode.node.guards import AccessPolicy, DiskGuard, SeriesBudget
+from segnode.node.header import Header, HeaderError, parse_header
+from segnode.node.series import CompletionTracker
+from segnode.node.streaming import Arrival
+from segnode.node.ul import (
     IMPLEMENTATION_CLASS_UID,
     IMPLEMENTATION_VERSION,
     Acceptor,
@@ -46,9 +47,9 @@ from node.ul import (
     StoreRequest,
     StoreResult,
 )
-from node.volume import CT_CLASSES
-from storage.ledger import InstanceRecord, Ledger
-from storage.spool import Spool, SpoolError, Staged, StagingFile, valid_uid
+from segnode.node.volume import CT_CLASSES
+from segnode.storage.ledger import InstanceRecord, Ledger
+from segnode.storage.spool import Spool, SpoolError, Staged, StagingFile, valid_uid
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ class StoreSCP:
             staging.abandon()
         self._ready.clear()
 
-    # -- association lifecycle (node.ul.Handlers) ------------------------------------------
+    # -- association lifecycle (segnode.node.ul.Handlers) ------------------------------------------
 
     def requested(self, info: AssociationInfo) -> tuple[int, int, int] | None:
         """A-ASSOCIATE-RQ received: check the calling AE (and host) and the disk floor.
@@ -537,7 +538,7 @@ class StoreSCP:
 
 def record_from_file(path: Path) -> InstanceRecord:
     """The ledger record of a spooled instance, read back from its file (start-up recovery of
-    rows a power cut lost; see :meth:`storage.ledger.Ledger.missing_instances`).
+    rows a power cut lost; see :meth:`segnode.storage.ledger.Ledger.missing_instances`).
 
     Raises
     ------

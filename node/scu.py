@@ -59,14 +59,14 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Verification,
 )
 
-from node.config import Config
-from node.destinations import SENDER, Target, from_name, index
-from node.peers import Peer
-from node.results import LABEL_MAP_SEGMENTATION_STORAGE
-from node.stow import StowFailed, StowTarget, StowUnreachable
-from node.stow import store as stow_store
-from node.tls import tls_args
-from storage.ledger import DueDelivery, Ledger, utcnow
+from segnode.node.config import Config
+from segnode.node.destinations import SENDER, Target, from_name, index
+from segnode.node.peers import Peer
+from segnode.node.results import LABEL_MAP_SEGMENTATION_STORAGE
+from segnode.node.stow import StowFailed, StowTarget, StowUnreachable
+from segnode.node.stow import store as stow_store
+from segnode.node.tls import tls_args
+from segnode.storage.ledger import DueDelivery, Ledger, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -646,7 +646,7 @@ class Dispatcher:
         return int(getattr(status, "Status", -1)) if status else -1
 
     def _send_stow(self, target: StowTarget, items: list[DueDelivery]) -> int:
-        """DICOMweb STOW-RS, one request per object (:mod:`node.stow`); same bookkeeping."""
+        """DICOMweb STOW-RS, one request per object (:mod:`segnode.node.stow`); same bookkeeping."""
         dest = target.name
         sent = 0
         for d in items:

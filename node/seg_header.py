@@ -1,6 +1,6 @@
 """The parts of a DICOM Segmentation that do not depend on the labels, encoded as bytes.
 
-:mod:`node.seg_encode` prepares them while inference runs and splices the frames in. They
+:mod:`segnode.node.seg_encode` prepares them while inference runs and splices the frames in. They
 are built the way highdicom 0.28's ``Segmentation`` builds them, so the file is byte for byte
 the same: the header on highdicom's ``SOPClass`` (patient, study and equipment attributes
 copied from the source by highdicom's module tables), content items with highdicom's
@@ -33,8 +33,8 @@ from pydicom.sr.codedict import codes
 from pydicom.uid import ExplicitVRLittleEndian
 from pydicom.valuerep import DA, DT, TM, format_number_as_ds
 
-from engines.manifest import LabelSpec, ModelManifest
-from node.results import (
+from segnode.engines.manifest import LabelSpec, ModelManifest
+from segnode.node.results import (
     LABEL_MAP_SEGMENTATION_STORAGE,
     SEGMENTATION_STORAGE,
     ResultError,
@@ -42,7 +42,7 @@ from node.results import (
     derived_uid,
     segment_description,
 )
-from node.volume import Volume
+from segnode.node.volume import Volume
 
 #: highdicom matches a frame to a source plane closer than this (mm)
 MATCH_TOLERANCE_MM = 1e-3
@@ -312,7 +312,7 @@ class SegmentItem:
 def _description(
     spec: LabelSpec, number: int, algorithm: hd.AlgorithmIdentificationSequence
 ) -> hd.seg.SegmentDescription:
-    """The segment description :func:`node.results.build_seg` writes for ``spec``."""
+    """The segment description :func:`segnode.node.results.build_seg` writes for ``spec``."""
     return segment_description(spec, number, algorithm, derived_uid("placeholder"))
 
 

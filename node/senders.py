@@ -95,7 +95,7 @@ class SenderPattern:
 
 
 class SenderStore(Protocol):
-    """Where patterns are kept (:class:`storage.ledger.Ledger`)."""
+    """Where patterns are kept (:class:`segnode.storage.ledger.Ledger`)."""
 
     def senders(self) -> list[tuple[str, int, int, str, float | None]]:
         """Every kept pattern: AE title, associations, instances, recent, gap (ms)."""

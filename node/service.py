@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 from pydicom.errors import InvalidDicomError
 
-from engines.base import Engine, EngineError, create_engine
-from engines.manifest import ModelManifest, check_runnable, load_manifest
-from node.config import Config
-from node.engine_pool import EnginePool, engine_options
-from node.errors import SegnodeError
-from node.metrics import Metrics
-from node.notify import Notifier
-from node.retention import Retention
-from node.rules import (
+from segnode.engines.base import Engine, EngineError, create_engine
+from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
+from segnode.node.config import Config
+from segnode.node.engine_pool import EnginePool, engine_options
+from segnode.node.errors import SegnodeError
+from segnode.node.metrics import Metrics
+from segnode.node.notify import Notifier
+from segnode.node.retention import Retention
+from segnode.node.rules import (
     DEFAULT_MODEL_NAME,
     Decision,
     Router,
@@ -28,17 +28,17 @@ from node.rules import (
     read_facts,
     senders_from_peers,
 )
-from node.scp import StoreSCP, record_from_file
-from node.scu import Dispatcher
-from node.senders import SenderBook, load_patterns, save_pattern
-from node.series import CompletionTracker
-from node.streaming import Arrival, StreamingAssembler
-from node.worker import Worker
-from storage.ledger import Ledger, NewJob, utcnow
-from storage.spool import POOL_FILE_BYTES, Spool
+from segnode.node.scp import StoreSCP, record_from_file
+from segnode.node.scu import Dispatcher
+from segnode.node.senders import SenderBook, load_patterns, save_pattern
+from segnode.node.series import CompletionTracker
+from segnode.node.streaming import Arrival, StreamingAssembler
+from segnode.node.worker import Worker
+from segnode.storage.ledger import Ledger, NewJob, utcnow
+from segnode.storage.spool import POOL_FILE_BYTES, Spool
 
 if TYPE_CHECKING:
-    from node.web.console import WebConsole
+    from segnode.node.web.console import WebConsole
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Node:
         self.worker.on_encoded = lambda _job_id: self.dispatcher.wake.set()
         self.web: WebConsole | None = None  # [web]: the console and the result previews
         if config.web.enabled:
-            from node.web.console import WebConsole  # needs the web extra
+            from segnode.node.web.console import WebConsole  # needs the web extra
 
             self.web = WebConsole(self)
             self.worker.on_encoded = self.web.chain(self.worker.on_encoded)

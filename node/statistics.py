@@ -8,7 +8,7 @@
   slab (the worker can feed it while inference produces slabs), and
   :func:`segment_statistics` runs it over a whole volume for the TID 1500 report;
 * :func:`statistics_from_sums` gives the same statistics from the sums an engine computed
-  where its label map is (:class:`engines.base.LabelSums`, summed on the GPU), with the same
+  where its label map is (:class:`segnode.engines.base.LabelSums`, summed on the GPU), with the same
   checks of the label values.
 """
 
@@ -21,10 +21,10 @@ from typing import Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from engines.base import LabelSums
-from engines.manifest import LabelSpec, ModelManifest
-from node.errors import ResultError
-from node.volume import Volume
+from segnode.engines.base import LabelSums
+from segnode.engines.manifest import LabelSpec, ModelManifest
+from segnode.node.errors import ResultError
+from segnode.node.volume import Volume
 
 
 class Shaped(Protocol):

@@ -2,8 +2,8 @@
 
 Server side: :func:`server_context` builds an :class:`ssl.SSLContext` from ``[tls]`` (our
 certificate and key, optionally a CA that client certificates must chain to, TLS 1.2 at
-least). The acceptor (:mod:`node.ul`) runs the handshake in the connection's own thread under
-``tls.handshake_timeout_s``, not in the accept loop, so a client that connects and then says
+least). The acceptor (:mod:`segnode.node.ul`) runs the handshake in the connection's own thread
+under ``tls.handshake_timeout_s``, not in the accept loop, so a client that connects and then says
 nothing cannot stop the node from accepting others.
 
 Client side: :func:`client_context` builds the context for one destination's ``tls`` options;
@@ -16,9 +16,9 @@ import logging
 import socket
 import ssl
 
-from node.config import TLSConfig
-from node.errors import ConfigError
-from node.peers import ClientTLS, Peer
+from segnode.node.config import TLSConfig
+from segnode.node.errors import ConfigError
+from segnode.node.peers import ClientTLS, Peer
 
 log = logging.getLogger(__name__)
 

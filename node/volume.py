@@ -43,7 +43,7 @@ import pydicom
 from pydicom.dataset import Dataset
 from pydicom.errors import InvalidDicomError
 
-from node.errors import SegnodeError
+from segnode.node.errors import SegnodeError
 
 logger = logging.getLogger(__name__)
 

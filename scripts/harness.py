@@ -210,7 +210,14 @@ class NodeRunner:
         env.update(self.env)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "node.cli", "serve", "--config", str(self.config_path)],
+                [
+                    sys.executable,
+                    "-m",
+                    "segnode.node.cli",
+                    "serve",
+                    "--config",
+                    str(self.config_path),
+                ],
                 cwd=ROOT,
                 env=env,
                 stdout=log,
@@ -270,7 +277,7 @@ class NodeRunner:
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Run another ``segnode`` subcommand against the same config."""
         return subprocess.run(
-            [sys.executable, "-m", "node.cli", *args, "--config", str(self.config_path)],
+            [sys.executable, "-m", "segnode.node.cli", *args, "--config", str(self.config_path)],
             cwd=ROOT,
             capture_output=True,
             text=True,

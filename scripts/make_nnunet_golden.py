@@ -6,7 +6,7 @@ to the target spacing), a fixed elementwise "network" (:func:`fake_logits`) and
 ``convert_predicted_logits_to_segmentation_with_correct_shape`` (logits back to the source
 shape with order 1, arg-max, uncrop, transpose back). The inputs, the preprocessed image and
 the final label map are written to ``tests/data/nnunet_golden_<case>.npz``; the tests run
-:func:`engines.preprocess.pipeline.run_model` on the same inputs and compare.
+:func:`segnode.engines.preprocess.pipeline.run_model` on the same inputs and compare.
 
 Run (needs ``pip install -e .[nnunet]``)::
 

@@ -23,7 +23,7 @@ Run (needs ``pip install -e .[nnunet]``, i.e. nnunetv2 and torch)::
 
     python -m scripts.make_nnunet_window_golden     # writes tests/data/nnunet_window_golden_*
 
-``tests/test_nnunet_window.py`` compares :mod:`engines.nnunet_window` with these files, and
+``tests/test_nnunet_window.py`` compares :mod:`segnode.engines.nnunet_window` with these files, and
 with :func:`predictor_logits` / :func:`loop_logits` live when nnunetv2 imports.
 """
 

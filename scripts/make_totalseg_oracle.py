@@ -109,7 +109,7 @@ def build_weights(model_dir: Path, weights: Path) -> list[tuple[int, list[str]]]
         map_taskid_to_partname_ct,
     )
 
-    from engines.importers.totalsegmentator import TASKS  # noqa: PLC0415
+    from segnode.engines.importers.totalsegmentator import TASKS  # noqa: PLC0415
 
     profile = TASKS["total"]
     plans = json.loads((model_dir / "plans.json").read_text())
@@ -193,13 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     ts_nnunet.custom_trainers.setdefault("nnUNetTrainerNoMirroring", nnUNetTrainerNoMirroring)
     from totalsegmentator.python_api import totalsegmentator  # noqa: PLC0415
 
-    from engines.importers.labels import load_label_csv  # noqa: PLC0415
-    from engines.importers.totalsegmentator import import_totalsegmentator  # noqa: PLC0415
-    from engines.manifest import load_manifest  # noqa: PLC0415
-    from engines.ort_backend import OrtEngine  # noqa: PLC0415
-    from engines.preprocess.orientation import Geometry  # noqa: PLC0415
-    from engines.trained import segment_trained  # noqa: PLC0415
-    from node.volume import assemble_volume  # noqa: PLC0415
+    from segnode.engines.importers.labels import load_label_csv  # noqa: PLC0415
+    from segnode.engines.importers.totalsegmentator import import_totalsegmentator  # noqa: PLC0415
+    from segnode.engines.manifest import load_manifest  # noqa: PLC0415
+    from segnode.engines.ort_backend import OrtEngine  # noqa: PLC0415
+    from segnode.engines.preprocess.orientation import Geometry  # noqa: PLC0415
+    from segnode.engines.trained import segment_trained  # noqa: PLC0415
+    from segnode.node.volume import assemble_volume  # noqa: PLC0415
 
     t0 = time.perf_counter()
     imported = work / "imported"

@@ -1,7 +1,7 @@
 """Schema migrations of the ledger: an older ledger file is upgraded in place when it is opened.
 
 The ledger's version is the ``schema_version`` row of the ``meta`` table
-(:data:`storage.models.SCHEMA_VERSION` for the code). Each step in :data:`STEPS` takes a
+(:data:`segnode.storage.models.SCHEMA_VERSION` for the code). Each step in :data:`STEPS` takes a
 ledger from version ``n`` to ``n + 1``; :func:`upgrade` runs every step a ledger is missing,
 and stamps the new version, in one SQLite transaction (SQLite's DDL is transactional), so a
 crash during an upgrade leaves the old version intact. The transaction is ``BEGIN IMMEDIATE``:
@@ -17,7 +17,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from storage.models import SCHEMA_VERSION
+from segnode.storage.models import SCHEMA_VERSION
 
 #: ``STEPS[n]``: the statements that take a version ``n`` ledger to version ``n + 1``.
 STEPS: dict[int, tuple[str, ...]] = {

@@ -12,7 +12,7 @@ from datetime import datetime
 from sqlalchemy import ForeignKey, Index, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-#: Bumped with each change of the tables' columns; :mod:`storage.migrations` upgrades older
+#: Bumped with each change of the tables' columns; :mod:`segnode.storage.migrations` upgrades older
 #: ledgers (version 2: ``deliveries.sending_at``).
 SCHEMA_VERSION = 2
 
@@ -184,7 +184,7 @@ class SpoolPurge(Base):
 
 
 class Sender(Base):
-    """A calling AE title's learnt association pattern (see :mod:`node.senders`)."""
+    """A calling AE title's learnt association pattern (see :mod:`segnode.node.senders`)."""
 
     __tablename__ = "senders"
     calling_ae: Mapped[str] = mapped_column(String(16), primary_key=True)

@@ -1,4 +1,5 @@
-"""How work is cut: blocks of slices on threads (node.parallel), patches per GPU forward pass."""
+"""How work is cut: blocks of slices on threads (segnode.node.parallel), patches per GPU forward
+pass."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engines.manifest import load_manifest
-from engines.models import default_manifest_path
-from engines.torch_backend import GPU_BATCH_VOXELS, default_batch
-from node import parallel
-from node.parallel import blocks, map_blocks
+from segnode.engines.manifest import load_manifest
+from segnode.engines.models import default_manifest_path
+from segnode.engines.torch_backend import GPU_BATCH_VOXELS, default_batch
+from segnode.node import parallel
+from segnode.node.parallel import blocks, map_blocks
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from node.config import ROOT_CONFIG, from_dict, load_config
-from node.errors import ConfigError
-from node.peers import parse_peer
+from segnode.node.config import ROOT_CONFIG, from_dict, load_config
+from segnode.node.errors import ConfigError
+from segnode.node.peers import parse_peer
 
 
 def test_repository_config_matches_defaults() -> None:

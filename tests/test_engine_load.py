@@ -14,13 +14,13 @@ import pytest
 from pynetdicom import AE
 from pynetdicom.sop_class import CTImageStorage  # type: ignore[attr-defined]
 
-from engines.base import EngineError, register_backend
-from engines.manifest import ModelManifest
-from engines.ort_backend import OrtEngine
-from node.config import load_config
-from node.errors import ConfigError, SegnodeError
-from node.service import Node
 from scripts.harness import write_config
+from segnode.engines.base import EngineError, register_backend
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.ort_backend import OrtEngine
+from segnode.node.config import load_config
+from segnode.node.errors import ConfigError, SegnodeError
+from segnode.node.service import Node
 from tests.conftest import free_port, wait_for
 from tests.fixtures.synthetic import synthetic_datasets
 

@@ -1,9 +1,11 @@
-"""Statistics from an engine's per-label sums (engines.base.LabelSums), on the device and off.
+"""Statistics from an engine's per-label sums (segnode.engines.base.LabelSums), on the device and
+off.
 
-* :func:`node.statistics.statistics_from_sums` equals :func:`node.statistics.segment_statistics`
-  (and the SR's rounded values) and fails with the same messages;
-* the torch backend's :meth:`~engines.torch_backend.TorchEngine.segment_with_sums` runs on the
-  CPU device here (a hand-written model instead of an ONNX conversion, so that onnx2torch and
+* :func:`segnode.node.statistics.statistics_from_sums` equals
+  :func:`segnode.node.statistics.segment_statistics` (and the SR's rounded values) and fails with
+  the same messages;
+* the torch backend's :meth:`~segnode.engines.torch_backend.TorchEngine.segment_with_sums` runs on
+  the CPU device here (a hand-written model instead of an ONNX conversion, so that onnx2torch and
   torchvision are not needed) and on CUDA where there is one (``gpu``);
 * the worker uses an engine's sums when it gives them, logs one timing line per job, and
   prepares the SEG and SR before inference with ``[results] prepare = "before"``.
@@ -21,16 +23,16 @@ import numpy.typing as npt
 import pytest
 from pydicom import dcmread
 
-from engines.base import LabelSums, SumsEngine
-from engines.manifest import ModelManifest, load_manifest
-from engines.ort_backend import OrtEngine
-from node.config import DEFAULT_MODEL, ConfigError, from_dict
-from node.errors import ResultError
-from node.statistics import SegmentStatistics, segment_statistics, statistics_from_sums
-from node.volume import Volume, assemble_from_datasets
-from node.worker import Worker, result_paths
-from storage.ledger import Ledger
-from storage.spool import Spool
+from segnode.engines.base import LabelSums, SumsEngine
+from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.ort_backend import OrtEngine
+from segnode.node.config import DEFAULT_MODEL, ConfigError, from_dict
+from segnode.node.errors import ResultError
+from segnode.node.statistics import SegmentStatistics, segment_statistics, statistics_from_sums
+from segnode.node.volume import Volume, assemble_from_datasets
+from segnode.node.worker import Worker, result_paths
+from segnode.storage.ledger import Ledger
+from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
 from tests.test_worker import ingest
 
@@ -137,7 +139,7 @@ def _nearest_level(torch: Any, centres: list[float]) -> Any:
 def torch_engine(manifest: ModelManifest, device: str) -> Any:
     """A :class:`TorchEngine` on ``device`` with a hand-written model in place of ``load``."""
     torch = _torch()
-    from engines.torch_backend import TorchEngine
+    from segnode.engines.torch_backend import TorchEngine
 
     engine = TorchEngine(device=device, precision="fp32")
     engine._torch, engine._dev, engine._dtype = torch, torch.device(device), torch.float32
@@ -235,9 +237,9 @@ def test_worker_uses_engine_sums(
     def no_cpu_statistics(*args: object) -> None:
         raise AssertionError("statistics recomputed on the CPU")
 
-    monkeypatch.setattr("node.worker.segment_statistics", no_cpu_statistics)
+    monkeypatch.setattr("segnode.node.worker.segment_statistics", no_cpu_statistics)
     engine = SummingEngine(ort)
-    with caplog.at_level(logging.INFO, logger="node.worker"):
+    with caplog.at_level(logging.INFO, logger="segnode.node.worker"):
         jid, _ = _run_job(tmp_path / "sums", engine)
     assert engine.calls == 1
     # The UIDs differ between the two ledgers: compare the SRs' measured values.
@@ -267,7 +269,7 @@ def _numeric_values(ds: Any) -> list[Any]:
 def test_worker_prepares_before_inference_on_request(
     tmp_path: Path, ort: OrtEngine, caplog: Any
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="node.worker"):
+    with caplog.at_level(logging.INFO, logger="segnode.node.worker"):
         jid, _ = _run_job(tmp_path, ort, prepare="before")
     assert len(result_paths(tmp_path, jid)) == 2
     line = next(r.getMessage() for r in caplog.records if "timing ms" in r.getMessage())

@@ -18,11 +18,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines import EngineError, create_engine, load_manifest
-from engines.models import default_manifest_path
-from engines.models.build_tissue import LABELS, PATCH_SIZE, write_model
-from engines.ort_backend import OrtEngine, preprocess
-from engines.sliding_window import gaussian_importance, patch_grid, sliding_window_segment
+from segnode.engines import EngineError, create_engine, load_manifest
+from segnode.engines.models import default_manifest_path
+from segnode.engines.models.build_tissue import LABELS, PATCH_SIZE, write_model
+from segnode.engines.ort_backend import OrtEngine, preprocess
+from segnode.engines.sliding_window import gaussian_importance, patch_grid, sliding_window_segment
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 PHANTOM = DATA / "ct-phantom-philips-28"
@@ -609,7 +609,7 @@ def test_build_is_deterministic_and_matches_committed(tmp_path: Path) -> None:
         data = (first.parent / name).read_bytes()
         assert data == (second.parent / name).read_bytes(), f"{name} differs between builds"
         assert data == (committed.parent / name).read_bytes(), (
-            f"committed {name} is stale: run python -m engines.models.build_tissue"
+            f"committed {name} is stale: run python -m segnode.engines.models.build_tissue"
         )
     assert json.loads(first.read_text())["labels"] == LABELS
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from pydicom import dcmread
 
-from node.config import NodeConfig, PeerRule, from_dict
-from node.guards import AccessPolicy, DiskGuard, SeriesBudget
-from node.retention import Retention
-from storage.ledger import InstanceRecord, Ledger
-from storage.spool import Spool
+from segnode.node.config import NodeConfig, PeerRule, from_dict
+from segnode.node.guards import AccessPolicy, DiskGuard, SeriesBudget
+from segnode.node.retention import Retention
+from segnode.storage.ledger import InstanceRecord, Ledger
+from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import write_synthetic_series
 from tests.scp_harness import SCPHarness, store
 from tests.test_outbox import encoded_job
@@ -138,7 +138,7 @@ def test_peer_host_binding_on_the_wire(tmp_path: Path, series: list[Path]) -> No
 
 
 def test_peers_config_errors_name_the_key() -> None:
-    from node.errors import ConfigError
+    from segnode.node.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"node.peers\[0\].ae_title"):
         from_dict({"node": {"peers": [{"ae_title": "A" * 17}]}})

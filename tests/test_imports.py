@@ -1,4 +1,4 @@
-"""The product's modules import each other without cycles.
+"""The product is one package, ``segnode``, whose modules import each other without cycles.
 
 Every ``import`` and ``from ... import`` that runs (at module level or inside a function;
 not those under ``if TYPE_CHECKING:``, which only the type checker follows) is an edge from
@@ -17,7 +17,8 @@ PACKAGES = ("node", "engines", "storage")
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    """``node/worker.py`` -> ``segnode.node.worker`` (``segnode/node`` links to ``node/``)."""
+    parts = ("segnode", *path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -107,5 +108,57 @@ def test_the_walk_sees_function_level_imports_and_skips_type_checking() -> None:
 
 def test_no_import_cycles() -> None:
     graph = import_graph()
-    assert len(graph) > 40 and graph["node.service"]  # the walk found the modules
+    assert len(graph) > 40 and graph["segnode.node.service"]  # the walk found the modules
     assert cycles(graph) == []
+
+
+def test_only_segnode_is_imported() -> None:
+    """Importing the node's entry points loads no top-level ``node``, ``engines`` or
+    ``storage`` module (the names that used to collide in site-packages) and no fixture."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import segnode.node.cli, segnode.node.service, segnode.engines.trained\n"
+        "import segnode.storage.ledger\n"
+        "bad = sorted({m.split('.')[0] for m in sys.modules}"
+        " & {'node', 'engines', 'storage', 'tests'})\n"
+        "sys.exit(f'imported: {bad}' if bad else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
+    """The built wheel's only top-level package is ``segnode`` (with the node's, the engines'
+    and the storage's files under it, the bundled model and the web console's files
+    included) and its entry point is ``segnode.node.cli:main``."""
+    import subprocess
+    import sys
+    import zipfile
+
+    import pytest
+
+    pytest.importorskip("setuptools", reason="setuptools is needed to build the wheel here")
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    [wheel] = tmp_path.glob("segnode-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"segnode"}
+    for expected in (
+        "segnode/node/cli.py",
+        "segnode/engines/trained.py",
+        "segnode/storage/spool.py",
+        "segnode/engines/models/tissue/tissue.json",
+        "segnode/node/web/static/index.html",
+    ):
+        assert expected in names, expected
+    assert not any(n.startswith(("segnode/tests", "tests/")) for n in names)
+    [entry] = [n for n in names if n.endswith("entry_points.txt")]
+    assert "segnode = segnode.node.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

@@ -16,10 +16,10 @@ import pytest
 from pydicom import dcmread
 from pydicom.filebase import DicomBytesIO
 
-from engines.manifest import load_manifest
-from engines.ort_backend import OrtEngine
-from node.config import DEFAULT_MODEL
-from node.volume import assemble_volume
+from segnode.engines.manifest import load_manifest
+from segnode.engines.ort_backend import OrtEngine
+from segnode.node.config import DEFAULT_MODEL
+from segnode.node.volume import assemble_volume
 from tests.conftest import (
     LOOPBACK,
     PHANTOM,

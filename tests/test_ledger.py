@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from storage.ledger import (
+from segnode.storage.ledger import (
     DELIVERY_MOVES,
     FINAL_STATES,
     TRANSITIONS,
@@ -23,8 +23,8 @@ from storage.ledger import (
     move_delivery,
     utcnow,
 )
-from storage.models import Delivery, Event, Job
-from storage.spool import Spool, SpoolError, valid_uid, write_atomic
+from segnode.storage.models import Delivery, Event, Job
+from segnode.storage.spool import Spool, SpoolError, valid_uid, write_atomic
 
 
 def rec(sop: str, series: str = "1.2.3.1", study: str = "1.2.3", ae: str = "CT1") -> InstanceRecord:

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from engines.base import EngineError
-from engines.manifest import ManifestError, ModelContract, load_manifest
-from engines.models import default_manifest_path
-from engines.preprocess import CTNormalization, LinearNormalization
+from segnode.engines.base import EngineError
+from segnode.engines.manifest import ManifestError, ModelContract, load_manifest
+from segnode.engines.models import default_manifest_path
+from segnode.engines.preprocess import CTNormalization, LinearNormalization
 
 VALID: dict[str, Any] = {
     "manifest_version": 2,
@@ -302,14 +302,14 @@ def test_not_an_object(tmp_path: Path) -> None:
 def test_node_and_engine_build_refuse_a_v2_model_whose_network_returns_labels(
     tmp_path: Path,
 ) -> None:
-    """Version 2 runs (engines.trained), but nnU-Net's window blends scores: a version-2
+    """Version 2 runs (segnode.engines.trained), but nnU-Net's window blends scores: a version-2
     model with ``"output_kind": "labels"`` is refused by the node at start and by ``segnode
     engine build``, each saying why (exit status 1, no traceback)."""
     import subprocess
     import sys
 
-    from engines.manifest import check_runnable
     from scripts.harness import write_config
+    from segnode.engines.manifest import check_runnable
     from tests.conftest import ROOT, free_port
 
     check_runnable(load_manifest(default_manifest_path()))  # version 1 runs
@@ -322,7 +322,7 @@ def test_node_and_engine_build_refuse_a_v2_model_whose_network_returns_labels(
     )
     for command in (["serve"], ["engine", "build"]):
         done = subprocess.run(
-            [sys.executable, "-m", "node.cli", *command, "--config", str(config)],
+            [sys.executable, "-m", "segnode.node.cli", *command, "--config", str(config)],
             capture_output=True,
             text=True,
             cwd=ROOT,

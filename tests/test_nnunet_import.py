@@ -20,15 +20,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines.importers import ModelImportError
-from engines.importers.labels import (
+from segnode.engines.importers import ModelImportError
+from segnode.engines.importers.labels import (
     GENERIC_TYPE,
     label_entries,
     load_label_csv,
     palette,
     read_label_csv,
 )
-from engines.importers.nnunet_plans import (
+from segnode.engines.importers.nnunet_plans import (
     default_orientation,
     manifest_dict,
     merge_label_spaces,
@@ -36,7 +36,7 @@ from engines.importers.nnunet_plans import (
     read_model_folder,
     resolve_configuration,
 )
-from engines.manifest import load_manifest
+from segnode.engines.manifest import load_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 INTENSITY = {
@@ -480,7 +480,7 @@ def test_import_exports_each_fold_as_the_torch_network(tmp_path, tiny_model):
     _needs_nnunet()
     import onnxruntime as ort
 
-    from engines.importers.nnunet import import_nnunet
+    from segnode.engines.importers.nnunet import import_nnunet
 
     torch = _needs_nnunet()
     folder, nets = tiny_model
@@ -537,7 +537,7 @@ def test_checkpoint_of_another_architecture_names_fold_and_key(tmp_path):
     other = plans_json(features=(4, 8, 32))  # the third stage is wider than the plans say
     save_checkpoint(folder, 1, network_for(other, dataset, 2), other, dataset)
 
-    from engines.importers.nnunet import import_nnunet
+    from segnode.engines.importers.nnunet import import_nnunet
 
     with pytest.raises(ModelImportError) as err:
         import_nnunet(folder, tmp_path / "out", "m", folds=[0, 1])
@@ -553,7 +553,7 @@ def test_checkpoint_of_another_architecture_names_fold_and_key(tmp_path):
 
 
 def test_labels_csv_missing_a_label_fails_before_export(tmp_path, tiny_model):
-    from engines.importers.nnunet import import_nnunet
+    from segnode.engines.importers.nnunet import import_nnunet
 
     folder, _ = tiny_model
     codes = load_label_csv(str(csv_file(tmp_path, ["liver", "spleen"])))
@@ -569,7 +569,7 @@ def test_labels_csv_missing_a_label_fails_before_export(tmp_path, tiny_model):
 
 
 def test_totalsegmentator_profile_writes_a_composite(tmp_path):
-    from engines.importers.totalsegmentator import TaskProfile, import_totalsegmentator
+    from segnode.engines.importers.totalsegmentator import TaskProfile, import_totalsegmentator
 
     weights = tmp_path / "nnunet" / "results"
     trainer = "nnUNetTrainerNoMirroring"
@@ -630,7 +630,7 @@ def test_totalsegmentator_profile_writes_a_composite(tmp_path):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "node.cli", "model", "import", *args],
+        [sys.executable, "-m", "segnode.node.cli", "model", "import", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -681,10 +681,10 @@ def test_imported_model_runs_in_the_node_as_nnunet_runs_the_checkpoints(tmp_path
     from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
     from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
 
-    from engines.importers.nnunet import import_nnunet
-    from engines.ort_backend import OrtEngine
-    from engines.preprocess.orientation import Geometry
-    from engines.trained import segment_trained
+    from segnode.engines.importers.nnunet import import_nnunet
+    from segnode.engines.ort_backend import OrtEngine
+    from segnode.engines.preprocess.orientation import Geometry
+    from segnode.engines.trained import segment_trained
 
     plans = plans_json(spacing=(1.2, 1.2, 2.0), transpose=(2, 0, 1))
     dataset = dataset_json()
@@ -737,7 +737,7 @@ def test_imported_model_runs_in_the_node_as_nnunet_runs_the_checkpoints(tmp_path
 
 
 def test_cli_imports_totalsegmentators_five_parts(tmp_path):
-    from engines.importers.totalsegmentator import TASKS
+    from segnode.engines.importers.totalsegmentator import TASKS
 
     profile = TASKS["total"]
     weights = tmp_path / "nnunet" / "results"
@@ -767,7 +767,7 @@ def test_cli_imports_totalsegmentators_five_parts(tmp_path):
 
 
 def test_a_failed_import_leaves_the_model_folder_as_it_was(tmp_path):
-    from engines.importers.nnunet import import_nnunet
+    from segnode.engines.importers.nnunet import import_nnunet
 
     plans = plans_json()
     dataset = dataset_json()
@@ -791,7 +791,7 @@ def test_region_based_model_exports_one_channel_per_region(tmp_path):
     _needs_nnunet()
     import onnxruntime as ort
 
-    from engines.importers.nnunet import import_nnunet
+    from segnode.engines.importers.nnunet import import_nnunet
 
     plans = plans_json()
     dataset = dataset_json(

@@ -25,11 +25,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from engines.manifest import ModelManifest, load_manifest
-from engines.ort_backend import OrtEngine
-from engines.preprocess.orientation import Geometry
-from engines.trained import segment_trained
 from scripts.nnunet_phantom import LABELS, oracle_cases, write_dicom_case
+from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.ort_backend import OrtEngine
+from segnode.engines.preprocess.orientation import Geometry
+from segnode.engines.trained import segment_trained
 
 DATA = Path(__file__).resolve().parent / "data"
 MODEL = DATA / "nnunet_phantom" / "phantom.json"
@@ -88,7 +88,7 @@ def test_segnode_agrees_with_nnunet_predictor(
 ) -> None:
     """The DICOM series through the node's volume assembly and the imported model on ONNX
     Runtime: Dice >= 0.99 with nnUNetPredictor for every label, on the series' own grid."""
-    from node.volume import assemble_volume
+    from segnode.node.volume import assemble_volume
 
     files = write_dicom_case(CASES[name], tmp_path / name, seed=11)
     volume = assemble_volume(files)
@@ -109,8 +109,8 @@ def test_node_seg_agrees_with_nnunet_predictor(
     import highdicom as hd
     from pydicom import dcmread
 
-    from node.worker import result_paths
     from scripts.harness import send_files
+    from segnode.node.worker import result_paths
     from tests.conftest import wait_for
 
     case = CASES["native_ffs"]

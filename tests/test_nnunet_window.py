@@ -1,4 +1,4 @@
-"""nnU-Net v2's sliding window (:mod:`engines.nnunet_window`) against nnU-Net's own code.
+"""nnU-Net v2's sliding window (:mod:`segnode.engines.nnunet_window`) against nnU-Net's own code.
 
 Two sources of truth:
 
@@ -23,8 +23,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines.manifest import load_manifest
-from engines.nnunet_window import (
+from scripts.make_nnunet_window_golden import (
+    CASES,
+    Case,
+    loop_logits,
+    make_image,
+    predictor_logits,
+    stand_in_logits,
+    stand_in_weights,
+)
+from segnode.engines.manifest import load_manifest
+from segnode.engines.nnunet_window import (
     compute_gaussian,
     compute_steps_for_sliding_window,
     make_predict,
@@ -35,17 +44,8 @@ from engines.nnunet_window import (
     sliding_window_logits,
     tile_step_size_from_overlap,
 )
-from engines.preprocess import Geometry
-from engines.preprocess.pipeline import run_model
-from scripts.make_nnunet_window_golden import (
-    CASES,
-    Case,
-    loop_logits,
-    make_image,
-    predictor_logits,
-    stand_in_logits,
-    stand_in_weights,
-)
+from segnode.engines.preprocess import Geometry
+from segnode.engines.preprocess.pipeline import run_model
 
 try:
     import torch

@@ -38,12 +38,12 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 )
 from sqlalchemy import select
 
-import node.scu
-from node.config import ConfigError, from_dict
-from node.scu import SEND_PDU_BYTES, Dispatcher
-from storage.ledger import Ledger
-from storage.migrations import SchemaError
-from storage.models import SCHEMA_VERSION, Delivery, Result
+import segnode.node.scu as scu_module
+from segnode.node.config import ConfigError, from_dict
+from segnode.node.scu import SEND_PDU_BYTES, Dispatcher
+from segnode.storage.ledger import Ledger
+from segnode.storage.migrations import SchemaError
+from segnode.storage.models import SCHEMA_VERSION, Delivery, Result
 from tests.conftest import LOOPBACK, ROOT, start_orthanc, wait_for
 from tests.test_outbox import encoded_job, events, outbox_config, result_file
 
@@ -211,7 +211,7 @@ def test_wire_bytes_are_the_stored_dataset_bytes(
     def no_decoding(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the outbox decoded a result file")
 
-    monkeypatch.setattr(node.scu, "dcmread", no_decoding)
+    monkeypatch.setattr(scu_module, "dcmread", no_decoding)
     monkeypatch.setattr(pynetdicom.association, "dcmread", no_decoding)
     d = Dispatcher(outbox_config(tmp_path, [wire.peer], keep_open_s=30), ledger)
     assert d.run_once() == 2
@@ -436,7 +436,7 @@ def test_send_stage_in_segnode_jobs_json(tmp_path: Path, wire: WireSCP) -> None:
         d.stop()
     finally:
         led.close()
-    cli = [sys.executable, "-m", "node.cli", "jobs", "--data-dir", str(data)]
+    cli = [sys.executable, "-m", "segnode.node.cli", "jobs", "--data-dir", str(data)]
     out = subprocess.run([*cli, "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
     job = next(j for j in json.loads(out.stdout)["jobs"] if j["id"] == job_id)
     assert job["stages"]["encoded"] <= job["stages"]["sending"] <= job["stages"]["finished"]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from pydicom.dataset import Dataset
 
-from engines.manifest import ModelManifest, load_manifest
-from engines.models import default_manifest_path
-from engines.preprocess import (
+from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.models import default_manifest_path
+from segnode.engines.preprocess import (
     CTNormalization,
     Geometry,
     GeometryError,
@@ -22,9 +22,9 @@ from engines.preprocess import (
     plan_reorientation,
     resample,
 )
-from engines.preprocess.orientation import check_orientation_code
-from engines.preprocess.pipeline import run_model
-from node.volume import Volume
+from segnode.engines.preprocess.orientation import check_orientation_code
+from segnode.engines.preprocess.pipeline import run_model
+from segnode.node.volume import Volume
 
 try:
     import torch
@@ -401,7 +401,7 @@ def test_resample_corners_is_scipy_zoom_without_grid_mode() -> None:
 def test_resampling_scheme_is_validated(tmp_path: Path) -> None:
     """``resampling.scheme``: nnunet (default) or totalsegmentator, the latter with order 0 or
     1 only; anything else is refused with the key named."""
-    from engines.manifest import ManifestError
+    from segnode.engines.manifest import ManifestError
 
     assert _v2(tmp_path).model_contract().scheme == "nnunet"
     ts = {"scheme": "totalsegmentator", "data_order": 1}

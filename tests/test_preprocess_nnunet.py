@@ -20,10 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engines.manifest import ModelManifest, load_manifest
-from engines.preprocess import CTNormalization, Geometry
-from engines.preprocess.pipeline import run_model
-from engines.preprocess.resampling import compute_new_shape, resample, separate_z_axis
 from scripts.make_nnunet_golden import (
     CASES,
     INTENSITY,
@@ -32,6 +28,10 @@ from scripts.make_nnunet_golden import (
     nnunet_reference,
     predictor,
 )
+from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.preprocess import CTNormalization, Geometry
+from segnode.engines.preprocess.pipeline import run_model
+from segnode.engines.preprocess.resampling import compute_new_shape, resample, separate_z_axis
 
 DATA = Path(__file__).parent / "data"
 

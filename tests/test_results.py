@@ -1,4 +1,5 @@
-"""node.results: DICOM SEG and TID 1500 SR from a label map, checked by re-reading and dciodvfy."""
+"""segnode.node.results: DICOM SEG and TID 1500 SR from a label map, checked by re-reading and
+dciodvfy."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 from pydicom.uid import generate_uid
 
-from engines.manifest import LabelSpec, ModelManifest
-from node.results import (
+from segnode.engines.manifest import LabelSpec, ModelManifest
+from segnode.node.results import (
     NoSegmentsError,
     ResultError,
     ResultUIDs,
@@ -26,7 +27,7 @@ from node.results import (
     segment_statistics,
     verify_seg,
 )
-from node.volume import Volume, assemble_from_datasets, assemble_volume
+from segnode.node.volume import Volume, assemble_from_datasets, assemble_volume
 from tests.conftest import LIVER, PHANTOM, require_data, require_tool
 from tests.fixtures.synthetic import (
     AXIAL,

@@ -18,7 +18,7 @@ import pytest
 from pydicom import dcmread
 from pydicom.filebase import DicomBytesIO
 
-from node.config import DEFAULT_MODEL
+from segnode.node.config import DEFAULT_MODEL
 from tests.conftest import (
     LOOPBACK,
     NodeProcess,

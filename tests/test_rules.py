@@ -18,18 +18,18 @@ from typing import Any
 import pytest
 from pydicom import dcmread
 
-from node.config import DEFAULT_MODEL, from_dict
-from node.destinations import SenderRef, from_name, resolve
-from node.errors import ConfigError
-from node.peers import Peer
-from node.rules import (
+from segnode.node.config import DEFAULT_MODEL, from_dict
+from segnode.node.destinations import SenderRef, from_name, resolve
+from segnode.node.errors import ConfigError
+from segnode.node.peers import Peer
+from segnode.node.rules import (
     IMPLICIT_RULE,
     Router,
     Routing,
     SeriesFacts,
     facts_from_dataset,
 )
-from node.stow import StowTarget, multipart_related, parse_response
+from segnode.node.stow import StowTarget, multipart_related, parse_response
 from tests.fixtures.sample_study import write_sample_study
 from tests.fixtures.synthetic import write_enhanced_ct
 
@@ -327,7 +327,7 @@ destinations = ["@sender", "stow:http://127.0.0.1:8042/dicom-web"]
 """
     )
     out = subprocess.run(
-        [sys.executable, "-m", "node.cli", "rules", "test", str(tmp_path / "study")]
+        [sys.executable, "-m", "segnode.node.cli", "rules", "test", str(tmp_path / "study")]
         + ["--config", str(config), "--calling-ae", "MODALITY"],
         cwd=ROOT,
         capture_output=True,
@@ -352,7 +352,7 @@ destinations = ["@sender", "stow:http://127.0.0.1:8042/dicom-web"]
 def test_ledger_jobs_per_model_and_ignored_series(tmp_path: Path) -> None:
     """One version, one job per model with its own UIDs and destinations; ignoring clears the
     series' pending state and lists it with the reason until new instances arrive."""
-    from storage.ledger import InstanceRecord, Ledger, NewJob
+    from segnode.storage.ledger import InstanceRecord, Ledger, NewJob
 
     ledger = Ledger(tmp_path / "ledger.sqlite")
 

@@ -24,11 +24,11 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Verification,
 )
 
-from node.config import from_dict
-from node.scp import StoreSCP
-from node.series import CompletionTracker
-from storage.ledger import Ledger
-from storage.spool import Spool
+from segnode.node.config import from_dict
+from segnode.node.scp import StoreSCP
+from segnode.node.series import CompletionTracker
+from segnode.storage.ledger import Ledger
+from segnode.storage.spool import Spool
 from tests.conftest import LOOPBACK
 from tests.fixtures.synthetic import write_synthetic_series
 from tests.scp_harness import settle_rejection

@@ -23,11 +23,11 @@ from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 from pynetdicom import AE
 
-from node.config import TLSConfig
-from node.scu import Dispatcher
-from node.tls import server_context
 from scripts.harness import CountingSCP, NodeRunner, free_port, send_files, write_config
-from storage.ledger import Ledger
+from segnode.node.config import TLSConfig
+from segnode.node.scu import Dispatcher
+from segnode.node.tls import server_context
+from segnode.storage.ledger import Ledger
 from tests.conftest import LOOPBACK, require_tool, wait_for
 from tests.fixtures.synthetic import write_synthetic_series
 from tests.scp_harness import SCPHarness, store

@@ -1,4 +1,4 @@
-"""node.sr_encode's template cache: a plan spliced from the template of an earlier job
+"""segnode.node.sr_encode's template cache: a plan spliced from the template of an earlier job
 equals the full highdicom path's and build_sr's bytes; the evidence encoded without
 highdicom equals ``collect_evidence``'s."""
 
@@ -14,11 +14,17 @@ import numpy.typing as npt
 import pydicom
 import pytest
 
-from node import sr_encode
-from node.results import SEGMENTATION_STORAGE, ResultUIDs, build_seg, build_sr, segment_statistics
-from node.sr_encode import SrPlan
-from node.volume import Volume, assemble_from_datasets
-from node.worker import encode
+from segnode.node import sr_encode
+from segnode.node.results import (
+    SEGMENTATION_STORAGE,
+    ResultUIDs,
+    build_seg,
+    build_sr,
+    segment_statistics,
+)
+from segnode.node.sr_encode import SrPlan
+from segnode.node.volume import Volume, assemble_from_datasets
+from segnode.node.worker import encode
 from tests.fixtures.synthetic import synthetic_datasets
 from tests.test_results import MANIFEST
 from tests.test_sr_encode import NOW, PRESENT, _enhanced, _labels, _phantom, _synthetic

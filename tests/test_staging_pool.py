@@ -1,4 +1,4 @@
-"""The staging pool: recycled, pre-written staging files (storage.spool.StagingPool), the
+"""The staging pool: recycled, pre-written staging files (segnode.storage.spool.StagingPool), the
 start-up checks that keep crash semantics whole with them, and the SCP's refill."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pydicom import dcmread
 from pydicom.uid import ExplicitVRLittleEndian
 from pynetdicom.sop_class import CTImageStorage  # type: ignore[attr-defined]
 
-from storage.ledger import InstanceRecord, Ledger
-from storage.spool import POOL_SUFFIX, Spool
+from segnode.storage.ledger import InstanceRecord, Ledger
+from segnode.storage.spool import POOL_SUFFIX, Spool
 from tests.conftest import wait_for
 from tests.fixtures.synthetic import write_synthetic_series
 

@@ -41,7 +41,8 @@ def test_unit_verifies(tmp_path: Path) -> None:
     unit = tmp_path / "segnode.service"
     unit.write_text(
         text.replace(
-            "ExecStart=/opt/segnode/.venv/bin/segnode", f"ExecStart={sys.executable} -m node.cli"
+            "ExecStart=/opt/segnode/.venv/bin/segnode",
+            f"ExecStart={sys.executable} -m segnode.node.cli",
         )
     )
     out = subprocess.run([exe, "verify", str(unit)], capture_output=True, text=True, timeout=60)
@@ -84,7 +85,7 @@ def test_unit_settings() -> None:
         assert line in text, line
     sysusers = (ROOT / "systemd" / "segnode.sysusers").read_text()
     assert re.search(r"^u segnode ", sysusers, re.M)
-    from node.config import load_config
+    from segnode.node.config import load_config
 
     cfg = load_config(ROOT / "systemd" / "config.toml")
     assert str(cfg.data_dir) == "/var/lib/segnode"
@@ -115,7 +116,7 @@ def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
     env.pop("WATCHDOG_PID", None)
     log = (tmp_path / "node.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "node.cli", "serve", "--config", str(cfg)],
+        [sys.executable, "-m", "segnode.node.cli", "serve", "--config", str(cfg)],
         cwd=ROOT,
         env=env,
         stdout=log,

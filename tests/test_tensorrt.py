@@ -21,11 +21,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from bench.unet import SMALL, UNetSpec, write_unet
-from engines.base import EngineError
-from engines.engine_cache import EngineCache, atomic_write
-from engines.manifest import ModelManifest, load_manifest
-from engines.trt_backend import TensorRTEngine, build_engine, check_runnable, list_engines
-from engines.trt_build import Flavour, GpuInfo, load_flavour, onnx_to_fp16, resolve_target
+from segnode.engines.base import EngineError
+from segnode.engines.engine_cache import EngineCache, atomic_write
+from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.trt_backend import TensorRTEngine, build_engine, check_runnable, list_engines
+from segnode.engines.trt_build import Flavour, GpuInfo, load_flavour, onnx_to_fp16, resolve_target
 
 
 def _rtx() -> Flavour:
@@ -43,7 +43,7 @@ def rtx() -> Flavour:
 @pytest.fixture(scope="module")
 def tissue(tmp_path_factory: pytest.TempPathFactory) -> ModelManifest:
     """The default model, rebuilt into a temporary folder (deterministic)."""
-    from engines.models.build_tissue import write_model
+    from segnode.engines.models.build_tissue import write_model
 
     return load_manifest(write_model(tmp_path_factory.mktemp("tissue")))
 
@@ -120,7 +120,7 @@ def test_damaged_cache_entry_is_rebuilt(
     else:
         sidecar.unlink()
     assert not list_engines(tmp_path) or not list_engines(tmp_path)[0].valid
-    with caplog.at_level(logging.WARNING, logger="engines.trt_build"):
+    with caplog.at_level(logging.WARNING, logger="segnode.engines.trt_build"):
         rebuilt = build_engine(small_unet, cache_dir=tmp_path)
     assert not rebuilt.hit
     assert "rebuilding" in caplog.text
@@ -234,7 +234,7 @@ def test_rtx_refuses_hopper_before_loading(rtx: Flavour) -> None:
 
 
 def test_engine_cli_build_and_list(rtx: Flavour, tissue: ModelManifest, tmp_path: Path) -> None:
-    from engines.engine_cli import add_engine_parser, run_engine_command
+    from segnode.engines.engine_cli import add_engine_parser, run_engine_command
 
     parser = argparse.ArgumentParser()
     add_engine_parser(parser.add_subparsers(dest="command"))
@@ -261,7 +261,7 @@ def test_atomic_write_leaves_no_temporary_files(tmp_path: Path) -> None:
 
 
 def test_cache_lookup_of_nothing(tmp_path: Path, small_unet: ModelManifest) -> None:
-    from engines.engine_cache import EngineKey
+    from segnode.engines.engine_cache import EngineKey
 
     key = EngineKey(
         small_unet.sha256(),
@@ -282,7 +282,7 @@ def test_cache_lookup_of_nothing(tmp_path: Path, small_unet: ModelManifest) -> N
 
 
 def _gpu() -> GpuInfo:
-    from engines.trt_build import gpu_info
+    from segnode.engines.trt_build import gpu_info
 
     try:
         return gpu_info()
@@ -291,7 +291,7 @@ def _gpu() -> GpuInfo:
 
 
 def test_tensorrt_engine_without_gpu_says_so(tmp_path: Path, tissue: ModelManifest) -> None:
-    from engines.trt_build import gpu_info
+    from segnode.engines.trt_build import gpu_info
 
     try:
         gpu_info()
@@ -309,8 +309,8 @@ def test_trt_runner_plumbing_with_a_stand_in_context() -> None:
     with a stand-in for the execution context (so it runs where TensorRT cannot)."""
     _gpu()
     cp = pytest.importorskip("cupy", reason="CuPy not installed")
-    from engines.manifest import LabelSpec
-    from engines.trt_backend import TrtRunner
+    from segnode.engines.manifest import LabelSpec
+    from segnode.engines.trt_backend import TrtRunner
 
     classes = 3
 
@@ -381,7 +381,7 @@ def test_tensorrt_engine_matches_onnxruntime(tmp_path: Path, tissue: ModelManife
     except EngineError as exc:
         pytest.skip(f"TensorRT cannot run on this GPU: {exc}")
     from bench.gpu_bench import synthetic_ct
-    from engines.base import create_engine
+    from segnode.engines.base import create_engine
 
     hu = synthetic_ct((32, *tissue.patch_size[1:]), seed=3)
     reference = create_engine("onnxruntime")
@@ -400,7 +400,7 @@ def test_segnode_engine_build_command_line(rtx: Flavour, tmp_path: Path) -> None
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    run = [sys.executable, "-m", "node.cli", "engine"]
+    run = [sys.executable, "-m", "segnode.node.cli", "engine"]
     out = subprocess.run(
         [*run, "build", "--precision", "fp32", "--data-dir", str(tmp_path)],
         cwd=root,

@@ -7,7 +7,7 @@ overlap in-plane only, reads opened HU instead of opened masks, and runs patch b
 each thread. The label maps must not change by a single voxel.
 
 The references below were computed on 2026-12-04 with the model and the code of commit
-d294886 (``engines.base.create_engine("onnxruntime")``, the manifest
+d294886 (``segnode.engines.base.create_engine("onnxruntime")``, the manifest
 ``engines/models/tissue/tissue.json`` of that commit, default threads): the SHA-256 of the
 uint8 label map's bytes (C order) and ``np.bincount(labels.ravel(), minlength=6)``.
 The real-CT cases read ``../shared/data`` beside the project and skip when it is absent.
@@ -23,10 +23,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from engines import create_engine, load_manifest
-from engines.base import Engine
-from engines.models import default_manifest_path
-from node.volume import assemble_from_datasets, assemble_volume
+from segnode.engines import create_engine, load_manifest
+from segnode.engines.base import Engine
+from segnode.engines.models import default_manifest_path
+from segnode.node.volume import assemble_from_datasets, assemble_volume
 from tests.fixtures.synthetic import AXIAL, CORONAL, SAGITTAL, synthetic_datasets
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

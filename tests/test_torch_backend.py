@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from bench.unet import SMALL, write_unet
-from engines.base import EngineError, create_engine
-from engines.manifest import ModelManifest, load_manifest
+from segnode.engines.base import EngineError, create_engine
+from segnode.engines.manifest import ModelManifest, load_manifest
 
 torch: Any = pytest.importorskip("torch", reason="PyTorch not installed (GPU machines only)")
 pytest.importorskip("onnx2torch", reason="onnx2torch not installed (pip install onnx2torch)")
 
-from engines.torch_backend import TorchEngine, convert_onnx  # noqa: E402
+from segnode.engines.torch_backend import TorchEngine, convert_onnx  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA GPU (torch.cuda.is_available() is False)")
@@ -32,7 +32,7 @@ def unet(tmp_path_factory: pytest.TempPathFactory) -> ModelManifest:
 
 @pytest.fixture(scope="module")
 def tissue(tmp_path_factory: pytest.TempPathFactory) -> ModelManifest:
-    from engines.models.build_tissue import write_model
+    from segnode.engines.models.build_tissue import write_model
 
     return load_manifest(write_model(tmp_path_factory.mktemp("tissue")))
 
@@ -123,13 +123,14 @@ def test_compiled_engine_pads_the_last_batch(unet: ModelManifest) -> None:
     assert compiled.predict(x).shape == (3, unet.num_classes, *unet.patch_size)
 
 
-# -- compiled artefacts cached across processes (engines.torch_compile, engines.torch_cache) --
+# -- compiled artefacts cached across processes
+# (segnode.engines.torch_compile, segnode.engines.torch_cache) --
 
 RESTART = """
 import hashlib, json, sys
 import numpy as np
-from engines.manifest import load_manifest
-from engines.torch_backend import TorchEngine
+from segnode.engines.manifest import load_manifest
+from segnode.engines.torch_backend import TorchEngine
 manifest, cache, kind, device, precision, out = sys.argv[1:]
 engine = TorchEngine(device=device, precision=precision, compile=True, cache_dir=cache,
                      compile_cache=kind)
@@ -206,7 +207,7 @@ def test_package_that_crashes_its_test_run_falls_back_to_inductor(
     import logging
     import shutil
 
-    import engines.torch_compile as tc
+    import segnode.engines.torch_compile as tc
 
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("Inductor on the CPU needs a C++ compiler")
@@ -223,7 +224,7 @@ def test_package_that_crashes_its_test_run_falls_back_to_inductor(
 
 
 def test_constant_shapes_are_folded_without_changing_the_output(tissue: ModelManifest) -> None:
-    from engines.torch_compile import fold_constant_shapes
+    from segnode.engines.torch_compile import fold_constant_shapes
 
     module = convert_onnx(tissue.onnx_path).eval()
     x = torch.from_numpy(
@@ -268,7 +269,7 @@ def test_corrupt_artefact_is_rebuilt(
     data = bytearray(artefact.read_bytes())
     data[len(data) // 2] ^= 0xFF
     artefact.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="engines.torch_cache"):
+    with caplog.at_level(logging.WARNING, logger="segnode.engines.torch_cache"):
         second = TorchEngine(**options)
         second.load(unet)
     assert "checksum mismatch (corrupt)" in caplog.text

@@ -1,9 +1,9 @@
 """Compiled-artefact cache of the torch engine: keys, validation, rebuilds (no torch needed).
 
-:func:`engines.torch_cache.load_or_build` is driven with stand-in ``build``/``load`` functions,
-so every rule (hit, miss, stale or foreign key, corrupt or unloadable artefact, superseded
-model, interrupted build) is checked on any machine; tests/test_torch_backend.py runs the real
-compilers on a GPU.
+:func:`segnode.engines.torch_cache.load_or_build` is driven with stand-in ``build``/``load``
+functions, so every rule (hit, miss, stale or foreign key, corrupt or unloadable artefact,
+superseded model, interrupted build) is checked on any machine; tests/test_torch_backend.py runs the
+real compilers on a GPU.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.base import EngineError
-from engines.torch_cache import (
+from segnode.engines.base import EngineError
+from segnode.engines.torch_cache import (
     RECIPE,
     SUBDIR,
     RuntimeFacts,
@@ -159,7 +159,7 @@ def test_artefact_copied_under_another_key_is_stale(
     run(cache, foreign, Recorder(b"foreign"))
     cache.artefact_path(foreign).rename(cache.artefact_path(mine))
     cache.sidecar_path(foreign).rename(cache.sidecar_path(mine))
-    with caplog.at_level(logging.WARNING, logger="engines.torch_cache"):
+    with caplog.at_level(logging.WARNING, logger="segnode.engines.torch_cache"):
         assert run(cache, mine, rec) == (b"compiled-model", False)
     assert "another key (stale or foreign)" in caplog.text
 
@@ -178,7 +178,7 @@ def test_damaged_artefact_is_rebuilt_with_a_warning(
     cache, key, rec = TorchCache(tmp_path), make_key(), Recorder()
     run(cache, key, rec)
     damage(cache.artefact_path(key))  # type: ignore[operator]
-    with caplog.at_level(logging.WARNING, logger="engines.torch_cache"):
+    with caplog.at_level(logging.WARNING, logger="segnode.engines.torch_cache"):
         assert run(cache, key, rec) == (b"compiled-model", False)
     assert reason in caplog.text and rec.builds == 2
     assert run(cache, key, rec)[1] is True
@@ -198,7 +198,7 @@ def test_artefact_that_does_not_load_is_rebuilt_once(
     cache, key, rec = TorchCache(tmp_path), make_key(), Recorder()
     run(cache, key, rec)
     rec.fail_loads = 1
-    with caplog.at_level(logging.WARNING, logger="engines.torch_cache"):
+    with caplog.at_level(logging.WARNING, logger="segnode.engines.torch_cache"):
         assert run(cache, key, rec) == (b"compiled-model", False)
     assert "does not load (RuntimeError: undefined symbol" in caplog.text
     assert rec.builds == 2
@@ -256,7 +256,7 @@ def test_entries_report_corruption(tmp_path: Path) -> None:
 
 
 def test_engine_list_shows_compiled_torch_models(tmp_path: Path) -> None:
-    from engines.engine_cli import add_engine_parser, run_engine_command
+    from segnode.engines.engine_cli import add_engine_parser, run_engine_command
 
     run(TorchCache(tmp_path / "engines" / SUBDIR), make_key(), Recorder())
     parser = argparse.ArgumentParser()
@@ -272,8 +272,8 @@ def test_engine_list_shows_compiled_torch_models(tmp_path: Path) -> None:
 def test_engine_build_for_torch_without_a_gpu_fails_cleanly(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from engines.engine_cli import add_engine_parser, run_engine_command
-    from engines.models import default_manifest_path
+    from segnode.engines.engine_cli import add_engine_parser, run_engine_command
+    from segnode.engines.models import default_manifest_path
 
     try:
         import torch
@@ -294,11 +294,11 @@ def test_engine_build_for_torch_without_a_gpu_fails_cleanly(
 
 
 def test_compile_option_reaches_the_torch_engine(tmp_path: Path) -> None:
-    from engines.models import default_manifest_path
-    from node.config import from_dict
-    from node.engine_pool import engine_options
-    from node.errors import ConfigError
-    from node.rules import model_specs
+    from segnode.engines.models import default_manifest_path
+    from segnode.node.config import from_dict
+    from segnode.node.engine_pool import engine_options
+    from segnode.node.errors import ConfigError
+    from segnode.node.rules import model_specs
 
     lungs_table = {"manifest": str(default_manifest_path()), "engine": "torch", "compile": True}
     config = from_dict(

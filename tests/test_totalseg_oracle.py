@@ -25,11 +25,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from engines.manifest import ModelManifest, load_manifest
-from engines.ort_backend import OrtEngine
-from engines.preprocess.orientation import Geometry
-from engines.trained import segment_trained
 from scripts.nnunet_phantom import oracle_cases, write_dicom_case
+from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.ort_backend import OrtEngine
+from segnode.engines.preprocess.orientation import Geometry
+from segnode.engines.trained import segment_trained
 
 DATA = Path(__file__).resolve().parent / "data"
 ORACLE = DATA / "totalseg_phantom"
@@ -122,8 +122,8 @@ def test_segnode_agrees_with_totalsegmentator(
 ) -> None:
     """The series as DICOM through the node's volume assembly and the composite on ONNX
     Runtime: Dice >= 0.99 with TotalSegmentator's own output for every structure present."""
-    from node.volume import assemble_volume
     from scripts.make_totalseg_oracle import compare
+    from segnode.node.volume import assemble_volume
 
     maps, their_names = golden
     volume = assemble_volume(write_dicom_case(CASES[name], tmp_path / name, seed=11))

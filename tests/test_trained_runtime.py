@@ -1,7 +1,7 @@
 """Version-2 (trained) models run in the node: every fold loaded by the backends,
-:func:`engines.trained.segment_trained` (reorient, resample to the model's spacing, nnU-Net's
-window with mirroring and the fold average, back to the source grid), the worker and a whole
-node, gantry tilt refused as a failed job, and composite models (several parts merged into one
+:func:`segnode.engines.trained.segment_trained` (reorient, resample to the model's spacing,
+nnU-Net's window with mirroring and the fold average, back to the source grid), the worker and a
+whole node, gantry tilt refused as a failed job, and composite models (several parts merged into one
 label space).
 
 The models are real ONNX files built here: a 3x3x3 mean filter followed by per-channel
@@ -27,13 +27,13 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from engines.base import EngineError, TrainedEngine
-from engines.manifest import ManifestError, ModelManifest, check_runnable, load_manifest
-from engines.nnunet_window import predict_for_manifest
-from engines.ort_backend import OrtEngine
-from engines.preprocess.orientation import Geometry, GeometryError
-from engines.preprocess.pipeline import run_model
-from engines.trained import segment_trained
+from segnode.engines.base import EngineError, TrainedEngine
+from segnode.engines.manifest import ManifestError, ModelManifest, check_runnable, load_manifest
+from segnode.engines.nnunet_window import predict_for_manifest
+from segnode.engines.ort_backend import OrtEngine
+from segnode.engines.preprocess.orientation import Geometry, GeometryError
+from segnode.engines.preprocess.pipeline import run_model
+from segnode.engines.trained import segment_trained
 
 # Normalisation of every test model: (clip(HU, -1000, 1000) - 0) / 500.
 INTENSITY = {"mean": 0.0, "std": 500.0, "percentile_00_5": -1000.0, "percentile_99_5": 1000.0}
@@ -357,7 +357,7 @@ def test_torch_backend_matches_onnxruntime(
     ort_engine: OrtEngine, manifest: ModelManifest, tmp_path: Path
 ) -> None:
     torch = _torch_or_skip()
-    from engines.torch_backend import TorchEngine
+    from segnode.engines.torch_backend import TorchEngine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = TorchEngine(device=device, precision="fp32")
@@ -484,7 +484,7 @@ def test_composite_has_no_folds_or_geometry_of_its_own(composite_dir: Path, key:
 
 
 def test_composite_parts_are_version_2_single_models(composite_dir: Path) -> None:
-    from engines.models import default_manifest_path
+    from segnode.engines.models import default_manifest_path
 
     v1 = composite_dir / "v1.json"
     raw = json.loads(default_manifest_path().read_text())
@@ -522,14 +522,14 @@ def test_engine_build_builds_every_fold_with_its_own_key(
 ) -> None:
     """``segnode engine build`` of a 2-fold model: two engines (TensorRT-RTX, on the CPU),
     distinct keys; building again reuses both (no fold prunes the other)."""
-    from engines.trt_build import load_flavour
+    from segnode.engines.trt_build import load_flavour
 
     try:
         load_flavour("tensorrt_rtx")
     except EngineError as exc:
         pytest.skip(f"TensorRT-RTX not installed: {exc}")
-    from engines.engine_cli import add_engine_parser, run_engine_command
-    from engines.trt_backend import list_engines
+    from segnode.engines.engine_cli import add_engine_parser, run_engine_command
+    from segnode.engines.trt_backend import list_engines
 
     parser = argparse.ArgumentParser()
     add_engine_parser(parser.add_subparsers(dest="command"))
@@ -575,7 +575,7 @@ def _reread(seg_path: Path, files: list[Path]) -> npt.NDArray[np.uint8]:
 
 
 def _direct(manifest: ModelManifest, files: list[Path]) -> npt.NDArray[np.uint8]:
-    from node.volume import assemble_volume
+    from segnode.node.volume import assemble_volume
 
     volume = assemble_volume(files)
     engine = OrtEngine(threads=1)
@@ -590,10 +590,10 @@ def test_worker_runs_a_trained_model_and_fails_a_tilted_series_with_the_reason(
     why; the next series is segmented on the source grid, its SEG and SR written."""
     from pydicom import dcmread
 
-    from node.config import from_dict
-    from node.worker import Worker, result_paths
-    from storage.ledger import Ledger
-    from storage.spool import Spool
+    from segnode.node.config import from_dict
+    from segnode.node.worker import Worker, result_paths
+    from segnode.storage.ledger import Ledger
+    from segnode.storage.spool import Spool
     from tests.fixtures.synthetic import write_synthetic_series
     from tests.test_worker import ingest
 
@@ -634,8 +634,8 @@ def test_node_segments_a_series_with_a_trained_model(
     """``segnode serve`` with a version-2 model in ``[model]``: a series sent over DICOM
     (pynetdicom) gives a SEG whose labels, read back by highdicom, are those computed
     directly with segment_trained."""
-    from node.worker import result_paths
     from scripts.harness import send_files
+    from segnode.node.worker import result_paths
     from tests.conftest import wait_for
     from tests.fixtures.synthetic import write_synthetic_series
 
@@ -657,8 +657,8 @@ def test_node_segments_a_series_with_a_trained_model(
 def test_torch_cache_keeps_one_artefact_per_fold(manifest: ModelManifest, tmp_path: Path) -> None:
     """The torch engine's compiled-artefact keys of the folds differ (fold file SHA-256 and
     name), and storing one fold's artefact does not prune the other's as superseded."""
-    from engines.torch_cache import RuntimeFacts, TorchCache, load_or_build
-    from engines.torch_compile import torch_key
+    from segnode.engines.torch_cache import RuntimeFacts, TorchCache, load_or_build
+    from segnode.engines.torch_compile import torch_key
 
     facts = RuntimeFacts("2.11.0+cu130", "13.0", "3.6.0", "1.5.15", "NVIDIA H200", "sm90")
     cache = TorchCache(tmp_path)
@@ -688,10 +688,10 @@ def test_torch_cache_keeps_one_artefact_per_fold(manifest: ModelManifest, tmp_pa
 def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> None:
     """A composite's job: the SEG holds the merged labels (segments named after the
     composite's labels), equal to segment_trained's merge."""
-    from node.config import from_dict
-    from node.worker import Worker, result_paths
-    from storage.ledger import Ledger
-    from storage.spool import Spool
+    from segnode.node.config import from_dict
+    from segnode.node.worker import Worker, result_paths
+    from segnode.storage.ledger import Ledger
+    from segnode.storage.spool import Spool
     from tests.fixtures.synthetic import write_synthetic_series
     from tests.test_worker import ingest
 
@@ -726,7 +726,7 @@ def test_identity_fed_weights_become_initializers() -> None:
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from engines.torch_backend import inline_initializer_identities
+    from segnode.engines.torch_backend import inline_initializer_identities
 
     rng = np.random.default_rng(2)
     weight = numpy_helper.from_array(rng.standard_normal((2, 1, 3, 3, 3)).astype(np.float32), "w")

@@ -28,10 +28,10 @@ from pynetdicom.pdu_primitives import A_ASSOCIATE, MaximumLengthNotification
 from pynetdicom.presentation import build_context
 from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[attr-defined]
 
-from node.header import parse_header
-from node.scp import file_meta
-from node.streaming import Arrival
-from node.ul import (
+from segnode.node.header import parse_header
+from segnode.node.scp import file_meta
+from segnode.node.streaming import Arrival
+from segnode.node.ul import (
     IMPLEMENTATION_CLASS_UID,
     IMPLEMENTATION_VERSION,
     _Association,
@@ -39,8 +39,8 @@ from node.ul import (
     encode_command,
     pdata_pdus,
 )
-from storage.ledger import InstanceRecord, Ledger
-from storage.spool import Spool, SpoolError, _after
+from segnode.storage.ledger import InstanceRecord, Ledger
+from segnode.storage.spool import Spool, SpoolError, _after
 from tests.conftest import LOOPBACK
 from tests.fixtures.synthetic import write_synthetic_series
 from tests.scp_harness import SCPHarness, store
@@ -299,7 +299,7 @@ def test_native_pixels_match_pydicom(tmp_path: Path, signed: int, bits_stored: i
     """The streaming decoder's shortcut gives pydicom's values, garbage in unused bits too."""
     import numpy as np
 
-    from node.streaming import Arrival, native_pixels
+    from segnode.node.streaming import Arrival, native_pixels
 
     (path,) = write_synthetic_series(tmp_path, rows=32, columns=24, slices=1, seed=7303)
     ds = dcmread(path)
@@ -416,7 +416,7 @@ def test_a_failed_write_takes_back_the_row_committed_beside_it(
 ) -> None:
     """The ledger row is committed while the file is written: when the write fails, the
     answer is 0xA700, the row is gone, no file is kept, and the retry is stored."""
-    from storage import spool as spool_module
+    from segnode.storage import spool as spool_module
 
     real = spool_module.StagingFile.write_synced
     calls: list[int] = []
@@ -441,7 +441,7 @@ def test_a_failed_write_takes_back_the_row_committed_beside_it(
 def test_association_ids_are_never_reused() -> None:
     """Handlers key per-association state by ``info.id``; unlike ``id(info)`` it cannot come
     back for a later association once an earlier one's object is freed."""
-    from node.ul import AssociationInfo
+    from segnode.node.ul import AssociationInfo
 
     seen = set()
     for _ in range(1000):

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from node.config import TLSConfig, from_dict
-from node.errors import ConfigError
 from scripts.harness import CountingSCP, send_files
+from segnode.node.config import TLSConfig, from_dict
+from segnode.node.errors import ConfigError
 from tests.conftest import LOOPBACK, ROOT, NodeProcess, free_port, require_tool, wait_for
 from tests.fixtures.synthetic import write_synthetic_series
 
@@ -244,9 +244,9 @@ def test_server_answers_while_a_job_runs(make_node: Any, tmp_path: Path) -> None
 
 
 def _in_process_server(tmp_path: Path, token: str | None, reads_need_token: bool) -> Any:
-    from node.web.app import Access, Console, create_app
-    from node.web.server import WebServer
-    from storage.ledger import Ledger
+    from segnode.node.web.app import Access, Console, create_app
+    from segnode.node.web.server import WebServer
+    from segnode.storage.ledger import Ledger
 
     ledger = Ledger(tmp_path / "ledger.sqlite")
     app = create_app(
@@ -293,9 +293,9 @@ def test_reads_need_the_token_when_not_on_loopback(tmp_path: Path) -> None:
 def test_loopback_console_refuses_other_host_names(tmp_path: Path) -> None:
     """DNS rebinding: a page of another site whose name now points at 127.0.0.1 sends its
     own name in ``Host``; the loopback console refuses it."""
-    from node.web.app import LOOPBACK_HOSTS, Access, Console, create_app, host_name
-    from node.web.server import WebServer
-    from storage.ledger import Ledger
+    from segnode.node.web.app import LOOPBACK_HOSTS, Access, Console, create_app, host_name
+    from segnode.node.web.server import WebServer
+    from segnode.storage.ledger import Ledger
 
     assert [host_name(h) for h in ("127.0.0.1:8080", "[::1]:8080", "LocalHost", "a.b:1")] == [
         "127.0.0.1",
@@ -351,9 +351,9 @@ def test_https_with_the_node_certificate(tmp_path: Path) -> None:
          "-addext", "subjectAltName=IP:127.0.0.1"],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
-    from node.web.app import Access, Console, create_app
-    from node.web.server import WebServer, https_context
-    from storage.ledger import Ledger
+    from segnode.node.web.app import Access, Console, create_app
+    from segnode.node.web.server import WebServer, https_context
+    from segnode.storage.ledger import Ledger
 
     ledger = Ledger(tmp_path / "ledger.sqlite")
     tls = TLSConfig(cert_file=cert, key_file=key, min_version="1.2")
@@ -409,7 +409,7 @@ def test_web_config_errors_name_the_key(web: dict[str, Any], message: str) -> No
 
 
 def test_short_token_refused(tmp_path: Path) -> None:
-    from node.web.server import read_token
+    from segnode.node.web.server import read_token
 
     f = tmp_path / "token"
     f.write_text("short\n")
@@ -437,7 +437,7 @@ def test_web_address_in_use_stops_the_start(tmp_path: Path) -> None:
             web={"enabled": True, "listen": listen},
         )
         out = subprocess.run(
-            [sys.executable, "-m", "node.cli", "serve", "--config", str(cfg)],
+            [sys.executable, "-m", "segnode.node.cli", "serve", "--config", str(cfg)],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -456,9 +456,9 @@ import sys
 for name in ("starlette", "uvicorn"):
     sys.modules[name] = None  # import fails as if not installed
 from pathlib import Path
-from node.config import from_dict
-from node.errors import ConfigError
-from node.service import Node
+from segnode.node.config import from_dict
+from segnode.node.errors import ConfigError
+from segnode.node.service import Node
 node = Node(from_dict({{"data_dir": {str(tmp_path / "data")!r}}}))
 node.shutdown()
 try:
@@ -483,10 +483,10 @@ def test_static_files_ship_in_the_wheel() -> None:
     import fnmatch
     import tomllib
 
-    from node.web.app import STATIC
+    from segnode.node.web.app import STATIC
 
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    patterns = setup["package-data"]["node.web"]
+    patterns = setup["package-data"]["segnode.node.web"]
     files = [p.relative_to(STATIC.parent).as_posix() for p in STATIC.rglob("*") if p.is_file()]
     assert {"static/index.html", "static/app.js", "static/style.css"} <= set(files)
     for f in files:
@@ -495,8 +495,8 @@ def test_static_files_ship_in_the_wheel() -> None:
 
 def test_grafana_dashboard_uses_the_node_metrics(tmp_path: Path) -> None:
     """Every series the dashboard queries is one the node exports (names and stages)."""
-    from node.metrics import STAGES, Metrics
-    from storage.ledger import Ledger
+    from segnode.node.metrics import STAGES, Metrics
+    from segnode.storage.ledger import Ledger
 
     ledger = Ledger(tmp_path / "ledger.sqlite")
     gauges = {"segnode_streaming_bytes": lambda: 0, "segnode_streaming_series": lambda: 0}
@@ -522,8 +522,8 @@ def test_grafana_dashboard_uses_the_node_metrics(tmp_path: Path) -> None:
 
 
 def test_preview_draws_segments_in_their_colours(tmp_path: Path) -> None:
-    from node.volume import assemble_volume
-    from node.web.preview import SegmentInfo, render
+    from segnode.node.volume import assemble_volume
+    from segnode.node.web.preview import SegmentInfo, render
 
     files = write_synthetic_series(tmp_path / "ct", rows=48, columns=64, slices=10, seed=46)
     volume = assemble_volume(files)
@@ -549,13 +549,13 @@ def test_sr_volumes_read_back(tmp_path: Path, kind: str) -> None:
 
     import pydicom
 
-    from engines.manifest import load_manifest
-    from engines.ort_backend import OrtEngine
-    from node.config import DEFAULT_MODEL
-    from node.web.preview import Previewer, segment_infos, sr_volumes
-    from node.worker import Worker, result_paths
-    from storage.ledger import Ledger
-    from storage.spool import Spool
+    from segnode.engines.manifest import load_manifest
+    from segnode.engines.ort_backend import OrtEngine
+    from segnode.node.config import DEFAULT_MODEL
+    from segnode.node.web.preview import Previewer, segment_infos, sr_volumes
+    from segnode.node.worker import Worker, result_paths
+    from segnode.storage.ledger import Ledger
+    from segnode.storage.spool import Spool
     from tests.test_worker import ingest
 
     engine = OrtEngine()

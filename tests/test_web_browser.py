@@ -157,11 +157,11 @@ def test_console_asks_for_the_token_when_reads_need_it(tmp_path: Path, browser: 
     says it needs the token, and shows the node once the token is given."""
     from selenium.webdriver.common.by import By
 
-    from node.config import from_dict
-    from node.service import Node
-    from node.web.app import Access, Console, create_app
-    from node.web.server import WebServer
-    from node.web.status import node_ready, node_status
+    from segnode.node.config import from_dict
+    from segnode.node.service import Node
+    from segnode.node.web.app import Access, Console, create_app
+    from segnode.node.web.server import WebServer
+    from segnode.node.web.status import node_ready, node_status
     from tests.conftest import LOOPBACK
 
     cfg = from_dict(

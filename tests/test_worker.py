@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from pydicom import dcmread
 
-from engines.manifest import load_manifest
-from engines.ort_backend import OrtEngine
-from node.config import DEFAULT_MODEL, from_dict
-from node.results import ResultError
-from node.worker import Worker, result_paths
-from storage.ledger import InstanceRecord, Ledger
-from storage.spool import Spool
+from segnode.engines.manifest import load_manifest
+from segnode.engines.ort_backend import OrtEngine
+from segnode.node.config import DEFAULT_MODEL, from_dict
+from segnode.node.results import ResultError
+from segnode.node.worker import Worker, result_paths
+from segnode.storage.ledger import InstanceRecord, Ledger
+from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
 
 
@@ -127,7 +127,7 @@ def test_worker_results_reread_by_highdicom_and_reencode_identically(
     after a crash) writes the same bytes."""
     import highdicom as hd
 
-    from node.config import ResultsConfig
+    from segnode.node.config import ResultsConfig
 
     cfg = replace(from_dict({}), data_dir=tmp_path, results=ResultsConfig(kind))
     ledger = Ledger(tmp_path / "ledger.sqlite")
@@ -145,7 +145,7 @@ def test_worker_results_reread_by_highdicom_and_reencode_identically(
         "LABELMAP": "1.2.840.10008.5.1.4.1.1.66.7",
     }[kind]
     assert seg.SOPClassUID == expected_class
-    from node.volume import assemble_volume
+    from segnode.node.volume import assemble_volume
 
     volume = assemble_volume(files)
     labels = engine.segment(volume.hu)
@@ -178,7 +178,7 @@ def test_prebuilt_volume_goes_back_to_the_pool_after_its_job(
 ) -> None:
     """The worker hands the job's prebuilt volume back to the streaming assembler, so the
     next series decodes into memory already touched."""
-    from node.streaming import Arrival, StreamingAssembler
+    from segnode.node.streaming import Arrival, StreamingAssembler
 
     worker, ledger, spool = make(tmp_path, engine)
     asm = StreamingAssembler(workers=1, max_bytes=256 * 2**20)
@@ -204,12 +204,12 @@ def test_seg_that_fails_its_check_leaves_no_file(
 ) -> None:
     """The SEG is written while it is checked; a failed check fails the job and removes
     the written bytes (no result file under any name)."""
-    import node.worker
+    import segnode.node.worker as worker_module
 
     def corrupt(*_: object) -> None:
         raise ResultError("frame 3 does not reproduce the label map on slice 2")
 
-    monkeypatch.setattr(node.worker, "check_encoded", corrupt)
+    monkeypatch.setattr(worker_module, "check_encoded", corrupt)
     worker, ledger, spool = make(tmp_path, engine)
     files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=6, seed=34)
     uid = ingest(ledger, spool, files)
@@ -230,11 +230,11 @@ def test_start_caches_the_sr_template_that_real_series_use(
     import subprocess
     import sys
 
-    from node import __version__, sr_encode
-    from node.results import ResultUIDs
-    from node.seg_encode import SegPlan
-    from node.sr_encode import SrPlan
-    from node.volume import assemble_from_datasets
+    from segnode.node import __version__, sr_encode
+    from segnode.node.results import ResultUIDs
+    from segnode.node.seg_encode import SegPlan
+    from segnode.node.sr_encode import SrPlan
+    from segnode.node.volume import assemble_from_datasets
 
     sr_encode._TEMPLATES.clear()
     worker, ledger, _ = make(tmp_path, engine)
@@ -259,8 +259,8 @@ def test_start_caches_the_sr_template_that_real_series_use(
         worker.stop(10)
         ledger.close()
     code = (
-        "import sys, node.service, node.worker\n"
-        "node.worker.assemble_from_datasets(node.worker.warm_up_series(), min_slices=2)\n"
+        "import sys, segnode.node.service, segnode.node.worker as w\n"
+        "w.assemble_from_datasets(w.warm_up_series(), min_slices=2)\n"
         "bad = [m for m in sys.modules if m == 'tests' or m.startswith('tests.')]\n"
         "sys.exit(f'fixtures imported: {bad}' if bad else 0)\n"
     )

@@ -6,14 +6,14 @@ exports each fold to ONNX and writes a version-2 manifest (docs/integration.md, 
 "total" task (five nnU-Net datasets) and writes a composite manifest over them.
 docs/import.md shows the commands and their output.
 
-The modules that only read JSON and CSV (:mod:`engines.importers.labels`,
-:mod:`engines.importers.nnunet_plans`) need neither torch nor nnU-Net; the export
-(:mod:`engines.importers.export`) imports them when it runs.
+The modules that only read JSON and CSV (:mod:`segnode.engines.importers.labels`,
+:mod:`segnode.engines.importers.nnunet_plans`) need neither torch nor nnU-Net; the export
+(:mod:`segnode.engines.importers.export`) imports them when it runs.
 """
 
 from __future__ import annotations
 
-from engines.base import EngineError
+from segnode.engines.base import EngineError
 
 
 class ModelImportError(EngineError):

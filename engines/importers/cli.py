@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from engines.base import EngineError
+from segnode.engines.base import EngineError
 
 
 def add_model_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -81,15 +81,15 @@ def _shared(p: argparse.ArgumentParser) -> None:
 def run_model_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``segnode model import ...``; returns the exit status (1 with a message on error)."""
     stream = out or sys.stdout
-    from engines.importers.labels import load_label_csv
+    from segnode.engines.importers.labels import load_label_csv
 
     try:
         codes = load_label_csv(args.labels) if args.labels else None
         source = args.labels or "labels CSV"
         target = args.out or Path(args.name)
         if args.import_kind == "nnunet":
-            from engines.importers.nnunet import import_nnunet
-            from engines.importers.nnunet_plans import parse_fold
+            from segnode.engines.importers.nnunet import import_nnunet
+            from segnode.engines.importers.nnunet_plans import parse_fold
 
             report = import_nnunet(
                 args.folder,
@@ -107,7 +107,7 @@ def run_model_command(args: argparse.Namespace, out: TextIO | None = None) -> in
             for line in report.lines():
                 print(line, file=stream)
             return 0
-        from engines.importers.totalsegmentator import import_totalsegmentator
+        from segnode.engines.importers.totalsegmentator import import_totalsegmentator
 
         reports, composite, path, notes = import_totalsegmentator(
             args.weights_dir,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.importers import ModelImportError
+from segnode.engines.importers import ModelImportError
 
 OPSET = 17
 

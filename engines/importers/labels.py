@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.importers import ModelImportError
+from segnode.engines.importers import ModelImportError
 
 Code = tuple[str, str, str]
 """``(value, scheme designator, meaning)``, the order of the manifest's codes."""

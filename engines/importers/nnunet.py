@@ -9,7 +9,7 @@ The folder written holds::
     OUT/import.json        source path, folds, checkpoint and its SHA-256 per fold, versions,
                            date, the export check per fold, labels given generic codes
 
-The manifest is loaded with :func:`engines.manifest.load_manifest` before the import
+The manifest is loaded with :func:`segnode.engines.manifest.load_manifest` before the import
 reports success.
 """
 
@@ -27,10 +27,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from engines.base import EngineError
-from engines.importers import ModelImportError
-from engines.importers.labels import LabelCodes, label_entries
-from engines.importers.nnunet_plans import (
+from segnode.engines.base import EngineError
+from segnode.engines.importers import ModelImportError
+from segnode.engines.importers.labels import LabelCodes, label_entries
+from segnode.engines.importers.nnunet_plans import (
     ModelFolder,
     default_orientation,
     manifest_dict,
@@ -115,7 +115,7 @@ def write_json(path: Path, value: Any) -> None:
 
 def check_manifest(path: Path) -> None:
     """Load ``path`` with the node's own loader; the import fails if it does not load."""
-    from engines.manifest import load_manifest
+    from segnode.engines.manifest import load_manifest
 
     try:
         load_manifest(path)
@@ -161,7 +161,7 @@ def import_nnunet(
         it does not name may take the generic code.
     orientation
         The orientation code of the training arrays; default
-        :func:`engines.importers.nnunet_plans.default_orientation`.
+        :func:`segnode.engines.importers.nnunet_plans.default_orientation`.
     version
         The manifest's version string.
     overlap, mirror, resampling, spacing, profile
@@ -240,7 +240,7 @@ def _export_all(
 ) -> ImportReport:
     """Export every fold into ``staging`` and write the manifest, copies and ``import.json``
     there; the report names the final paths in ``out_dir``."""
-    from engines.importers import export
+    from segnode.engines.importers import export
 
     folder = source.path
     config = resolve_configuration(source.plans, source.configuration)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.importers import ModelImportError
+from segnode.engines.importers import ModelImportError
 
 CHECKPOINTS = {"final": "checkpoint_final.pth", "best": "checkpoint_best.pth"}
 
@@ -329,7 +329,7 @@ def manifest_dict(
     folds
         The ONNX file names, one per fold.
     labels
-        The ``labels`` entries (:func:`engines.importers.labels.label_entries`).
+        The ``labels`` entries (:func:`segnode.engines.importers.labels.label_entries`).
     mirror_axes
         The checkpoint's ``inference_allowed_mirroring_axes`` (``None``: no mirroring).
     orientation

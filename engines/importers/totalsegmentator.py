@@ -9,7 +9,7 @@ to ``class_map["total"]``, later parts overwriting). Its pipeline is
 order 1, nnU-Net with ``step_size=0.8`` (overlap 0.2) and no test-time mirroring, and the
 label map back to the original grid with order 0. The profile writes each dataset as a
 normal version-2 part (``part_<id>/model.json``) with those settings, and a composite
-manifest ``<name>.json`` over them (:mod:`engines.manifest`, "composite").
+manifest ``<name>.json`` over them (:mod:`segnode.engines.manifest`, "composite").
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.base import EngineError
-from engines.importers import ModelImportError
-from engines.importers.labels import LabelCodes, label_entries
-from engines.importers.nnunet import ImportReport, import_nnunet, write_json
-from engines.importers.nnunet_plans import (
+from segnode.engines.base import EngineError
+from segnode.engines.importers import ModelImportError
+from segnode.engines.importers.labels import LabelCodes, label_entries
+from segnode.engines.importers.nnunet import ImportReport, import_nnunet, write_json
+from segnode.engines.importers.nnunet_plans import (
     merge_label_spaces,
     output_layout,
     resolve_configuration,
@@ -232,7 +232,7 @@ def check_composite_json(path: Path) -> None:
 
 
 def check_composite(path: Path) -> list[str]:
-    """Check the composite on its JSON, then with :func:`engines.manifest.load_manifest`
+    """Check the composite on its JSON, then with :func:`segnode.engines.manifest.load_manifest`
     when the node's loader reads composite manifests (``ModelManifest.parts``).
 
     Returns
@@ -245,7 +245,7 @@ def check_composite(path: Path) -> list[str]:
     ModelImportError
         A check failed.
     """
-    from engines.manifest import ModelManifest, load_manifest
+    from segnode.engines.manifest import ModelManifest, load_manifest
 
     check_composite_json(path)
     if "parts" not in {f.name for f in dataclasses.fields(ModelManifest)}:

@@ -1,7 +1,7 @@
 """Build the default model, "tissue": CT physics written as an ONNX graph, no weights.
 
-Run ``python -m engines.models.build_tissue [--out-dir DIR]``; it writes ``tissue.onnx`` and
-``tissue.json`` (the manifest, see :mod:`engines.manifest`) into ``engines/models/tissue/``.
+Run ``python -m segnode.engines.models.build_tissue [--out-dir DIR]``; it writes ``tissue.onnx`` and
+``tissue.json`` (the manifest, see :mod:`segnode.engines.manifest`) into ``engines/models/tissue/``.
 The output is byte-for-byte deterministic, so the committed files can be checked against a
 fresh build.
 
@@ -73,7 +73,7 @@ import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.models import MODELS_DIR
+from segnode.engines.models import MODELS_DIR
 
 NAME = "tissue"
 VERSION = "1.0.0"
@@ -369,7 +369,7 @@ def build_model(
 
 
 def manifest_dict(patch_size: tuple[int, int, int] = PATCH_SIZE) -> dict[str, Any]:
-    """The manifest written beside the model (format in :mod:`engines.manifest`)."""
+    """The manifest written beside the model (format in :mod:`segnode.engines.manifest`)."""
     return {
         "name": NAME,
         "version": VERSION,

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engines.base import EngineError
+from segnode.engines.base import EngineError
 
 Vector = tuple[float, float, float]
 
@@ -54,7 +54,7 @@ class GeometryError(EngineError):
 
 
 class VolumeGeometry(Protocol):
-    """What :meth:`Geometry.from_volume` reads (:class:`node.volume.Volume` provides it)."""
+    """What :meth:`Geometry.from_volume` reads (:class:`segnode.node.volume.Volume` provides it)."""
 
     @property
     def row_direction(self) -> Vector:
@@ -161,7 +161,7 @@ class Geometry:
 
     @classmethod
     def from_volume(cls, volume: VolumeGeometry) -> Geometry:
-        """Geometry of a :class:`node.volume.Volume` (or anything with its attributes)."""
+        """Geometry of a :class:`segnode.node.volume.Volume` (or anything with its attributes)."""
         return cls.from_image_plane(
             volume.row_direction,
             volume.column_direction,

@@ -4,9 +4,9 @@ source grid.
 :func:`run_model` is nnU-Net v2's ``preprocess -> predict -> export`` around any predictor:
 
 1. reorient the ``(z, y, x)`` HU volume to the model's orientation (exact re-indexing,
-   :mod:`~engines.preprocess.orientation`), then apply ``transpose_forward``;
+   :mod:`~segnode.engines.preprocess.orientation`), then apply ``transpose_forward``;
 2. crop to the non-zero bounding box (``crop_to_nonzero``);
-3. normalise (:mod:`~engines.preprocess.intensity`) - before resampling, as nnU-Net;
+3. normalise (:mod:`~segnode.engines.preprocess.intensity`) - before resampling, as nnU-Net;
 4. resample the image to the target spacing (order 3, separate z when anisotropic);
 5. ``predict``: the model's scores on that grid (sliding window, folds, mirroring - the
    engine's business);
@@ -34,10 +34,10 @@ from typing import Any
 from array_api_compat import array_namespace
 from array_api_compat import device as array_device
 
-from engines.manifest import ModelContract, ModelManifest
-from engines.preprocess.intensity import nonzero_bbox
-from engines.preprocess.orientation import Geometry, plan_reorientation
-from engines.preprocess.resampling import compute_new_shape, resample, separate_z_axis
+from segnode.engines.manifest import ModelContract, ModelManifest
+from segnode.engines.preprocess.intensity import nonzero_bbox
+from segnode.engines.preprocess.orientation import Geometry, plan_reorientation
+from segnode.engines.preprocess.resampling import compute_new_shape, resample, separate_z_axis
 
 Predict = Callable[[Any], Any]
 """``predict(image)``: the preprocessed float32 ``(z, y, x)`` image on the model's grid in,

@@ -15,8 +15,8 @@ POST  ``/api/v1/jobs/{id}/cancel``       cancel an unfinished job
 Every ledger call runs in Starlette's thread pool, never on the event loop. The actions
 need the bearer token (:class:`Access`); when the console listens on a non-loopback
 address, every ``/api`` request does. The page, its static files and the probes carry no
-data and need none. The jobs in ``/api/v1/jobs`` are built by :func:`node.web.facts.job_facts`,
-the builder of ``segnode jobs --json``.
+data and need none. The jobs in ``/api/v1/jobs`` are built by
+:func:`segnode.node.web.facts.job_facts`, the builder of ``segnode jobs --json``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from node.web.facts import JOB_STATES, ignored_facts, job_facts, job_page, waiting_facts
-from node.web.preview import preview_path
-from storage.ledger import Ledger
+from segnode.node.web.facts import JOB_STATES, ignored_facts, job_facts, job_page, waiting_facts
+from segnode.node.web.preview import preview_path
+from segnode.storage.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Console:
     access
         The token rules.
     status
-        Live facts of the node (:func:`node.web.status.node_status`); called in a thread.
+        Live facts of the node (:func:`segnode.node.web.status.node_status`); called in a thread.
     ready
         ``(ready, reason)`` for ``/readyz``; called in a thread.
     requeued

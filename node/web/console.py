@@ -1,5 +1,5 @@
 """The web console of a running node: the HTTP server and the previewer, started and stopped
-with the node (:class:`node.service.Node`)."""
+with the node (:class:`segnode.node.service.Node`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from node.errors import ConfigError, SegnodeError
+from segnode.node.errors import ConfigError, SegnodeError
 
 if TYPE_CHECKING:
-    from node.service import Node
+    from segnode.node.service import Node
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,14 @@ class WebConsole:
 
     def __init__(self, node: Node) -> None:
         try:
-            from node.web.app import LOOPBACK_HOSTS, Access, Console, create_app
-            from node.web.preview import Previewer
-            from node.web.server import WebServer, https_context, read_token
+            from segnode.node.web.app import LOOPBACK_HOSTS, Access, Console, create_app
+            from segnode.node.web.preview import Previewer
+            from segnode.node.web.server import WebServer, https_context, read_token
         except ImportError as exc:
             raise ConfigError(
                 f"web.enabled = true needs the web extra (pip install 'segnode[web]'): {exc}"
             ) from exc
-        from node.web.status import node_ready, node_status
+        from segnode.node.web.status import node_ready, node_status
 
         cfg = node.config.web
         self.node = node

@@ -1,7 +1,7 @@
 """The facts about jobs and the node as JSON-ready dictionaries.
 
 One builder per fact, shared by the command line (``segnode jobs --json``, ``segnode
-status``) and the HTTP API (:mod:`node.web.app`), so that both say the same thing. Only
+status``) and the HTTP API (:mod:`segnode.node.web.app`), so that both say the same thing. Only
 UIDs, AE titles, states, times and reasons: no patient names or IDs.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from node.senders import load_patterns
-from storage.ledger import JobState, JobView, Ledger
-from storage.models import Job
+from segnode.node.senders import load_patterns
+from segnode.storage.ledger import JobState, JobView, Ledger
+from segnode.storage.models import Job
 
 #: Job states, for the API's ``state`` filter.
 JOB_STATES = tuple(s.value for s in JobState)

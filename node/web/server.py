@@ -18,8 +18,8 @@ from typing import Any
 
 import uvicorn
 
-from node.config import TLSConfig, WebConfig
-from node.errors import ConfigError
+from segnode.node.config import TLSConfig, WebConfig
+from segnode.node.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class WebServer:
     Parameters
     ----------
     app
-        The ASGI application (:func:`node.web.app.create_app`).
+        The ASGI application (:func:`segnode.node.web.app.create_app`).
     host, port
         Where to listen (port 0: any free port; see :attr:`port`).
     ssl_context

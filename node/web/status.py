@@ -5,11 +5,11 @@ from __future__ import annotations
 import shutil
 from typing import TYPE_CHECKING, Any
 
-from node import __version__
-from node.web.facts import ledger_status
+from segnode.node import __version__
+from segnode.node.web.facts import ledger_status
 
-if TYPE_CHECKING:  # node.service imports node.web lazily
-    from node.service import Node
+if TYPE_CHECKING:  # segnode.node.service imports segnode.node.web lazily
+    from segnode.node.service import Node
 
 
 def node_status(node: Node) -> dict[str, Any]:

@@ -12,15 +12,15 @@ never see ``database is locked``.
 
 The package is split by concern; each module says what it owns and what it must not touch:
 
-* :mod:`storage.ledger.states`: job and delivery states, their allowed moves (``move``).
-* :mod:`storage.ledger.connection`: the engine, sessions, pragmas, the hot sqlite3
+* :mod:`segnode.storage.ledger.states`: job and delivery states, their allowed moves (``move``).
+* :mod:`segnode.storage.ledger.connection`: the engine, sessions, pragmas, the hot sqlite3
   connection and its lock, ``utcnow``.
-* :mod:`storage.ledger.instances`: recording received instances (the SCP's hot path).
-* :mod:`storage.ledger.senders`: learnt sender patterns and hold notes.
-* :mod:`storage.ledger.jobs`: creating, claiming, finishing, retrying and cancelling jobs.
-* :mod:`storage.ledger.outbox`: deliveries: due, attempted, sent, retried, given up.
-* :mod:`storage.ledger.views`: read-only views (``JobView``, counts, listings).
-* :mod:`storage.ledger.retention`: which series' files may go, and the record of it.
+* :mod:`segnode.storage.ledger.instances`: recording received instances (the SCP's hot path).
+* :mod:`segnode.storage.ledger.senders`: learnt sender patterns and hold notes.
+* :mod:`segnode.storage.ledger.jobs`: creating, claiming, finishing, retrying and cancelling jobs.
+* :mod:`segnode.storage.ledger.outbox`: deliveries: due, attempted, sent, retried, given up.
+* :mod:`segnode.storage.ledger.views`: read-only views (``JobView``, counts, listings).
+* :mod:`segnode.storage.ledger.retention`: which series' files may go, and the record of it.
 
 :class:`Ledger` is the one class callers use: it is composed of one part per module, each
 method keeping its name and behaviour. Import from here, not from the modules.
@@ -28,13 +28,13 @@ method keeping its name and behaviour. Import from here, not from the modules.
 
 from __future__ import annotations
 
-from storage.ledger.connection import LedgerBase, utcnow
-from storage.ledger.instances import InstanceRecord, InstanceStore
-from storage.ledger.jobs import JobStore, NewJob
-from storage.ledger.outbox import DueDelivery, Outbox
-from storage.ledger.retention import PurgeCandidate, Retention
-from storage.ledger.senders import SenderStore
-from storage.ledger.states import (
+from segnode.storage.ledger.connection import LedgerBase, utcnow
+from segnode.storage.ledger.instances import InstanceRecord, InstanceStore
+from segnode.storage.ledger.jobs import JobStore, NewJob
+from segnode.storage.ledger.outbox import DueDelivery, Outbox
+from segnode.storage.ledger.retention import PurgeCandidate, Retention
+from segnode.storage.ledger.senders import SenderStore
+from segnode.storage.ledger.states import (
     ACTIVE_STATES,
     DELIVERY_MOVES,
     FINAL_STATES,
@@ -45,7 +45,7 @@ from storage.ledger.states import (
     move,
     move_delivery,
 )
-from storage.ledger.views import JobView, SeriesSummary, Views
+from segnode.storage.ledger.views import JobView, SeriesSummary, Views
 
 __all__ = [
     "ACTIVE_STATES",

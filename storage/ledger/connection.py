@@ -6,7 +6,7 @@ sessions, the process-wide ``_write_lock``, the hot connection under ``_hot_lock
 ``synchronous=NORMAL``, ``_stamp`` for plain-SQL timestamps, ``close``), :func:`utcnow` and
 the pragmas every connection gets (WAL, ``synchronous=FULL``, foreign keys, busy timeout).
 Why the hot connection may skip the WAL fsync is told in the package docstring
-(:mod:`storage.ledger`).
+(:mod:`segnode.storage.ledger`).
 
 Must not touch: any table's rows (beyond the schema-version row written at creation); the
 queries live in the modules of their concern, which all build on :class:`LedgerBase`.
@@ -28,11 +28,11 @@ from sqlalchemy import DateTime, create_engine, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage.migrations import upgrade
-from storage.models import SCHEMA_VERSION, Base, Meta
+from segnode.storage.migrations import upgrade
+from segnode.storage.models import SCHEMA_VERSION, Base, Meta
 
 # The logger keeps the name it had when the ledger was one module.
-log = logging.getLogger("storage.ledger")
+log = logging.getLogger("segnode.storage.ledger")
 
 
 def utcnow() -> datetime:
@@ -41,7 +41,8 @@ def utcnow() -> datetime:
 
 
 class LedgerBase:
-    """The ledger's file and connections, shared by every part of :class:`~storage.ledger.Ledger`.
+    """The ledger's file and connections, shared by every part of
+    :class:`~segnode.storage.ledger.Ledger`.
 
     Parameters
     ----------
@@ -71,7 +72,7 @@ class LedgerBase:
         self._hot_lock = threading.Lock()
         self._datetime_bind: Any = None
         # An older ledger is upgraded in place before anything reads it; a newer one stops
-        # here (storage.migrations.SchemaError).
+        # here (segnode.storage.migrations.SchemaError).
         found = upgrade(path)
         if found is not None and found != SCHEMA_VERSION:
             log.info("ledger %s upgraded from schema version %d to %d", path, found, SCHEMA_VERSION)

@@ -25,8 +25,8 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from storage.ledger.connection import LedgerBase, utcnow
-from storage.models import Event, Instance, Job, Result, Series, Study
+from segnode.storage.ledger.connection import LedgerBase, utcnow
+from segnode.storage.models import Event, Instance, Job, Result, Series, Study
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class InstanceRecord:
 
 
 class InstanceStore(LedgerBase):
-    """Instances and series as the SCP receives them (a part of :class:`~storage.ledger.Ledger`)."""
+    """Instances and series as the SCP receives them (a part of
+    :class:`~segnode.storage.ledger.Ledger`)."""
 
     def has_instance(self, sop_instance_uid: str) -> bool:
         """Whether an instance with this SOP Instance UID is already stored.

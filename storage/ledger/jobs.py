@@ -4,12 +4,12 @@ Owns :class:`NewJob` and :class:`JobStore`: creating job versions (superseding o
 taking a series without a job, claiming the next job, stage stamps, failing or finishing a
 job, saving its results with their outbox rows, crash recovery, an operator's retry and
 cancel, and appending events. Every state change goes through
-:func:`~storage.ledger.states.move` / :func:`~storage.ledger.states.move_delivery`.
+:func:`~segnode.storage.ledger.states.move` / :func:`~segnode.storage.ledger.states.move_delivery`.
 
 Must not touch: send attempts and their outcomes (the outbox module's; this one only creates
 deliveries with the results, cancels those of a superseded version and puts failed ones back
 to pending on a retry), nor the instances' hot path; it builds job snapshots through
-:class:`~storage.ledger.views.Views`.
+:class:`~segnode.storage.ledger.views.Views`.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from pathlib import Path
 from pydicom.uid import generate_uid
 from sqlalchemy import func, or_, select, update
 
-from storage.ledger.connection import utcnow
-from storage.ledger.states import (
+from segnode.storage.ledger.connection import utcnow
+from segnode.storage.ledger.states import (
     ACTIVE_STATES,
     DeliveryStatus,
     JobState,
     move,
     move_delivery,
 )
-from storage.ledger.views import JobView, Views
-from storage.models import Delivery, Event, Instance, Job, Result, Series
+from segnode.storage.ledger.views import JobView, Views
+from segnode.storage.models import Delivery, Event, Instance, Job, Result, Series
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class NewJob:
 
 
 class JobStore(Views):
-    """Jobs and their lifecycle (a part of :class:`~storage.ledger.Ledger`)."""
+    """Jobs and their lifecycle (a part of :class:`~segnode.storage.ledger.Ledger`)."""
 
     def create_job(
         self,

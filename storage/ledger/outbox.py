@@ -6,7 +6,7 @@ up; the job becomes ``sent`` or ``failed``), deferring a destination that cannot
 expiring deliveries past their age.
 
 Must not touch: job creation, claiming or results (the jobs module's); a delivery's status
-changes only through :func:`~storage.ledger.states.move_delivery`.
+changes only through :func:`~segnode.storage.ledger.states.move_delivery`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import CursorResult
 
-from storage.ledger.connection import LedgerBase, utcnow
-from storage.ledger.states import DeliveryStatus, JobState, move, move_delivery
-from storage.models import Delivery, Event, Job, Result, Series
+from segnode.storage.ledger.connection import LedgerBase, utcnow
+from segnode.storage.ledger.states import DeliveryStatus, JobState, move, move_delivery
+from segnode.storage.models import Delivery, Event, Job, Result, Series
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class DueDelivery:
 
 
 class Outbox(LedgerBase):
-    """Deliveries and their attempts (a part of :class:`~storage.ledger.Ledger`)."""
+    """Deliveries and their attempts (a part of :class:`~segnode.storage.ledger.Ledger`)."""
 
     def due_deliveries(self, now: datetime | None = None, limit: int = 64) -> list[DueDelivery]:
         """Pending deliveries whose next attempt is due, oldest job first, SEG before SR."""

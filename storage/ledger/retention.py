@@ -2,7 +2,7 @@
 
 Owns :class:`PurgeCandidate` and :class:`Retention`: series whose latest job finished before
 a time with nothing pending or still working, and the ``spool_purges`` row and ``retention``
-event of a deletion (``node.retention`` deletes the files).
+event of a deletion (``segnode.node.retention`` deletes the files).
 
 Must not touch: any row but its own (it reads jobs and instances, and writes only
 ``spool_purges`` rows and ``retention`` events); it deletes no file itself.
@@ -16,13 +16,13 @@ from datetime import datetime
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import aliased
 
-from storage.ledger.connection import LedgerBase, utcnow
-from storage.ledger.states import ACTIVE_STATES, JobState
-from storage.models import Event, Instance, Job, Series, SpoolPurge
+from segnode.storage.ledger.connection import LedgerBase, utcnow
+from segnode.storage.ledger.states import ACTIVE_STATES, JobState
+from segnode.storage.models import Event, Instance, Job, Series, SpoolPurge
 
 
 class Retention(LedgerBase):
-    """Retention's questions and records (a part of :class:`~storage.ledger.Ledger`)."""
+    """Retention's questions and records (a part of :class:`~segnode.storage.ledger.Ledger`)."""
 
     def purge_candidates(self, finished_before: datetime, limit: int = 50) -> list[PurgeCandidate]:
         """Series whose latest job finished (``sent``, or ``done``) before ``finished_before``,

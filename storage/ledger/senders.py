@@ -2,7 +2,7 @@
 
 Owns :class:`SenderStore`: the stored pattern of each calling AE (:meth:`SenderStore.senders`,
 :meth:`SenderStore.save_sender`) and the note of why a release did not complete a series
-(:meth:`SenderStore.record_hold`; :meth:`~storage.ledger.views.Views.held_series` shows it).
+(:meth:`SenderStore.record_hold`; :meth:`~segnode.storage.ledger.views.Views.held_series` shows it).
 
 Must not touch: instances, jobs or deliveries; it writes only sender rows and ``held`` events.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from storage.ledger.connection import LedgerBase, utcnow
-from storage.models import Event, Sender, Series
+from segnode.storage.ledger.connection import LedgerBase, utcnow
+from segnode.storage.models import Event, Sender, Series
 
 
 class SenderStore(LedgerBase):
-    """Sender patterns and hold notes (a part of :class:`~storage.ledger.Ledger`)."""
+    """Sender patterns and hold notes (a part of :class:`~segnode.storage.ledger.Ledger`)."""
 
     def senders(self) -> list[tuple[str, int, int, str, float | None]]:
         """Learnt sender patterns: (calling AE, associations, instances, recent, gap in ms)."""

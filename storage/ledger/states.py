@@ -17,7 +17,7 @@ from enum import StrEnum
 
 from sqlalchemy.orm import Session
 
-from storage.models import Delivery, Event, Job
+from segnode.storage.models import Delivery, Event, Job
 
 
 class JobState(StrEnum):

@@ -20,9 +20,9 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from storage.ledger.connection import LedgerBase
-from storage.ledger.states import DeliveryStatus, JobState
-from storage.models import Delivery, Event, Instance, Job, Result, Series, Study
+from segnode.storage.ledger.connection import LedgerBase
+from segnode.storage.ledger.states import DeliveryStatus, JobState
+from segnode.storage.models import Delivery, Event, Instance, Job, Result, Series, Study
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class SeriesSummary:
 
 
 class Views(LedgerBase):
-    """Read-only queries (a part of :class:`~storage.ledger.Ledger`)."""
+    """Read-only queries (a part of :class:`~segnode.storage.ledger.Ledger`)."""
 
     def job_state(self, job_id: int) -> str | None:
         """The state of one job."""
