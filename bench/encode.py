@@ -4,15 +4,17 @@ A synthetic 512 x 512 x 128 CT is segmented once by the default tissue model on 
 (five labels; ``--labels phantom`` uses the phantom's noise-free five-label map instead, no
 inference). Then, ``--runs`` times each, it measures
 
-* the highdicom path the worker runs today: ``segnode.node.results.build_seg`` +
-  ``segnode.node.worker.encode`` (build + write), and ``segnode.node.results.verify_seg`` on the
-  written bytes;
-* the fast path: :meth:`segnode.node.seg_encode.SegPlan.prepare` (runs while inference runs),
-  :meth:`~segnode.node.seg_encode.SegPlan.encode` and :func:`segnode.node.seg_check.check_encoded`;
+* the highdicom path the worker runs today: ``segnode.node.results.build.build_seg`` +
+  ``segnode.node.pipeline.worker.encode`` (build + write), and
+  ``segnode.node.results.build.verify_seg`` on the written bytes;
+* the fast path: :meth:`segnode.node.results.seg_encode.SegPlan.prepare` (runs while inference
+  runs),
+  :meth:`~segnode.node.results.seg_encode.SegPlan.encode` and
+  :func:`segnode.node.results.seg_check.check_encoded`;
 
-* the SR: :meth:`segnode.node.sr_encode.SrPlan.prepare` (also while inference runs), the statistics
-  (:func:`segnode.node.results.segment_statistics`) and
-  :meth:`~segnode.node.sr_encode.SrPlan.encode`; and highdicom's ``build_sr`` + write as the
+* the SR: :meth:`segnode.node.results.sr_encode.SrPlan.prepare` (also while inference runs), the
+  statistics (:func:`segnode.node.results.build.segment_statistics`) and
+  :meth:`~segnode.node.results.sr_encode.SrPlan.encode`; and highdicom's ``build_sr`` + write as the
   baseline;
 
 and prints the medians (wall clock and CPU time of this process; the machine may be shared,
@@ -42,12 +44,18 @@ import numpy.typing as npt
 from segnode.engines.base import create_engine
 from segnode.engines.manifest import ModelManifest, load_manifest
 from segnode.node import __version__
-from segnode.node.results import ResultUIDs, build_seg, build_sr, segment_statistics, verify_seg
-from segnode.node.seg_check import check_encoded
-from segnode.node.seg_encode import SegPlan
-from segnode.node.sr_encode import SrPlan
-from segnode.node.volume import Volume, assemble_from_datasets
-from segnode.node.worker import encode
+from segnode.node.ingest.volume import Volume, assemble_from_datasets
+from segnode.node.pipeline.worker import encode
+from segnode.node.results.build import (
+    ResultUIDs,
+    build_seg,
+    build_sr,
+    segment_statistics,
+    verify_seg,
+)
+from segnode.node.results.seg_check import check_encoded
+from segnode.node.results.seg_encode import SegPlan
+from segnode.node.results.sr_encode import SrPlan
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
 MANIFEST = "engines/models/tissue/tissue.json"

@@ -62,7 +62,7 @@ SEG_CLASSES = {
 SR_CLASSES = {"1.2.840.10008.5.1.4.1.1.88.34": "SR"}  # Comprehensive 3D SR Storage
 KOS_CLASSES = {"1.2.840.10008.5.1.4.1.1.88.59": "KOS"}  # Key Object Selection Document
 
-#: The parts of the worker's per-job timing line (segnode.node.worker), in milliseconds.
+#: The parts of the worker's per-job timing line (segnode.node.pipeline.worker), in milliseconds.
 TIMING_PARTS = re.compile(
     r"(inference waited|after inference|SEG encode|SR encode|inference|prepare|mark|check|"
     r"statistics|files|notes|ledger) ([0-9.]+)"
@@ -142,7 +142,7 @@ def engine_build(work: Path, cfg: Path, args: Any) -> dict[str, Any]:
     """``segnode engine build --engine torch`` (skipped with ``--no-compile``)."""
     if args.no_compile or args.engine != "torch":
         return {"skipped": "--no-compile" if args.no_compile else f"engine {args.engine}"}
-    cmd = [sys.executable, "-m", "segnode.node.cli", "engine", "build", "--engine", "torch"]
+    cmd = [sys.executable, "-m", "segnode.node.ops.cli", "engine", "build", "--engine", "torch"]
     cmd += ["--config", str(cfg), "--precision", args.precision]
     t0 = time.monotonic()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -163,7 +163,7 @@ def serve(work: Path, cfg: Path, port: int) -> Iterator[tuple[subprocess.Popen[b
     log = (work / "node.log").open("ab")
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "segnode.node.cli", "serve", "--config", str(cfg)],
+        [sys.executable, "-m", "segnode.node.ops.cli", "serve", "--config", str(cfg)],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,

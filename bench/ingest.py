@@ -132,7 +132,7 @@ def segnode(
     )
     log = (work / "node.log").open("ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "segnode.node.cli", "serve", "--config", str(cfg)],
+        [sys.executable, "-m", "segnode.node.ops.cli", "serve", "--config", str(cfg)],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,

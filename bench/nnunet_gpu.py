@@ -212,7 +212,7 @@ def run_oracle(folder: Path, manifest_path: Path, work: Path) -> dict[str, Any]:
     from segnode.engines.ort_backend import OrtEngine  # noqa: PLC0415
     from segnode.engines.preprocess.orientation import Geometry  # noqa: PLC0415
     from segnode.engines.trained import segment_trained  # noqa: PLC0415
-    from segnode.node.volume import assemble_volume  # noqa: PLC0415
+    from segnode.node.ingest.volume import assemble_volume  # noqa: PLC0415
 
     test, pred = work / "oracle_in", work / "oracle_pred"
     test.mkdir(parents=True, exist_ok=True)

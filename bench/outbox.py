@@ -5,9 +5,9 @@
    destinations segments ``bench/generated/ct128`` (synthetic 512x512x128 CT, default model on
    the CPU); the results are cached under ``bench/generated/outbox-results``.
 2. **Variants**, interleaved round by round (``--rounds``), each with its own ledger and
-   :class:`~segnode.node.scu.Dispatcher` sending to one Orthanc:
+   :class:`~segnode.node.outbox.scu.Dispatcher` sending to one Orthanc:
 
-   * ``before`` - ``node/scu.py`` as of ``--before`` (a git revision; skipped when empty):
+   * ``before`` - ``node/outbox/scu.py`` as of ``--before`` (a git revision; skipped when empty):
      the file decoded with ``dcmread`` and encoded again by pynetdicom, a new association;
    * ``fresh`` - this code with ``dispatch.keep_open_s = 0``: the file's bytes, a new
      association per job;
@@ -50,7 +50,7 @@ from pydicom.uid import generate_uid
 from bench.ingest import orthanc
 from scripts.harness import NodeRunner, free_port, send_files, write_config
 from segnode.node.config import Config, from_dict
-from segnode.node.scu import Dispatcher
+from segnode.node.outbox.scu import Dispatcher
 from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.spool import write_atomic
 
@@ -124,9 +124,9 @@ def encoded_job(ledger: Ledger, work: Path, seg: Path, sr: Path, dest: str) -> i
 
 
 def load_scu(revision: str, work: Path) -> ModuleType:
-    """``node/scu.py`` as of a git revision, as a module of its own."""
+    """``node/outbox/scu.py`` as of a git revision, as a module of its own."""
     text = subprocess.run(
-        ["git", "show", f"{revision}:node/scu.py"],
+        ["git", "show", f"{revision}:node/outbox/scu.py"],
         cwd=ROOT,
         check=True,
         capture_output=True,
@@ -237,7 +237,7 @@ def run(rounds: int, before: str, out: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--before", default="", help="git revision of node/scu.py to compare")
+    p.add_argument("--before", default="", help="git revision of node/outbox/scu.py to compare")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = p.parse_args(argv)
     res = run(args.rounds, args.before, args.out)

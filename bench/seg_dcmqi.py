@@ -1,9 +1,9 @@
-"""External check of segnode.node.seg_encode with dcmqi: ``python -m bench.seg_dcmqi OUT``.
+"""External check of segnode.node.results.seg_encode with dcmqi: ``python -m bench.seg_dcmqi OUT``.
 
 Writes a synthetic CT series (axial and sagittal), encodes a BINARY SEG of the phantom's five
-labels with :class:`segnode.node.seg_encode.SegPlan`, converts it with dcmqi's ``segimage2itkimage``
-(``pip install dcmqi``) and compares each segment image with the label map and its geometry
-(origin, spacing, direction, size) with SimpleITK's reading of the CT series
+labels with :class:`segnode.node.results.seg_encode.SegPlan`, converts it with dcmqi's
+``segimage2itkimage`` (``pip install dcmqi``) and compares each segment image with the label map and
+its geometry (origin, spacing, direction, size) with SimpleITK's reading of the CT series
 (``pip install SimpleITK``; both are in the ``test`` extra, and
 ``tests/test_seg_dcmqi.py`` runs this check in CI).
 """
@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from segnode.engines.manifest import load_manifest
-from segnode.node.results import ResultUIDs
-from segnode.node.seg_check import check_encoded
-from segnode.node.seg_encode import SegPlan
-from segnode.node.volume import assemble_volume
+from segnode.node.ingest.volume import assemble_volume
+from segnode.node.results.build import ResultUIDs
+from segnode.node.results.seg_check import check_encoded
+from segnode.node.results.seg_encode import SegPlan
 from tests.fixtures.synthetic import AXIAL, SAGITTAL, phantom_labels, write_synthetic_series
 
 

@@ -1,4 +1,5 @@
-"""The SR of a result: statistics and encoding, before and after :mod:`segnode.node.sr_encode`.
+"""The SR of a result: statistics and encoding, before and after
+:mod:`segnode.node.results.sr_encode`.
 
 Run::
 
@@ -10,12 +11,13 @@ median wall and process CPU time of ``--runs`` runs of:
 
 * baseline: the statistics as they were (``np.bincount`` with float64 weights), highdicom's
   Comprehensive 3D SR (what ``build_sr`` builds) and pydicom's writer
-  (``segnode.node.worker.encode``);
+  (``segnode.node.pipeline.worker.encode``);
 * ``build_sr`` + write as it is now (the new statistics inside);
-* the new statistics (:func:`segnode.node.results.segment_statistics`), and the same fed slab by
-  slab to a :class:`segnode.node.statistics.SegmentStatsAccumulator`;
-* :meth:`segnode.node.sr_encode.SrPlan.prepare` (off the critical path: before the labels exist);
-* :meth:`segnode.node.sr_encode.SrPlan.encode`;
+* the new statistics (:func:`segnode.node.results.build.segment_statistics`), and the same fed slab
+  by slab to a :class:`segnode.node.results.statistics.SegmentStatsAccumulator`;
+* :meth:`segnode.node.results.sr_encode.SrPlan.prepare` (off the critical path: before the labels
+  exist);
+* :meth:`segnode.node.results.sr_encode.SrPlan.encode`;
 
 and the ratio of the baseline to statistics + encode, the part that waits for the labels.
 The statistics are checked against the bincount ones and the encoded bytes against
@@ -45,7 +47,9 @@ import numpy.typing as npt
 from pydicom.dataset import Dataset
 
 from segnode.engines.manifest import LabelSpec, ModelManifest
-from segnode.node.results import (
+from segnode.node.ingest.volume import Volume, assemble_from_datasets
+from segnode.node.pipeline.worker import encode
+from segnode.node.results.build import (
     SEGMENTATION_STORAGE,
     ResultUIDs,
     SegmentStatistics,
@@ -56,10 +60,8 @@ from segnode.node.results import (
     segment_statistics,
     sr_document,
 )
-from segnode.node.sr_encode import SrPlan
-from segnode.node.statistics import SegmentStatsAccumulator, _bincount, numbering
-from segnode.node.volume import Volume, assemble_from_datasets
-from segnode.node.worker import encode
+from segnode.node.results.sr_encode import SrPlan
+from segnode.node.results.statistics import SegmentStatsAccumulator, _bincount, numbering
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
 _TISSUE = ("85756007", "SCT", "Tissue")

@@ -5,7 +5,7 @@
 Each tree (this one, and ``--baseline``, another checkout such as ``git archive <commit> | tar
 -x -C DIR``) gets a worker process that builds the synthetic series
 (``tests.fixtures.synthetic.synthetic_datasets(slices=N, seed=0)`` assembled by
-``segnode.node.volume.assemble_from_datasets``), loads the tree's default model with
+``segnode.node.ingest.volume.assemble_from_datasets``), loads the tree's default model with
 ``segnode.engines.base.create_engine("onnxruntime")`` (default threads) and segments once to warm
 up. The runs then alternate between the workers, one ``segment`` at a time, so that both see the
 same machine load; the medians are printed with every run, and whether the label maps are
@@ -30,7 +30,7 @@ from segnode.engines.base import create_engine
 from segnode.engines.manifest import load_manifest
 from segnode.engines.models import default_manifest_path
 from tests.fixtures.synthetic import synthetic_datasets
-from segnode.node.volume import assemble_from_datasets
+from segnode.node.ingest.volume import assemble_from_datasets
 
 hu = assemble_from_datasets(synthetic_datasets(slices=int(sys.argv[1]), seed=0)).hu
 engine = create_engine("onnxruntime")

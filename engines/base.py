@@ -64,7 +64,8 @@ class LabelSums:
     Each array is indexed by label value ``0 .. len - 1`` (0: background) and covers every
     value the map holds. A backend that has the label map and the HU on its device computes
     them there (:class:`SumsEngine`), so that the node does not read the volume again;
-    :func:`segnode.node.statistics.statistics_from_sums` turns them into the SR's statistics.
+    :func:`segnode.node.results.statistics.statistics_from_sums` turns them into the SR's
+    statistics.
 
     Attributes
     ----------

@@ -563,7 +563,8 @@ class TorchEngine:
 
         The sums are float64 on the device (``torch.bincount`` with float64 weights); for
         integer HU, as CT stores them, they are exact and equal those of
-        :func:`segnode.node.statistics.segment_statistics` whatever the order of the additions.
+        :func:`segnode.node.results.statistics.segment_statistics` whatever the order of the
+        additions.
         """
         labels, sums = self._segment(hu, sums=True)
         assert sums is not None

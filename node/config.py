@@ -19,9 +19,11 @@ from segnode.node.peers import ClientTLS, Peer, parse_peer
 from segnode.node.peers import ae_title as _ae
 from segnode.node.peers import port as _port
 
-if TYPE_CHECKING:  # segnode.node.rules and segnode.node.destinations import this module
-    from segnode.node.destinations import Destination
-    from segnode.node.rules import Routing
+if (
+    TYPE_CHECKING
+):  # segnode.node.routing.rules and segnode.node.routing.destinations import this module
+    from segnode.node.routing.destinations import Destination
+    from segnode.node.routing.rules import Routing
 
 _ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = _ROOT / "engines" / "models" / "tissue" / "tissue.json"
@@ -455,8 +457,8 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     dests = t.get("destinations", [])
     if not isinstance(dests, list):
         raise ConfigError('dispatch.destinations: must be a list of "AE@HOST:PORT" strings')
-    from segnode.node.destinations import parse_destination
-    from segnode.node.rules import parse_routing
+    from segnode.node.routing.destinations import parse_destination
+    from segnode.node.routing.rules import parse_routing
 
     def peer_table(x: dict[str, Any], key: str) -> Peer:
         return _tls_dest(x, key, path)
@@ -566,7 +568,7 @@ def _results(t: dict[str, Any]) -> ResultsConfig:
 
 
 def _default_routing() -> Routing:
-    from segnode.node.rules import Routing
+    from segnode.node.routing.rules import Routing
 
     return Routing()
 

@@ -213,7 +213,7 @@ class NodeRunner:
                 [
                     sys.executable,
                     "-m",
-                    "segnode.node.cli",
+                    "segnode.node.ops.cli",
                     "serve",
                     "--config",
                     str(self.config_path),
@@ -277,7 +277,14 @@ class NodeRunner:
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Run another ``segnode`` subcommand against the same config."""
         return subprocess.run(
-            [sys.executable, "-m", "segnode.node.cli", *args, "--config", str(self.config_path)],
+            [
+                sys.executable,
+                "-m",
+                "segnode.node.ops.cli",
+                *args,
+                "--config",
+                str(self.config_path),
+            ],
             cwd=ROOT,
             capture_output=True,
             text=True,

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     from segnode.engines.ort_backend import OrtEngine  # noqa: PLC0415
     from segnode.engines.preprocess.orientation import Geometry  # noqa: PLC0415
     from segnode.engines.trained import segment_trained  # noqa: PLC0415
-    from segnode.node.volume import assemble_volume  # noqa: PLC0415
+    from segnode.node.ingest.volume import assemble_volume  # noqa: PLC0415
 
     t0 = time.perf_counter()
     imported = work / "imported"

@@ -1,7 +1,7 @@
-"""``python -m segnode``: the ``segnode`` command (:func:`segnode.node.cli.main`)."""
+"""``python -m segnode``: the ``segnode`` command (:func:`segnode.node.ops.cli.main`)."""
 
 import sys
 
-from segnode.node.cli import main
+from segnode.node.ops.cli import main
 
 sys.exit(main())

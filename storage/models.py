@@ -184,7 +184,7 @@ class SpoolPurge(Base):
 
 
 class Sender(Base):
-    """A calling AE title's learnt association pattern (see :mod:`segnode.node.senders`)."""
+    """A calling AE title's learnt association pattern (see :mod:`segnode.node.ingest.senders`)."""
 
     __tablename__ = "senders"
     calling_ae: Mapped[str] = mapped_column(String(16), primary_key=True)

@@ -13,15 +13,16 @@ from pynetdicom.pdu_primitives import A_ASSOCIATE
 from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[attr-defined]
 
 from segnode.node.config import DEFAULT_MODEL, from_dict
-from segnode.node.scp import StoreSCP
-from segnode.node.series import CompletionTracker
+from segnode.node.ingest.scp import StoreSCP
+from segnode.node.ingest.series import CompletionTracker
 from segnode.storage.ledger import Ledger
 from segnode.storage.spool import POOL_FILE_BYTES, Spool
 from tests.conftest import LOOPBACK
 
 
 class SCPHarness:
-    """A :class:`~segnode.node.scp.StoreSCP` built from a raw config dict (port forced to 0)."""
+    """A :class:`~segnode.node.ingest.scp.StoreSCP` built from a raw config dict (port forced to
+    0)."""
 
     def __init__(self, tmp: Path, raw: dict[str, Any] | None = None) -> None:
         raw = dict(raw or {})

@@ -1,5 +1,5 @@
-"""How work is cut: blocks of slices on threads (segnode.node.parallel), patches per GPU forward
-pass."""
+"""How work is cut: blocks of slices on threads (segnode.node.pipeline.parallel), patches per GPU
+forward pass."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from segnode.engines.manifest import load_manifest
 from segnode.engines.models import default_manifest_path
 from segnode.engines.torch_backend import GPU_BATCH_VOXELS, default_batch
-from segnode.node import parallel
-from segnode.node.parallel import blocks, map_blocks
+from segnode.node.pipeline import parallel
+from segnode.node.pipeline.parallel import blocks, map_blocks
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ import pytest
 
 from segnode.node.config import from_dict
 from segnode.node.errors import ConfigError
-from segnode.node.senders import SenderBook, SenderPattern
-from segnode.node.series import GEOMETRY, RELEASE, SENDER_GAP, CompletionTracker, SeriesHints
+from segnode.node.ingest.senders import SenderBook, SenderPattern
+from segnode.node.ingest.series import GEOMETRY, RELEASE, SENDER_GAP, CompletionTracker, SeriesHints
 
 Done = list[tuple[str, str]]
 
@@ -274,7 +274,7 @@ def test_cli_exits_quietly_when_its_output_is_closed(tmp_path: Path) -> None:
         os.close(read)  # the reader is gone before the first byte
         try:
             out = subprocess.run(
-                [sys.executable, "-m", "segnode.node.cli", *command, "--config", str(cfg)],
+                [sys.executable, "-m", "segnode.node.ops.cli", *command, "--config", str(cfg)],
                 cwd=ROOT,
                 stdout=write,
                 stderr=subprocess.PIPE,

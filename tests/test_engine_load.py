@@ -20,7 +20,7 @@ from segnode.engines.manifest import ModelManifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import load_config
 from segnode.node.errors import ConfigError, SegnodeError
-from segnode.node.service import Node
+from segnode.node.ops.service import Node
 from tests.conftest import free_port, wait_for
 from tests.fixtures.synthetic import synthetic_datasets
 

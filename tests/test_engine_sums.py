@@ -1,9 +1,9 @@
 """Statistics from an engine's per-label sums (segnode.engines.base.LabelSums), on the device and
 off.
 
-* :func:`segnode.node.statistics.statistics_from_sums` equals
-  :func:`segnode.node.statistics.segment_statistics` (and the SR's rounded values) and fails with
-  the same messages;
+* :func:`segnode.node.results.statistics.statistics_from_sums` equals
+  :func:`segnode.node.results.statistics.segment_statistics` (and the SR's rounded values) and fails
+  with the same messages;
 * the torch backend's :meth:`~segnode.engines.torch_backend.TorchEngine.segment_with_sums` runs on
   the CPU device here (a hand-written model instead of an ONNX conversion, so that onnx2torch and
   torchvision are not needed) and on CUDA where there is one (``gpu``);
@@ -28,9 +28,13 @@ from segnode.engines.manifest import ModelManifest, load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL, ConfigError, from_dict
 from segnode.node.errors import ResultError
-from segnode.node.statistics import SegmentStatistics, segment_statistics, statistics_from_sums
-from segnode.node.volume import Volume, assemble_from_datasets
-from segnode.node.worker import Worker, result_paths
+from segnode.node.ingest.volume import Volume, assemble_from_datasets
+from segnode.node.pipeline.worker import Worker, result_paths
+from segnode.node.results.statistics import (
+    SegmentStatistics,
+    segment_statistics,
+    statistics_from_sums,
+)
 from segnode.storage.ledger import Ledger
 from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
@@ -237,9 +241,9 @@ def test_worker_uses_engine_sums(
     def no_cpu_statistics(*args: object) -> None:
         raise AssertionError("statistics recomputed on the CPU")
 
-    monkeypatch.setattr("segnode.node.worker.segment_statistics", no_cpu_statistics)
+    monkeypatch.setattr("segnode.node.pipeline.worker.segment_statistics", no_cpu_statistics)
     engine = SummingEngine(ort)
-    with caplog.at_level(logging.INFO, logger="segnode.node.worker"):
+    with caplog.at_level(logging.INFO, logger="segnode.node.pipeline.worker"):
         jid, _ = _run_job(tmp_path / "sums", engine)
     assert engine.calls == 1
     # The UIDs differ between the two ledgers: compare the SRs' measured values.
@@ -269,7 +273,7 @@ def _numeric_values(ds: Any) -> list[Any]:
 def test_worker_prepares_before_inference_on_request(
     tmp_path: Path, ort: OrtEngine, caplog: Any
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="segnode.node.worker"):
+    with caplog.at_level(logging.INFO, logger="segnode.node.pipeline.worker"):
         jid, _ = _run_job(tmp_path, ort, prepare="before")
     assert len(result_paths(tmp_path, jid)) == 2
     line = next(r.getMessage() for r in caplog.records if "timing ms" in r.getMessage())

@@ -19,7 +19,7 @@ from pynetdicom import AE
 from segnode.engines.manifest import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL
-from segnode.node.volume import assemble_volume
+from segnode.node.ingest.volume import assemble_volume
 from tests.conftest import LOOPBACK, wait_for
 from tests.fixtures.synthetic import write_synthetic_series
 

@@ -11,8 +11,8 @@ import pytest
 from pydicom import dcmread
 
 from segnode.node.config import NodeConfig, PeerRule, from_dict
-from segnode.node.guards import AccessPolicy, DiskGuard, SeriesBudget
-from segnode.node.retention import Retention
+from segnode.node.dicom.guards import AccessPolicy, DiskGuard, SeriesBudget
+from segnode.node.ops.retention import Retention
 from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import write_synthetic_series

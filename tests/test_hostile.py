@@ -36,7 +36,7 @@ from pynetdicom.association import Association
 from pynetdicom.pdu import A_ASSOCIATE_AC
 from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[attr-defined]
 
-from segnode.node.ul import decode_command, encode_command, pdata_pdus
+from segnode.node.dicom.ul import decode_command, encode_command, pdata_pdus
 from tests.conftest import LOOPBACK, NodeProcess, require_tool, wait_for
 from tests.fixtures.synthetic import write_synthetic_series
 from tests.test_interop import storescu

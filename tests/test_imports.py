@@ -17,7 +17,8 @@ PACKAGES = ("node", "engines", "storage")
 
 
 def module_name(path: Path) -> str:
-    """``node/worker.py`` -> ``segnode.node.worker`` (``segnode/node`` links to ``node/``)."""
+    """``node/pipeline/worker.py`` -> ``segnode.node.pipeline.worker`` (``segnode/node`` links to
+    ``node/``)."""
     parts = ("segnode", *path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -108,7 +109,7 @@ def test_the_walk_sees_function_level_imports_and_skips_type_checking() -> None:
 
 def test_no_import_cycles() -> None:
     graph = import_graph()
-    assert len(graph) > 40 and graph["segnode.node.service"]  # the walk found the modules
+    assert len(graph) > 40 and graph["segnode.node.ops.service"]  # the walk found the modules
     assert cycles(graph) == []
 
 
@@ -120,7 +121,7 @@ def test_only_segnode_is_imported() -> None:
 
     code = (
         "import sys\n"
-        "import segnode.node.cli, segnode.node.service, segnode.engines.trained\n"
+        "import segnode.node.ops.cli, segnode.node.ops.service, segnode.engines.trained\n"
         "import segnode.storage.ledger\n"
         "bad = sorted({m.split('.')[0] for m in sys.modules}"
         " & {'node', 'engines', 'storage', 'tests'})\n"
@@ -133,7 +134,7 @@ def test_only_segnode_is_imported() -> None:
 def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
     """The built wheel's only top-level package is ``segnode`` (with the node's, the engines'
     and the storage's files under it, the bundled model and the web console's files
-    included) and its entry point is ``segnode.node.cli:main``."""
+    included) and its entry point is ``segnode.node.ops.cli:main``."""
     import subprocess
     import sys
     import zipfile
@@ -150,7 +151,7 @@ def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"segnode"}
     for expected in (
-        "segnode/node/cli.py",
+        "segnode/node/ops/cli.py",
         "segnode/engines/trained.py",
         "segnode/storage/spool.py",
         "segnode/engines/models/tissue/tissue.json",
@@ -159,4 +160,4 @@ def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
         assert expected in names, expected
     assert not any(n.startswith(("segnode/tests", "tests/")) for n in names)
     [entry] = [n for n in names if n.endswith("entry_points.txt")]
-    assert "segnode = segnode.node.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "segnode = segnode.node.ops.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

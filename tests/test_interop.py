@@ -19,7 +19,7 @@ from pydicom.filebase import DicomBytesIO
 from segnode.engines.manifest import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL
-from segnode.node.volume import assemble_volume
+from segnode.node.ingest.volume import assemble_volume
 from tests.conftest import (
     LOOPBACK,
     PHANTOM,

@@ -322,7 +322,7 @@ def test_node_and_engine_build_refuse_a_v2_model_whose_network_returns_labels(
     )
     for command in (["serve"], ["engine", "build"]):
         done = subprocess.run(
-            [sys.executable, "-m", "segnode.node.cli", *command, "--config", str(config)],
+            [sys.executable, "-m", "segnode.node.ops.cli", *command, "--config", str(config)],
             capture_output=True,
             text=True,
             cwd=ROOT,

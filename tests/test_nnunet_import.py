@@ -630,7 +630,7 @@ def test_totalsegmentator_profile_writes_a_composite(tmp_path):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "segnode.node.cli", "model", "import", *args],
+        [sys.executable, "-m", "segnode.node.ops.cli", "model", "import", *args],
         capture_output=True,
         text=True,
         cwd=REPO,

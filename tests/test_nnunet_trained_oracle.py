@@ -88,7 +88,7 @@ def test_segnode_agrees_with_nnunet_predictor(
 ) -> None:
     """The DICOM series through the node's volume assembly and the imported model on ONNX
     Runtime: Dice >= 0.99 with nnUNetPredictor for every label, on the series' own grid."""
-    from segnode.node.volume import assemble_volume
+    from segnode.node.ingest.volume import assemble_volume
 
     files = write_dicom_case(CASES[name], tmp_path / name, seed=11)
     volume = assemble_volume(files)
@@ -110,7 +110,7 @@ def test_node_seg_agrees_with_nnunet_predictor(
     from pydicom import dcmread
 
     from scripts.harness import send_files
-    from segnode.node.worker import result_paths
+    from segnode.node.pipeline.worker import result_paths
     from tests.conftest import wait_for
 
     case = CASES["native_ffs"]

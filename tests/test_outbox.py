@@ -27,7 +27,7 @@ from sqlalchemy import select
 
 from scripts.harness import CountingSCP, free_port
 from segnode.node.config import Config, from_dict
-from segnode.node.scu import CircuitBreakers, Dispatcher, jittered_backoff
+from segnode.node.outbox.scu import CircuitBreakers, Dispatcher, jittered_backoff
 from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.models import Event
 from segnode.storage.spool import write_atomic
@@ -191,7 +191,7 @@ def test_max_age_fails_visibly_and_retry_failed_requeues(tmp_path: Path) -> None
         assert led.counts()["deliveries_failed"] == 4
     finally:
         led.close()
-    cli = [sys.executable, "-m", "segnode.node.cli"]
+    cli = [sys.executable, "-m", "segnode.node.ops.cli"]
     out = subprocess.run(
         [*cli, "jobs", "--data-dir", str(data)], cwd=ROOT, capture_output=True, text=True
     )

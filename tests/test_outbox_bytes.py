@@ -38,9 +38,9 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 )
 from sqlalchemy import select
 
-import segnode.node.scu as scu_module
+import segnode.node.outbox.scu as scu_module
 from segnode.node.config import ConfigError, from_dict
-from segnode.node.scu import SEND_PDU_BYTES, Dispatcher
+from segnode.node.outbox.scu import SEND_PDU_BYTES, Dispatcher
 from segnode.storage.ledger import Ledger
 from segnode.storage.migrations import SchemaError
 from segnode.storage.models import SCHEMA_VERSION, Delivery, Result
@@ -436,7 +436,7 @@ def test_send_stage_in_segnode_jobs_json(tmp_path: Path, wire: WireSCP) -> None:
         d.stop()
     finally:
         led.close()
-    cli = [sys.executable, "-m", "segnode.node.cli", "jobs", "--data-dir", str(data)]
+    cli = [sys.executable, "-m", "segnode.node.ops.cli", "jobs", "--data-dir", str(data)]
     out = subprocess.run([*cli, "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
     job = next(j for j in json.loads(out.stdout)["jobs"] if j["id"] == job_id)
     assert job["stages"]["encoded"] <= job["stages"]["sending"] <= job["stages"]["finished"]

@@ -193,7 +193,7 @@ def test_a_late_instance_after_delivery_sends_new_results_and_a_rejection_note(
 ) -> None:
     """With ``reject_superseded = true`` the destination gets the new SEG and SR and an IOCM
     rejection note (KOS, "Rejected for Quality Reasons") naming the old SEG and SR."""
-    from segnode.node.rejection import rejected_uids
+    from segnode.node.dicom.rejection import rejected_uids
 
     node, orthanc = node_sending_to_orthanc(
         make_node,

@@ -24,7 +24,7 @@ from segnode.engines.preprocess import (
 )
 from segnode.engines.preprocess.orientation import check_orientation_code
 from segnode.engines.preprocess.pipeline import run_model
-from segnode.node.volume import Volume
+from segnode.node.ingest.volume import Volume
 
 try:
     import torch

@@ -1,4 +1,4 @@
-"""segnode.node.results: DICOM SEG and TID 1500 SR from a label map, checked by re-reading and
+"""segnode.node.results.build: DICOM SEG and TID 1500 SR from a label map, checked by re-reading and
 dciodvfy."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pydicom.sr.codedict import codes
 from pydicom.uid import generate_uid
 
 from segnode.engines.manifest import LabelSpec, ModelManifest
-from segnode.node.results import (
+from segnode.node.ingest.volume import Volume, assemble_from_datasets, assemble_volume
+from segnode.node.results.build import (
     NoSegmentsError,
     ResultError,
     ResultUIDs,
@@ -27,7 +28,6 @@ from segnode.node.results import (
     segment_statistics,
     verify_seg,
 )
-from segnode.node.volume import Volume, assemble_from_datasets, assemble_volume
 from tests.conftest import LIVER, PHANTOM, require_data, require_tool
 from tests.fixtures.synthetic import (
     AXIAL,

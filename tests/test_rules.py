@@ -19,17 +19,17 @@ import pytest
 from pydicom import dcmread
 
 from segnode.node.config import DEFAULT_MODEL, from_dict
-from segnode.node.destinations import SenderRef, from_name, resolve
 from segnode.node.errors import ConfigError
+from segnode.node.outbox.stow import StowTarget, multipart_related, parse_response
 from segnode.node.peers import Peer
-from segnode.node.rules import (
+from segnode.node.routing.destinations import SenderRef, from_name, resolve
+from segnode.node.routing.rules import (
     IMPLICIT_RULE,
     Router,
     Routing,
     SeriesFacts,
     facts_from_dataset,
 )
-from segnode.node.stow import StowTarget, multipart_related, parse_response
 from tests.fixtures.sample_study import write_sample_study
 from tests.fixtures.synthetic import write_enhanced_ct
 
@@ -327,7 +327,7 @@ destinations = ["@sender", "stow:http://127.0.0.1:8042/dicom-web"]
 """
     )
     out = subprocess.run(
-        [sys.executable, "-m", "segnode.node.cli", "rules", "test", str(tmp_path / "study")]
+        [sys.executable, "-m", "segnode.node.ops.cli", "rules", "test", str(tmp_path / "study")]
         + ["--config", str(config), "--calling-ae", "MODALITY"],
         cwd=ROOT,
         capture_output=True,

@@ -25,8 +25,8 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 )
 
 from segnode.node.config import from_dict
-from segnode.node.scp import StoreSCP
-from segnode.node.series import CompletionTracker
+from segnode.node.ingest.scp import StoreSCP
+from segnode.node.ingest.series import CompletionTracker
 from segnode.storage.ledger import Ledger
 from segnode.storage.spool import Spool
 from tests.conftest import LOOPBACK

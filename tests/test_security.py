@@ -25,8 +25,8 @@ from pynetdicom import AE
 
 from scripts.harness import CountingSCP, NodeRunner, free_port, send_files, write_config
 from segnode.node.config import TLSConfig
-from segnode.node.scu import Dispatcher
-from segnode.node.tls import server_context
+from segnode.node.dicom.tls import server_context
+from segnode.node.outbox.scu import Dispatcher
 from segnode.storage.ledger import Ledger
 from tests.conftest import LOOPBACK, require_tool, wait_for
 from tests.fixtures.synthetic import write_synthetic_series

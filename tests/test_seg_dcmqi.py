@@ -2,9 +2,9 @@
 
 dcmqi (QIICR; ``pip install dcmqi``) converts each segment of a SEG into an image with its own
 geometry and writes the segment attributes to ``meta.json``. The SEGs the node encodes
-(:class:`segnode.node.seg_encode.SegPlan`) must come out with every voxel where the label map has
-it, on the grid SimpleITK reads from the source CT series (axial and sagittal), and with the codes
-of every segment, laterality and anatomic region included.
+(:class:`segnode.node.results.seg_encode.SegPlan`) must come out with every voxel where the label
+map has it, on the grid SimpleITK reads from the source CT series (axial and sagittal), and with the
+codes of every segment, laterality and anatomic region included.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""segnode.node.seg_encode / segnode.node.seg_check: the fast SEG encoder equals highdicom byte for
-byte.
+"""segnode.node.results.seg_encode / segnode.node.results.seg_check: the fast SEG encoder equals
+highdicom byte for byte.
 
-The reference is what the node sends today: ``segnode.node.results.build_seg`` written by
-``segnode.node.worker.encode``. highdicom draws four values at build time (Instance Creation,
-Content and Contribution Date/Time from the clock, the Dimension Organization UID at
+The reference is what the node sends today: ``segnode.node.results.build.build_seg`` written by
+``segnode.node.pipeline.worker.encode``. highdicom draws four values at build time (Instance
+Creation, Content and Contribution Date/Time from the clock, the Dimension Organization UID at
 random); the plan fixes them (``created``, a UID derived from the SOP Instance UID), and the
 tests set highdicom's dataset to the plan's values before writing it. Everything else, the
 file meta and every byte of every element, nested item and frame, must be equal.
@@ -33,10 +33,12 @@ from pydicom.dataset import Dataset
 from pydicom.valuerep import DA, DT, TM
 
 from segnode.engines.manifest import LabelSpec, ModelManifest
-from segnode.node.results import NoSegmentsError, ResultError, build_seg, build_sr
-from segnode.node.seg_check import check_encoded, elements, items
-from segnode.node.seg_encode import EncodedSeg, SegPlan
-from segnode.node.seg_header import (
+from segnode.node.ingest.volume import Volume, assemble_volume
+from segnode.node.pipeline.worker import encode
+from segnode.node.results.build import NoSegmentsError, ResultError, build_seg, build_sr
+from segnode.node.results.seg_check import check_encoded, elements, items
+from segnode.node.results.seg_encode import EncodedSeg, SegPlan
+from segnode.node.results.seg_header import (
     DIMENSION_ORGANIZATION_TYPE,
     LABEL_MAP_SEGMENTATION_STORAGE,
     PER_FRAME_FUNCTIONAL_GROUPS,
@@ -44,8 +46,6 @@ from segnode.node.seg_header import (
     SEGMENTATION_STORAGE,
     SHARED_FUNCTIONAL_GROUPS,
 )
-from segnode.node.volume import Volume, assemble_volume
-from segnode.node.worker import encode
 from tests.conftest import LIVER, PHANTOM, require_data, require_tool
 from tests.fixtures.synthetic import SAGITTAL, phantom_labels, write_enhanced_ct
 from tests.test_results import MANIFEST, OBLIQUE, SOURCE_WARNINGS, UIDS, small_volume, truth

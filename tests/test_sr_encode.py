@@ -1,5 +1,6 @@
-"""segnode.node.sr_encode and segnode.node.statistics: the SR prepared before the labels exist
-equals build_sr's bytes, and the fast statistics equal the bincount ones they replaced."""
+"""segnode.node.results.sr_encode and segnode.node.results.statistics: the SR prepared before the
+labels exist equals build_sr's bytes, and the fast statistics equal the bincount ones they
+replaced."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ import pytest
 from pydicom.sr.codedict import codes
 
 from segnode.engines.manifest import LabelSpec, ModelManifest
-from segnode.node.results import (
+from segnode.node.ingest.volume import Volume, assemble_from_datasets, assemble_volume
+from segnode.node.pipeline.worker import encode
+from segnode.node.results.build import (
     LABEL_MAP_SEGMENTATION_STORAGE,
     SEGMENTATION_STORAGE,
     NoSegmentsError,
@@ -35,10 +38,13 @@ from segnode.node.results import (
     build_sr,
     segment_statistics,
 )
-from segnode.node.sr_encode import SrPlan
-from segnode.node.statistics import SegmentStatsAccumulator, _bincount, label_counts, numbering
-from segnode.node.volume import Volume, assemble_from_datasets, assemble_volume
-from segnode.node.worker import encode
+from segnode.node.results.sr_encode import SrPlan
+from segnode.node.results.statistics import (
+    SegmentStatsAccumulator,
+    _bincount,
+    label_counts,
+    numbering,
+)
 from tests.conftest import PHANTOM, require_data, require_tool
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
 from tests.test_results import MANIFEST, SOURCE_WARNINGS, UIDS
@@ -276,7 +282,8 @@ def _building_label_maps() -> Iterator[None]:
 def _reference_bytes(
     volume: Volume, labels: npt.NDArray[np.integer], seg_class: str = SEGMENTATION_STORAGE
 ) -> bytes:
-    """build_seg, build_sr and segnode.node.worker.encode, as the worker writes the SR today."""
+    """build_seg, build_sr and segnode.node.pipeline.worker.encode, as the worker writes the SR
+    today."""
     if seg_class == LABEL_MAP_SEGMENTATION_STORAGE:
         with _building_label_maps():
             seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")

@@ -1,5 +1,5 @@
-"""segnode.node.sr_encode's template cache: a plan spliced from the template of an earlier job
-equals the full highdicom path's and build_sr's bytes; the evidence encoded without
+"""segnode.node.results.sr_encode's template cache: a plan spliced from the template of an earlier
+job equals the full highdicom path's and build_sr's bytes; the evidence encoded without
 highdicom equals ``collect_evidence``'s."""
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import numpy.typing as npt
 import pydicom
 import pytest
 
-from segnode.node import sr_encode
-from segnode.node.results import (
+from segnode.node.ingest.volume import Volume, assemble_from_datasets
+from segnode.node.pipeline.worker import encode
+from segnode.node.results import sr_encode
+from segnode.node.results.build import (
     SEGMENTATION_STORAGE,
     ResultUIDs,
     build_seg,
     build_sr,
     segment_statistics,
 )
-from segnode.node.sr_encode import SrPlan
-from segnode.node.volume import Volume, assemble_from_datasets
-from segnode.node.worker import encode
+from segnode.node.results.sr_encode import SrPlan
 from tests.fixtures.synthetic import synthetic_datasets
 from tests.test_results import MANIFEST
 from tests.test_sr_encode import NOW, PRESENT, _enhanced, _labels, _phantom, _synthetic

@@ -16,9 +16,9 @@ from pydicom.uid import (
     JPEGLSLossless,
 )
 
-from segnode.node.series import SeriesGeometry, uniform_stack
-from segnode.node.streaming import Arrival, SlabPool, StreamingAssembler, _permute_in_place
-from segnode.node.volume import Volume, assemble_volume, rescale_into
+from segnode.node.ingest.series import SeriesGeometry, uniform_stack
+from segnode.node.ingest.streaming import Arrival, SlabPool, StreamingAssembler, _permute_in_place
+from segnode.node.ingest.volume import Volume, assemble_volume, rescale_into
 from tests.fixtures.synthetic import SAGITTAL, write_enhanced_ct, write_synthetic_series
 
 

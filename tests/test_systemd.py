@@ -42,7 +42,7 @@ def test_unit_verifies(tmp_path: Path) -> None:
     unit.write_text(
         text.replace(
             "ExecStart=/opt/segnode/.venv/bin/segnode",
-            f"ExecStart={sys.executable} -m segnode.node.cli",
+            f"ExecStart={sys.executable} -m segnode.node.ops.cli",
         )
     )
     out = subprocess.run([exe, "verify", str(unit)], capture_output=True, text=True, timeout=60)
@@ -116,7 +116,7 @@ def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
     env.pop("WATCHDOG_PID", None)
     log = (tmp_path / "node.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "segnode.node.cli", "serve", "--config", str(cfg)],
+        [sys.executable, "-m", "segnode.node.ops.cli", "serve", "--config", str(cfg)],
         cwd=ROOT,
         env=env,
         stdout=log,

@@ -400,7 +400,7 @@ def test_segnode_engine_build_command_line(rtx: Flavour, tmp_path: Path) -> None
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    run = [sys.executable, "-m", "segnode.node.cli", "engine"]
+    run = [sys.executable, "-m", "segnode.node.ops.cli", "engine"]
     out = subprocess.run(
         [*run, "build", "--precision", "fp32", "--data-dir", str(tmp_path)],
         cwd=root,

@@ -26,7 +26,7 @@ import pytest
 from segnode.engines import create_engine, load_manifest
 from segnode.engines.base import Engine
 from segnode.engines.models import default_manifest_path
-from segnode.node.volume import assemble_from_datasets, assemble_volume
+from segnode.node.ingest.volume import assemble_from_datasets, assemble_volume
 from tests.fixtures.synthetic import AXIAL, CORONAL, SAGITTAL, synthetic_datasets
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -296,9 +296,9 @@ def test_engine_build_for_torch_without_a_gpu_fails_cleanly(
 def test_compile_option_reaches_the_torch_engine(tmp_path: Path) -> None:
     from segnode.engines.models import default_manifest_path
     from segnode.node.config import from_dict
-    from segnode.node.engine_pool import engine_options
     from segnode.node.errors import ConfigError
-    from segnode.node.rules import model_specs
+    from segnode.node.pipeline.engine_pool import engine_options
+    from segnode.node.routing.rules import model_specs
 
     lungs_table = {"manifest": str(default_manifest_path()), "engine": "torch", "compile": True}
     config = from_dict(

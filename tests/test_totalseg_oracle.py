@@ -123,7 +123,7 @@ def test_segnode_agrees_with_totalsegmentator(
     """The series as DICOM through the node's volume assembly and the composite on ONNX
     Runtime: Dice >= 0.99 with TotalSegmentator's own output for every structure present."""
     from scripts.make_totalseg_oracle import compare
-    from segnode.node.volume import assemble_volume
+    from segnode.node.ingest.volume import assemble_volume
 
     maps, their_names = golden
     volume = assemble_volume(write_dicom_case(CASES[name], tmp_path / name, seed=11))

@@ -575,7 +575,7 @@ def _reread(seg_path: Path, files: list[Path]) -> npt.NDArray[np.uint8]:
 
 
 def _direct(manifest: ModelManifest, files: list[Path]) -> npt.NDArray[np.uint8]:
-    from segnode.node.volume import assemble_volume
+    from segnode.node.ingest.volume import assemble_volume
 
     volume = assemble_volume(files)
     engine = OrtEngine(threads=1)
@@ -591,7 +591,7 @@ def test_worker_runs_a_trained_model_and_fails_a_tilted_series_with_the_reason(
     from pydicom import dcmread
 
     from segnode.node.config import from_dict
-    from segnode.node.worker import Worker, result_paths
+    from segnode.node.pipeline.worker import Worker, result_paths
     from segnode.storage.ledger import Ledger
     from segnode.storage.spool import Spool
     from tests.fixtures.synthetic import write_synthetic_series
@@ -635,7 +635,7 @@ def test_node_segments_a_series_with_a_trained_model(
     (pynetdicom) gives a SEG whose labels, read back by highdicom, are those computed
     directly with segment_trained."""
     from scripts.harness import send_files
-    from segnode.node.worker import result_paths
+    from segnode.node.pipeline.worker import result_paths
     from tests.conftest import wait_for
     from tests.fixtures.synthetic import write_synthetic_series
 
@@ -689,7 +689,7 @@ def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> N
     """A composite's job: the SEG holds the merged labels (segments named after the
     composite's labels), equal to segment_trained's merge."""
     from segnode.node.config import from_dict
-    from segnode.node.worker import Worker, result_paths
+    from segnode.node.pipeline.worker import Worker, result_paths
     from segnode.storage.ledger import Ledger
     from segnode.storage.spool import Spool
     from tests.fixtures.synthetic import write_synthetic_series

@@ -1,4 +1,5 @@
-"""The Upper Layer acceptor (node/ul.py) and the staged spool write, over real loopback sockets.
+"""The Upper Layer acceptor (node/dicom/ul.py) and the staged spool write, over real loopback
+sockets.
 
 Covers what the C-STORE path relies on beyond the SCP tests: the advertised maximum PDU
 length, datasets fragmented over many PDUs stored byte for byte, responses split to the
@@ -28,10 +29,8 @@ from pynetdicom.pdu_primitives import A_ASSOCIATE, MaximumLengthNotification
 from pynetdicom.presentation import build_context
 from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[attr-defined]
 
-from segnode.node.header import parse_header
-from segnode.node.scp import file_meta
-from segnode.node.streaming import Arrival
-from segnode.node.ul import (
+from segnode.node.dicom.header import parse_header
+from segnode.node.dicom.ul import (
     IMPLEMENTATION_CLASS_UID,
     IMPLEMENTATION_VERSION,
     _Association,
@@ -39,6 +38,8 @@ from segnode.node.ul import (
     encode_command,
     pdata_pdus,
 )
+from segnode.node.ingest.scp import file_meta
+from segnode.node.ingest.streaming import Arrival
 from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.spool import Spool, SpoolError, _after
 from tests.conftest import LOOPBACK
@@ -299,7 +300,7 @@ def test_native_pixels_match_pydicom(tmp_path: Path, signed: int, bits_stored: i
     """The streaming decoder's shortcut gives pydicom's values, garbage in unused bits too."""
     import numpy as np
 
-    from segnode.node.streaming import Arrival, native_pixels
+    from segnode.node.ingest.streaming import Arrival, native_pixels
 
     (path,) = write_synthetic_series(tmp_path, rows=32, columns=24, slices=1, seed=7303)
     ds = dcmread(path)
@@ -441,7 +442,7 @@ def test_a_failed_write_takes_back_the_row_committed_beside_it(
 def test_association_ids_are_never_reused() -> None:
     """Handlers key per-association state by ``info.id``; unlike ``id(info)`` it cannot come
     back for a later association once an earlier one's object is freed."""
-    from segnode.node.ul import AssociationInfo
+    from segnode.node.dicom.ul import AssociationInfo
 
     seen = set()
     for _ in range(1000):

@@ -1,9 +1,10 @@
-"""The Upper Layer state machine (node/ul_fsm.py) and the acceptor that performs it (node/ul.py).
+"""The Upper Layer state machine (node/dicom/ul_fsm.py) and the acceptor that performs it
+(node/dicom/ul.py).
 
 Driven from the transition table: every one of the 13 x 19 state x event pairs is fired on a
-real :class:`segnode.node.ul._Association` over a socket pair, and what the peer receives, whether
-the connection is closed, the next state and the ARTIM timer are checked against what PS3.8 says
-the cell's action does (``EFFECTS`` below, written from PS3.8 §9.2.3, not from the code). The
+real :class:`segnode.node.dicom.ul._Association` over a socket pair, and what the peer receives,
+whether the connection is closed, the next state and the ARTIM timer are checked against what PS3.8
+says the cell's action does (``EFFECTS`` below, written from PS3.8 §9.2.3, not from the code). The
 table itself is checked cell by cell against pynetdicom's independent encoding of Table 9-10.
 """
 
@@ -19,7 +20,7 @@ from pydicom.uid import ImplicitVRLittleEndian
 from pynetdicom.fsm import TRANSITION_TABLE as PYNETDICOM_TABLE
 from pynetdicom.pdu import A_ASSOCIATE_RQ
 
-from segnode.node.ul import (
+from segnode.node.dicom.ul import (
     ABORT,
     ASSOCIATE_AC,
     ASSOCIATE_RJ,
@@ -34,7 +35,7 @@ from segnode.node.ul import (
     _Association,
     pdata_pdus,
 )
-from segnode.node.ul_fsm import (
+from segnode.node.dicom.ul_fsm import (
     NOT_POSSIBLE,
     REQUESTOR_ACTIONS,
     TABLE,

@@ -216,7 +216,7 @@ def _store_raw(h: SCPHarness, context_syntax: str, data: bytes, sop_uid: str) ->
             s.sendall(pdu)
         kind, body = recv_pdu(s)
         assert kind == 0x04
-        from segnode.node.ul import decode_command
+        from segnode.node.dicom.ul import decode_command
 
         status = struct.unpack("<H", decode_command(body[6:])[0x0900])[0]
         s.sendall(struct.pack(">BBII", 0x05, 0, 4, 0))
@@ -253,7 +253,7 @@ def test_stop_aborts_an_idle_association_at_once(tmp_path: Path) -> None:
 CHILD = textwrap.dedent(
     """
     import resource, sys, time
-    from segnode.node.ul import Acceptor, AcceptorOptions
+    from segnode.node.dicom.ul import Acceptor, AcceptorOptions
     class H:
         def requested(self, info): return None
         def accepted(self, info): pass
@@ -310,7 +310,7 @@ def test_no_pynetdicom_private_module_in_the_product() -> None:
     (``_config.STORE_SEND_CHUNKED_DATASET``, used by the outbox only while it sends)."""
     private = re.compile(r"pynetdicom\._|from pynetdicom import _")
     allowed = {
-        "node/scu.py": (
+        "node/outbox/scu.py": (
             "from pynetdicom import _config as pynetdicom_config",
             "pynetdicom_config.STORE_SEND_CHUNKED_DATASET",
         )
@@ -327,7 +327,7 @@ def test_no_pynetdicom_private_module_in_the_product() -> None:
 def test_the_node_announces_its_own_implementation_class_uid(fast: SCPHarness) -> None:
     from pynetdicom import PYNETDICOM_IMPLEMENTATION_UID
 
-    from segnode.node.ul import IMPLEMENTATION_CLASS_UID, IMPLEMENTATION_VERSION
+    from segnode.node.dicom.ul import IMPLEMENTATION_CLASS_UID, IMPLEMENTATION_VERSION
 
     a = fast.assoc()
     assert a.acceptor.implementation_class_uid == IMPLEMENTATION_CLASS_UID

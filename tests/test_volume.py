@@ -1,4 +1,5 @@
-"""segnode.node.volume: assembling CT series (single-frame and Enhanced CT) into HU volumes."""
+"""segnode.node.ingest.volume: assembling CT series (single-frame and Enhanced CT) into HU
+volumes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pydicom.uid import (
     generate_uid,
 )
 
-from segnode.node.volume import Volume, VolumeError, assemble_from_datasets, assemble_volume
+from segnode.node.ingest.volume import Volume, VolumeError, assemble_from_datasets, assemble_volume
 from tests.conftest import LIVER, PHANTOM, require_data
 from tests.fixtures.synthetic import (
     AXIAL,

@@ -437,7 +437,7 @@ def test_web_address_in_use_stops_the_start(tmp_path: Path) -> None:
             web={"enabled": True, "listen": listen},
         )
         out = subprocess.run(
-            [sys.executable, "-m", "segnode.node.cli", "serve", "--config", str(cfg)],
+            [sys.executable, "-m", "segnode.node.ops.cli", "serve", "--config", str(cfg)],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -458,7 +458,7 @@ for name in ("starlette", "uvicorn"):
 from pathlib import Path
 from segnode.node.config import from_dict
 from segnode.node.errors import ConfigError
-from segnode.node.service import Node
+from segnode.node.ops.service import Node
 node = Node(from_dict({{"data_dir": {str(tmp_path / "data")!r}}}))
 node.shutdown()
 try:
@@ -495,7 +495,7 @@ def test_static_files_ship_in_the_wheel() -> None:
 
 def test_grafana_dashboard_uses_the_node_metrics(tmp_path: Path) -> None:
     """Every series the dashboard queries is one the node exports (names and stages)."""
-    from segnode.node.metrics import STAGES, Metrics
+    from segnode.node.ops.metrics import STAGES, Metrics
     from segnode.storage.ledger import Ledger
 
     ledger = Ledger(tmp_path / "ledger.sqlite")
@@ -522,7 +522,7 @@ def test_grafana_dashboard_uses_the_node_metrics(tmp_path: Path) -> None:
 
 
 def test_preview_draws_segments_in_their_colours(tmp_path: Path) -> None:
-    from segnode.node.volume import assemble_volume
+    from segnode.node.ingest.volume import assemble_volume
     from segnode.node.web.preview import SegmentInfo, render
 
     files = write_synthetic_series(tmp_path / "ct", rows=48, columns=64, slices=10, seed=46)
@@ -552,8 +552,8 @@ def test_sr_volumes_read_back(tmp_path: Path, kind: str) -> None:
     from segnode.engines.manifest import load_manifest
     from segnode.engines.ort_backend import OrtEngine
     from segnode.node.config import DEFAULT_MODEL
+    from segnode.node.pipeline.worker import Worker, result_paths
     from segnode.node.web.preview import Previewer, segment_infos, sr_volumes
-    from segnode.node.worker import Worker, result_paths
     from segnode.storage.ledger import Ledger
     from segnode.storage.spool import Spool
     from tests.test_worker import ingest

@@ -158,7 +158,7 @@ def test_console_asks_for_the_token_when_reads_need_it(tmp_path: Path, browser: 
     from selenium.webdriver.common.by import By
 
     from segnode.node.config import from_dict
-    from segnode.node.service import Node
+    from segnode.node.ops.service import Node
     from segnode.node.web.app import Access, Console, create_app
     from segnode.node.web.server import WebServer
     from segnode.node.web.status import node_ready, node_status

@@ -12,8 +12,8 @@ from pydicom import dcmread
 from segnode.engines.manifest import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL, from_dict
-from segnode.node.results import ResultError
-from segnode.node.worker import Worker, result_paths
+from segnode.node.pipeline.worker import Worker, result_paths
+from segnode.node.results.build import ResultError
 from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
@@ -145,7 +145,7 @@ def test_worker_results_reread_by_highdicom_and_reencode_identically(
         "LABELMAP": "1.2.840.10008.5.1.4.1.1.66.7",
     }[kind]
     assert seg.SOPClassUID == expected_class
-    from segnode.node.volume import assemble_volume
+    from segnode.node.ingest.volume import assemble_volume
 
     volume = assemble_volume(files)
     labels = engine.segment(volume.hu)
@@ -178,7 +178,7 @@ def test_prebuilt_volume_goes_back_to_the_pool_after_its_job(
 ) -> None:
     """The worker hands the job's prebuilt volume back to the streaming assembler, so the
     next series decodes into memory already touched."""
-    from segnode.node.streaming import Arrival, StreamingAssembler
+    from segnode.node.ingest.streaming import Arrival, StreamingAssembler
 
     worker, ledger, spool = make(tmp_path, engine)
     asm = StreamingAssembler(workers=1, max_bytes=256 * 2**20)
@@ -204,7 +204,7 @@ def test_seg_that_fails_its_check_leaves_no_file(
 ) -> None:
     """The SEG is written while it is checked; a failed check fails the job and removes
     the written bytes (no result file under any name)."""
-    import segnode.node.worker as worker_module
+    import segnode.node.pipeline.worker as worker_module
 
     def corrupt(*_: object) -> None:
         raise ResultError("frame 3 does not reproduce the label map on slice 2")
@@ -230,11 +230,12 @@ def test_start_caches_the_sr_template_that_real_series_use(
     import subprocess
     import sys
 
-    from segnode.node import __version__, sr_encode
-    from segnode.node.results import ResultUIDs
-    from segnode.node.seg_encode import SegPlan
-    from segnode.node.sr_encode import SrPlan
-    from segnode.node.volume import assemble_from_datasets
+    from segnode.node import __version__
+    from segnode.node.ingest.volume import assemble_from_datasets
+    from segnode.node.results import sr_encode
+    from segnode.node.results.build import ResultUIDs
+    from segnode.node.results.seg_encode import SegPlan
+    from segnode.node.results.sr_encode import SrPlan
 
     sr_encode._TEMPLATES.clear()
     worker, ledger, _ = make(tmp_path, engine)
@@ -259,7 +260,7 @@ def test_start_caches_the_sr_template_that_real_series_use(
         worker.stop(10)
         ledger.close()
     code = (
-        "import sys, segnode.node.service, segnode.node.worker as w\n"
+        "import sys, segnode.node.ops.service, segnode.node.pipeline.worker as w\n"
         "w.assemble_from_datasets(w.warm_up_series(), min_slices=2)\n"
         "bad = [m for m in sys.modules if m == 'tests' or m.startswith('tests.')]\n"
         "sys.exit(f'fixtures imported: {bad}' if bad else 0)\n"

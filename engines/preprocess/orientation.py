@@ -54,7 +54,8 @@ class GeometryError(EngineError):
 
 
 class VolumeGeometry(Protocol):
-    """What :meth:`Geometry.from_volume` reads (:class:`segnode.node.volume.Volume` provides it)."""
+    """What :meth:`Geometry.from_volume` reads (:class:`segnode.node.ingest.volume.Volume` provides
+    it)."""
 
     @property
     def row_direction(self) -> Vector:
@@ -161,7 +162,8 @@ class Geometry:
 
     @classmethod
     def from_volume(cls, volume: VolumeGeometry) -> Geometry:
-        """Geometry of a :class:`segnode.node.volume.Volume` (or anything with its attributes)."""
+        """Geometry of a :class:`segnode.node.ingest.volume.Volume` (or anything with its
+        attributes)."""
         return cls.from_image_plane(
             volume.row_direction,
             volume.column_direction,

@@ -1,5 +1,5 @@
 """The web console of a running node: the HTTP server and the previewer, started and stopped
-with the node (:class:`segnode.node.service.Node`)."""
+with the node (:class:`segnode.node.ops.service.Node`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from segnode.node.errors import ConfigError, SegnodeError
 
 if TYPE_CHECKING:
-    from segnode.node.service import Node
+    from segnode.node.ops.service import Node
 
 log = logging.getLogger(__name__)
 

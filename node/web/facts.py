@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from segnode.node.senders import load_patterns
+from segnode.node.ingest.senders import load_patterns
 from segnode.storage.ledger import JobState, JobView, Ledger
 from segnode.storage.models import Job
 

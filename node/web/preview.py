@@ -4,7 +4,7 @@ The :class:`Previewer` renders, on its own low-priority thread, after a job's SE
 written (``Worker.on_encoded``), so the worker and the outbox never wait for it. Each
 preview is read back from what the node sends, not from the worker's memory:
 
-* the CT from the spooled instances (:func:`segnode.node.volume.assemble_volume`),
+* the CT from the spooled instances (:func:`segnode.node.ingest.volume.assemble_volume`),
 * the label map from the written SEG (highdicom, by source instance or frame),
 * the segment colours from the SEG's Recommended Display CIELab Value (PS3.3 C.8.20.2),
 * the volumes from the SR's TID 1411 measurement groups (PS3.16), for the legend.
@@ -32,7 +32,7 @@ import numpy.typing as npt
 import pydicom
 from pydicom.dataset import Dataset
 
-from segnode.node.volume import Volume, assemble_volume
+from segnode.node.ingest.volume import Volume, assemble_volume
 
 if TYPE_CHECKING:
     from segnode.storage.ledger import Ledger
@@ -118,7 +118,7 @@ def label_map(seg_path: Path, volume: Volume) -> npt.NDArray[np.integer]:
     """The SEG's segment numbers on the volume's grid ``(z, y, x)``."""
     import highdicom as hd
 
-    from segnode.node.results import seg_label_map
+    from segnode.node.results.build import seg_label_map
 
     return seg_label_map(hd.seg.segread(seg_path), volume)
 
@@ -203,7 +203,7 @@ def write_preview(
 
     Raises
     ------
-    ValueError, OSError, segnode.node.volume.VolumeError
+    ValueError, OSError, segnode.node.ingest.volume.VolumeError
         If the CT or the results cannot be read or do not fit together.
     """
     volume = assemble_volume(ct_paths)

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 from segnode.node import __version__
 from segnode.node.web.facts import ledger_status
 
-if TYPE_CHECKING:  # segnode.node.service imports segnode.node.web lazily
-    from segnode.node.service import Node
+if TYPE_CHECKING:  # segnode.node.ops.service imports segnode.node.web lazily
+    from segnode.node.ops.service import Node
 
 
 def node_status(node: Node) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Owns :class:`PurgeCandidate` and :class:`Retention`: series whose latest job finished before
 a time with nothing pending or still working, and the ``spool_purges`` row and ``retention``
-event of a deletion (``segnode.node.retention`` deletes the files).
+event of a deletion (``segnode.node.ops.retention`` deletes the files).
 
 Must not touch: any row but its own (it reads jobs and instances, and writes only
 ``spool_purges`` rows and ``retention`` events); it deletes no file itself.

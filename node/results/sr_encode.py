@@ -1,15 +1,15 @@
 """The TID 1500 measurement report of a result, prepared before the labels exist.
 
-:func:`segnode.node.results.build_sr` builds the Comprehensive 3D SR with highdicom once the label
-map, its statistics and the SEG exist, and pydicom writes it: most of that time goes to
+:func:`segnode.node.results.build.build_sr` builds the Comprehensive 3D SR with highdicom once the
+label map, its statistics and the SEG exist, and pydicom writes it: most of that time goes to
 what depends only on the source series (the evidence of every source instance, the
 Patient and Study modules, the observer context) and to pydicom's writer. :class:`SrPlan`
 does that part while inference runs:
 
 * :meth:`SrPlan.prepare` builds the same document with highdicom, through the functions
-  ``build_sr`` uses (:func:`segnode.node.results.measurement_report`,
-  :func:`segnode.node.results.sr_document`), with one measurement group per manifest label holding
-  placeholder values, and writes it with pydicom once. The SEG it references is described
+  ``build_sr`` uses (:func:`segnode.node.results.build.measurement_report`,
+  :func:`segnode.node.results.build.sr_document`), with one measurement group per manifest label
+  holding placeholder values, and writes it with pydicom once. The SEG it references is described
   by a header that highdicom builds the way ``build_seg``'s Segmentation constructor does
   (Patient and Study modules copied from the first source, the node's equipment), so no
   SEG dataset is needed; only its UIDs and SOP Class.
@@ -31,8 +31,8 @@ does that part while inference runs:
 * :meth:`SrPlan.encode` fills the template with the statistics of the segments present and
   the current time: a few dozen short elements, no highdicom or pydicom objects.
 
-The result is byte for byte what ``build_sr`` and ``segnode.node.worker.encode`` write for the same
-label map and clock (``tests/test_sr_encode.py``; spliced plans in
+The result is byte for byte what ``build_sr`` and ``segnode.node.pipeline.worker.encode`` write for
+the same label map and clock (``tests/test_sr_encode.py``; spliced plans in
 ``tests/test_sr_template.py``). Explicit VR Little Endian, defined lengths, as pydicom
 writes (PS3.5 7.1.2, 7.5).
 """
@@ -59,7 +59,8 @@ from pydicom.valuerep import DA, DS, DT, TM
 
 from segnode.engines.manifest import ModelManifest
 from segnode.node.errors import NoSegmentsError, ResultError
-from segnode.node.results import (
+from segnode.node.ingest.volume import Volume
+from segnode.node.results.build import (
     LABEL_MAP_SEGMENTATION_STORAGE,
     SEGMENTATION_STORAGE,
     ResultUIDs,
@@ -69,9 +70,8 @@ from segnode.node.results import (
     measurement_report,
     sr_document,
 )
-from segnode.node.seg_header import seg_base
-from segnode.node.statistics import SegmentStatistics
-from segnode.node.volume import Volume
+from segnode.node.results.seg_header import seg_base
+from segnode.node.results.statistics import SegmentStatistics
 
 # Tags (PS3.6) of the elements encode() fills in.
 _INSTANCE_CREATION_DATE = 0x00080012
@@ -443,8 +443,8 @@ class SrPlan:
             SOP Class of that SEG: Segmentation Storage, or Label Map Segmentation Storage
             (``LABEL_MAP_SEGMENTATION_STORAGE``).
         manufacturer, software_version, series_number, device_serial, instance_number
-            As for :func:`segnode.node.results.build_sr`; the SEG is taken to come from the same
-            equipment (``build_seg`` with these ``manufacturer``, ``software_version`` and
+            As for :func:`segnode.node.results.build.build_sr`; the SEG is taken to come from the
+            same equipment (``build_seg`` with these ``manufacturer``, ``software_version`` and
             ``device_serial``), as the worker builds it.
         seg_manufacturer_model_name
             The SEG's Manufacturer's Model Name (``build_seg``'s default).
@@ -699,9 +699,9 @@ class SrPlan:
         Parameters
         ----------
         stats
-            :func:`segnode.node.results.segment_statistics` (or
-            :meth:`segnode.node.statistics.SegmentStatsAccumulator.result`) of the label map:
-            segment numbers 1..n in ascending label value.
+            :func:`segnode.node.results.build.segment_statistics` (or
+            :meth:`segnode.node.results.statistics.SegmentStatsAccumulator.result`) of the label
+            map: segment numbers 1..n in ascending label value.
         now
             Instance Creation and Content Date/Time, and the time of highdicom's
             contribution; the current local time when None (highdicom's choice).

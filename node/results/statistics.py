@@ -24,7 +24,7 @@ import numpy.typing as npt
 from segnode.engines.base import LabelSums
 from segnode.engines.manifest import LabelSpec, ModelManifest
 from segnode.node.errors import ResultError
-from segnode.node.volume import Volume
+from segnode.node.ingest.volume import Volume
 
 
 class Shaped(Protocol):

@@ -16,7 +16,7 @@ from typing import Any
 
 from segnode.engines.base import Engine, EngineError, create_engine
 from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
-from segnode.node.rules import DEFAULT_MODEL_NAME, ModelSpec
+from segnode.node.routing.rules import DEFAULT_MODEL_NAME, ModelSpec
 
 log = logging.getLogger(__name__)
 

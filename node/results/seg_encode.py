@@ -1,25 +1,25 @@
 """Fast DICOM Segmentation encoding: everything that does not depend on the labels is encoded
 before the labels exist; the labels are then bit-packed and spliced in.
 
-:meth:`SegPlan.prepare` (run while inference runs) encodes, with :mod:`segnode.node.seg_header`, the
-file meta, every header element, the Derivation Image and Plane Position items of every
-slice, the shared functional groups, the dimension index and the segment description
-elements of every manifest label. :meth:`SegPlan.encode` then only
+:meth:`SegPlan.prepare` (run while inference runs) encodes, with
+:mod:`segnode.node.results.seg_header`, the file meta, every header element, the Derivation Image
+and Plane Position items of every slice, the shared functional groups, the dimension index and the
+segment description elements of every manifest label. :meth:`SegPlan.encode` then only
 
-* checks the label map (with the messages of :func:`segnode.node.results.build_seg`),
+* checks the label map (with the messages of :func:`segnode.node.results.build.build_seg`),
 * compares it with each label value a few slices at a time and packs the comparison as
   1-bit frames (PS3.5 8.1.1: first pixel in the least significant bit, frames concatenated
   without padding), skipping empty frames,
 * splices the frame count, the Segment Sequence, the per-frame items (PS3.3 C.7.6.16) and
   the Pixel Data between the prepared elements.
 
-The file is byte for byte what highdicom 0.28 (``segnode.node.results.build_seg`` written by
-``segnode.node.worker.encode``) produces for the same inputs, BINARY or LABELMAP (Label Map
+The file is byte for byte what highdicom 0.28 (``segnode.node.results.build.build_seg`` written by
+``segnode.node.pipeline.worker.encode``) produces for the same inputs, BINARY or LABELMAP (Label Map
 Segmentation Storage: one 8-bit frame of segment numbers per non-empty slice, Background
 segment 0), except four values highdicom draws at build time, which the plan fixes:
 Instance Creation, Content and Contribution Date/Time (``created``) and the Dimension
-Organization UID (derived from the SOP Instance UID). :func:`segnode.node.seg_check.check_encoded`
-checks the bytes before they leave.
+Organization UID (derived from the SOP Instance UID).
+:func:`segnode.node.results.seg_check.check_encoded` checks the bytes before they leave.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 
 from segnode.engines.manifest import ModelManifest
-from segnode.node.parallel import map_blocks
-from segnode.node.results import (
+from segnode.node.ingest.volume import Volume
+from segnode.node.pipeline.parallel import map_blocks
+from segnode.node.results.build import (
     NoSegmentsError,
     ResultError,
     ResultUIDs,
@@ -49,7 +50,7 @@ from segnode.node.results import (
     _source_headers,
     derived_uid,
 )
-from segnode.node.seg_header import (
+from segnode.node.results.seg_header import (
     DIMENSION_INDEX_VALUES,
     DIMENSION_ORGANIZATION_TYPE,
     FRAME_CONTENT_SEQUENCE,
@@ -75,7 +76,6 @@ from segnode.node.seg_header import (
     short_element,
     text_value,
 )
-from segnode.node.volume import Volume
 
 Chunk = bytes | memoryview  # a piece of the file, joined once at the end
 
@@ -191,7 +191,7 @@ class SegPlan:
         ----------
         volume, manifest, uids, manufacturer, software_version, series_number, device_serial,
         manufacturer_model_name, instance_number
-            As for :func:`segnode.node.results.build_seg`.
+            As for :func:`segnode.node.results.build.build_seg`.
         segmentation_type
             ``"BINARY"`` (Segmentation Storage, one 1-bit frame per segment and slice) or
             ``"LABELMAP"`` (Label Map Segmentation Storage, one 8-bit frame per slice).
@@ -287,7 +287,7 @@ class SegPlan:
     def segment_item(self, value: int, number: int) -> bytes:
         """The Segment Sequence item (header included) of label ``value`` as segment
         ``number`` (Tracking UID derived from the SOP Instance UID and the number, as
-        :func:`segnode.node.results.build_seg` does)."""
+        :func:`segnode.node.results.build.build_seg` does)."""
         parts = self.segment_items[value]
         uid = derived_uid(self.uids.seg_sop_uid, "segment", str(number))
         body = b"".join(
@@ -413,7 +413,7 @@ class SegPlan:
 
     def _checked(self, labels: npt.NDArray[np.integer]) -> npt.NDArray[np.integer]:
         """``labels`` as a C-contiguous ``(slices, rows * columns)`` array, after the checks
-        (and with the messages) of :func:`segnode.node.results.build_seg`."""
+        (and with the messages) of :func:`segnode.node.results.build.build_seg`."""
         if labels.shape != self.shape:
             raise ResultError(f"label map has shape {labels.shape}, volume has {self.shape}")
         if not np.issubdtype(labels.dtype, np.integer):
@@ -490,7 +490,7 @@ def _scan(
     flat: npt.NDArray[np.integer], values: Sequence[int], *, pack: bool
 ) -> tuple[npt.NDArray[np.bool_], dict[tuple[int, int], npt.NDArray[np.generic]]]:
     """Compare ``flat`` (slices x pixels) with each value, a few slices at a time, in blocks
-    of slices on several threads (:func:`segnode.node.parallel.map_blocks`).
+    of slices on several threads (:func:`segnode.node.pipeline.parallel.map_blocks`).
 
     Returns the presence of every value on every slice and, with ``pack``, the frame of
     every present (value index, slice): 1-bit packed when a frame is a whole number of bytes,

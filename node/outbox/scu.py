@@ -60,12 +60,12 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 )
 
 from segnode.node.config import Config
-from segnode.node.destinations import SENDER, Target, from_name, index
+from segnode.node.dicom.tls import tls_args
+from segnode.node.outbox.stow import StowFailed, StowTarget, StowUnreachable
+from segnode.node.outbox.stow import store as stow_store
 from segnode.node.peers import Peer
-from segnode.node.results import LABEL_MAP_SEGMENTATION_STORAGE
-from segnode.node.stow import StowFailed, StowTarget, StowUnreachable
-from segnode.node.stow import store as stow_store
-from segnode.node.tls import tls_args
+from segnode.node.results.build import LABEL_MAP_SEGMENTATION_STORAGE
+from segnode.node.routing.destinations import SENDER, Target, from_name, index
 from segnode.storage.ledger import DueDelivery, Ledger, utcnow
 
 log = logging.getLogger(__name__)
@@ -646,7 +646,8 @@ class Dispatcher:
         return int(getattr(status, "Status", -1)) if status else -1
 
     def _send_stow(self, target: StowTarget, items: list[DueDelivery]) -> int:
-        """DICOMweb STOW-RS, one request per object (:mod:`segnode.node.stow`); same bookkeeping."""
+        """DICOMweb STOW-RS, one request per object (:mod:`segnode.node.outbox.stow`); same
+        bookkeeping."""
         dest = target.name
         sent = 0
         for d in items:

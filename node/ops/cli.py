@@ -126,7 +126,7 @@ def _setup_logging(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the node until SIGTERM/SIGINT."""
     from segnode.engines.base import EngineError
-    from segnode.node.service import Node
+    from segnode.node.ops.service import Node
 
     cfg = load_config(args.config).with_overrides(
         port=args.port,
@@ -153,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_echo(args: argparse.Namespace) -> int:
     """C-ECHO a peer."""
-    from segnode.node.scu import echo
+    from segnode.node.outbox.scu import echo
 
     cfg = _config(args)
     peer = parse_peer(args.peer, "peer")
@@ -234,7 +234,7 @@ def _fmt_stage(stages: dict[str, datetime | None]) -> str:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     """Print recent jobs and ignored series."""
-    from segnode.node.service import open_state
+    from segnode.node.ops.service import open_state
 
     cfg = _config(args)
     ledger, _ = open_state(cfg)
@@ -292,7 +292,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print ledger counts."""
-    from segnode.node.service import open_state
+    from segnode.node.ops.service import open_state
 
     cfg = _config(args)
     ledger, _ = open_state(cfg)
@@ -306,7 +306,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_retry(args: argparse.Namespace) -> int:
     """Requeue a job, or every failed job with ``--failed``."""
-    from segnode.node.service import open_state
+    from segnode.node.ops.service import open_state
 
     if (args.job is None) == (not args.failed):
         print("segnode retry: give a JOB id or --failed", file=sys.stderr)
@@ -329,7 +329,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancel a job."""
-    from segnode.node.service import open_state
+    from segnode.node.ops.service import open_state
 
     ledger, _ = open_state(_config(args))
     try:
@@ -344,7 +344,7 @@ def cmd_rules(args: argparse.Namespace) -> int:
     """``segnode rules test``: the routing decision for each series of the files given."""
     from segnode.engines.base import EngineError
     from segnode.engines.manifest import load_manifest
-    from segnode.node.rules import Router, dry_run, model_specs, senders_from_peers
+    from segnode.node.routing.rules import Router, dry_run, model_specs, senders_from_peers
 
     cfg = _config(args)
     specs = {s.name: s for s in model_specs(cfg)}

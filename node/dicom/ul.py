@@ -8,8 +8,8 @@ one join. What it does not write itself it takes from pynetdicom's public module
 A-ASSOCIATE-RQ/AC PDU codecs and presentation-context and role negotiation
 (:func:`pynetdicom.presentation.negotiate_as_acceptor`).
 
-The protocol is the PS3.8 state machine of :mod:`segnode.node.ul_fsm`: every PDU, timer, closed
-connection and local decision is an ``Evt``, and :meth:`_Association.fire` performs the
+The protocol is the PS3.8 state machine of :mod:`segnode.node.dicom.ul_fsm`: every PDU, timer,
+closed connection and local decision is an ``Evt``, and :meth:`_Association.fire` performs the
 action Table 9-10 names for it in the current ``Sta``. Where the work happens:
 
 * **One selector thread per listening port** owns every connection that is not (yet, or any
@@ -61,7 +61,7 @@ from pynetdicom.pdu_primitives import (
 )
 from pynetdicom.presentation import PresentationContext, build_context, negotiate_as_acceptor
 
-from segnode.node.ul_fsm import NOT_POSSIBLE, TABLE, Action, Event, InvalidTransition, State
+from segnode.node.dicom.ul_fsm import NOT_POSSIBLE, TABLE, Action, Event, InvalidTransition, State
 
 log = logging.getLogger(__name__)
 
@@ -1009,7 +1009,7 @@ class _Association:
             self.want_write = True
             return False
         except (OSError, ValueError) as exc:
-            from segnode.node.tls import describe_tls_error
+            from segnode.node.dicom.tls import describe_tls_error
 
             log.warning(
                 "TLS handshake with %s failed: %s", self.info.address, describe_tls_error(exc)

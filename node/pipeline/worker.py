@@ -8,19 +8,20 @@ with UIDs allocated when the job was created.
 
 Everything of the SEG and SR that depends only on the source series (headers, references,
 per-frame geometry, segment descriptions, evidence) is encoded by a helper thread while the
-engine runs (:class:`segnode.node.seg_encode.SegPlan`, :class:`segnode.node.sr_encode.SrPlan`);
-after inference only the frames, the statistics and the measurement values are spliced in, and
-the SEG bytes are checked (:func:`segnode.node.seg_check.check_encoded`) before they are written.
-Their dates and times are the job's creation time, so a re-encoding after a crash writes the
-same bytes. With ``[results] prepare = "before"`` the plans are prepared in the worker thread
-before the engine runs instead: a GPU engine launching kernels from Python then does not share
-the GIL with the ~0.1 s of pure Python the preparation is.
+engine runs (:class:`segnode.node.results.seg_encode.SegPlan`,
+:class:`segnode.node.results.sr_encode.SrPlan`); after inference only the frames, the statistics and
+the measurement values are spliced in, and the SEG bytes are checked
+(:func:`segnode.node.results.seg_check.check_encoded`) before they are written. Their dates and
+times are the job's creation time, so a re-encoding after a crash writes the same bytes. With
+``[results] prepare = "before"`` the plans are prepared in the worker thread before the engine runs
+instead: a GPU engine launching kernels from Python then does not share the GIL with the ~0.1 s of
+pure Python the preparation is.
 
 An engine that can sum the HU per label where its label map is
 (:class:`segnode.engines.base.SumsEngine`, the torch backend on a GPU) hands those sums over, and
-the SR's statistics are derived from them (:func:`segnode.node.statistics.statistics_from_sums`)
-instead of reading the label map and the volume again on the CPU. One INFO line per job splits the
-work after inference into its parts.
+the SR's statistics are derived from them
+(:func:`segnode.node.results.statistics.statistics_from_sums`) instead of reading the label map and
+the volume again on the CPU. One INFO line per job splits the work after inference into its parts.
 
 A version-2 (trained) model runs through :func:`segnode.engines.trained.segment_trained` with the
 volume's geometry (reorientation, resampling to the model's spacing, nnU-Net's window over
@@ -53,30 +54,30 @@ from segnode.engines.base import Engine, EngineError, LabelSums, SumsEngine
 from segnode.engines.manifest import ModelManifest
 from segnode.node import __version__
 from segnode.node.config import Config
-from segnode.node.engine_pool import EnginePool
+from segnode.node.dicom.rejection import KOS_SOP_CLASS, build_rejection_note
 from segnode.node.errors import JobError
-from segnode.node.peers import Peer
-from segnode.node.rejection import KOS_SOP_CLASS, build_rejection_note
-from segnode.node.results import (
-    NoSegmentsError,
-    ResultError,
-    ResultUIDs,
-    derived_uid,
-    segment_statistics,
-)
-from segnode.node.rules import DEFAULT_MODEL_NAME, model_specs
-from segnode.node.seg_check import check_encoded
-from segnode.node.seg_encode import SegPlan
-from segnode.node.sr_encode import SrPlan
-from segnode.node.statistics import statistics_from_sums
-from segnode.node.streaming import StreamingAssembler
-from segnode.node.volume import (
+from segnode.node.ingest.streaming import StreamingAssembler
+from segnode.node.ingest.volume import (
     CT_IMAGE_STORAGE,
     Volume,
     VolumeError,
     assemble_from_datasets,
     assemble_volume,
 )
+from segnode.node.peers import Peer
+from segnode.node.pipeline.engine_pool import EnginePool
+from segnode.node.results.build import (
+    NoSegmentsError,
+    ResultError,
+    ResultUIDs,
+    derived_uid,
+    segment_statistics,
+)
+from segnode.node.results.seg_check import check_encoded
+from segnode.node.results.seg_encode import SegPlan
+from segnode.node.results.sr_encode import SrPlan
+from segnode.node.results.statistics import statistics_from_sums
+from segnode.node.routing.rules import DEFAULT_MODEL_NAME, model_specs
 from segnode.storage.ledger import JobView, Ledger
 from segnode.storage.spool import write_atomic, write_synced
 
@@ -150,7 +151,8 @@ class Worker:
         self._thread: threading.Thread | None = None
         self.current_job: int | None = None
         self.last_result: str = "none yet"
-        #: Prebuilt volumes (segnode.node.streaming); None assembles every job from the spool.
+        #: Prebuilt volumes (segnode.node.ingest.streaming); None assembles every job from the
+        # spool.
         self.volumes: StreamingAssembler | None = None
         #: Called with the job id once its results are encoded (wakes the outbox).
         self.on_encoded: Callable[[int], None] | None = None
@@ -440,7 +442,7 @@ def warm_up_series(charset: str | None = None) -> list[Dataset]:
     """Two 8 x 8 axial CT slices with the attributes the SEG and SR copy from a series
     (no patient data) in ``charset``: what :meth:`Worker.start` prepares a result for, so
     that the default model's SR template is cached before the first job
-    (:class:`segnode.node.sr_encode.SrPlan`)."""
+    (:class:`segnode.node.results.sr_encode.SrPlan`)."""
     study, series, frame = (generate_uid(prefix=None) for _ in range(3))
     out = []
     for k in range(2):

@@ -27,8 +27,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from segnode.node.errors import ConfigError
+from segnode.node.outbox.stow import STOW_PREFIX, StowTarget
 from segnode.node.peers import Peer, parse_peer
-from segnode.node.stow import STOW_PREFIX, StowTarget
 
 #: The destination that means "back to the AE that sent the series".
 SENDER = "@sender"

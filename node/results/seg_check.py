@@ -1,4 +1,4 @@
-"""Check a SEG encoded by :mod:`segnode.node.seg_encode` before it leaves, in milliseconds.
+"""Check a SEG encoded by :mod:`segnode.node.results.seg_encode` before it leaves, in milliseconds.
 
 :func:`check_encoded` reads the produced bytes back with its own Explicit VR Little Endian
 walker (PS3.5 7.1, 7.5) and checks what the fast path could get wrong:
@@ -31,10 +31,10 @@ import numpy as np
 import numpy.typing as npt
 from pydicom.datadict import keyword_for_tag
 
-from segnode.node.parallel import map_blocks
-from segnode.node.results import POSITION_TOLERANCE_MM, ResultError
-from segnode.node.seg_encode import EncodedSeg, SegPlan
-from segnode.node.seg_header import (
+from segnode.node.pipeline.parallel import map_blocks
+from segnode.node.results.build import POSITION_TOLERANCE_MM, ResultError
+from segnode.node.results.seg_encode import EncodedSeg, SegPlan
+from segnode.node.results.seg_header import (
     DERIVATION_IMAGE_SEQUENCE,
     DIMENSION_INDEX_VALUES,
     DIMENSION_ORGANIZATION_TYPE,

@@ -1,10 +1,10 @@
 """Run independent blocks of numpy work on a few threads.
 
-The SEG encoder (:mod:`segnode.node.seg_encode`) and its check (:mod:`segnode.node.seg_check`) walk
-the label map a few slices at a time with numpy operations (comparisons, ``packbits``, bitwise
-reductions) that release the GIL. :func:`map_blocks` hands such blocks
-to a shared pool of worker threads and returns their results in block order. The gain is
-modest because part of each block is Python that holds the GIL: on the H200 machine's CPU
+The SEG encoder (:mod:`segnode.node.results.seg_encode`) and its check
+(:mod:`segnode.node.results.seg_check`) walk the label map a few slices at a time with numpy
+operations (comparisons, ``packbits``, bitwise reductions) that release the GIL. :func:`map_blocks`
+hands such blocks to a shared pool of worker threads and returns their results in block order. The
+gain is modest because part of each block is Python that holds the GIL: on the H200 machine's CPU
 (16 cores) encoding and checking the tissue model's 5-segment SEG of 128 x 512 x 512 took
 31.2 + 37.6 ms on one thread, 24.0 + 33.0 ms on four, and more again on eight or sixteen.
 The blocks must not write to shared state; their results are combined by the caller.

@@ -12,7 +12,7 @@ States ``Sta1``-``Sta13``, events ``Evt1``-``Evt19`` and actions ``AE-1``-``AE-8
   ignores the network and timer ones and refuses the local primitives
   (:class:`InvalidTransition`), leaving the state as it was.
 
-The acceptor (:mod:`segnode.node.ul`) performs the actions; this module only says which one.
+The acceptor (:mod:`segnode.node.dicom.ul`) performs the actions; this module only says which one.
 """
 
 from __future__ import annotations

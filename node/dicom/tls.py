@@ -2,9 +2,9 @@
 
 Server side: :func:`server_context` builds an :class:`ssl.SSLContext` from ``[tls]`` (our
 certificate and key, optionally a CA that client certificates must chain to, TLS 1.2 at
-least). The acceptor (:mod:`segnode.node.ul`) runs the handshake in the connection's own thread
-under ``tls.handshake_timeout_s``, not in the accept loop, so a client that connects and then says
-nothing cannot stop the node from accepting others.
+least). The acceptor (:mod:`segnode.node.dicom.ul`) runs the handshake in the connection's own
+thread under ``tls.handshake_timeout_s``, not in the accept loop, so a client that connects and then
+says nothing cannot stop the node from accepting others.
 
 Client side: :func:`client_context` builds the context for one destination's ``tls`` options;
 pass ``(context, server_name)`` as pynetdicom's ``tls_args``.

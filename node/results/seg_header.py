@@ -1,7 +1,7 @@
 """The parts of a DICOM Segmentation that do not depend on the labels, encoded as bytes.
 
-:mod:`segnode.node.seg_encode` prepares them while inference runs and splices the frames in. They
-are built the way highdicom 0.28's ``Segmentation`` builds them, so the file is byte for byte
+:mod:`segnode.node.results.seg_encode` prepares them while inference runs and splices the frames in.
+They are built the way highdicom 0.28's ``Segmentation`` builds them, so the file is byte for byte
 the same: the header on highdicom's ``SOPClass`` (patient, study and equipment attributes
 copied from the source by highdicom's module tables), content items with highdicom's
 content classes, written by pydicom's writer (Explicit VR Little Endian, defined lengths,
@@ -34,7 +34,8 @@ from pydicom.uid import ExplicitVRLittleEndian
 from pydicom.valuerep import DA, DT, TM, format_number_as_ds
 
 from segnode.engines.manifest import LabelSpec, ModelManifest
-from segnode.node.results import (
+from segnode.node.ingest.volume import Volume
+from segnode.node.results.build import (
     LABEL_MAP_SEGMENTATION_STORAGE,
     SEGMENTATION_STORAGE,
     ResultError,
@@ -42,7 +43,6 @@ from segnode.node.results import (
     derived_uid,
     segment_description,
 )
-from segnode.node.volume import Volume
 
 #: highdicom matches a frame to a source plane closer than this (mm)
 MATCH_TOLERANCE_MM = 1e-3
@@ -312,7 +312,7 @@ class SegmentItem:
 def _description(
     spec: LabelSpec, number: int, algorithm: hd.AlgorithmIdentificationSequence
 ) -> hd.seg.SegmentDescription:
-    """The segment description :func:`segnode.node.results.build_seg` writes for ``spec``."""
+    """The segment description :func:`segnode.node.results.build.build_seg` writes for ``spec``."""
     return segment_description(spec, number, algorithm, derived_uid("placeholder"))
 
 

@@ -66,7 +66,10 @@ from pydicom import Dataset, dcmread
 from pydicom.errors import InvalidDicomError
 from pydicom.uid import UID
 
-from segnode.node.destinations import (
+from segnode.node.errors import ConfigError
+from segnode.node.ingest.volume import CT_CLASSES
+from segnode.node.peers import Peer, ae_title
+from segnode.node.routing.destinations import (
     SENDER,
     Destination,
     PathFn,
@@ -74,9 +77,6 @@ from segnode.node.destinations import (
     parse_destination,
     resolve,
 )
-from segnode.node.errors import ConfigError
-from segnode.node.peers import Peer, ae_title
-from segnode.node.volume import CT_CLASSES
 
 if TYPE_CHECKING:
     from segnode.node.config import Config

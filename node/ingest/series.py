@@ -6,14 +6,14 @@ Signals, in order of speed:
    slice normal with no gap, and their number equals what the instances announce: Images in
    Acquisition (0020,1002) for single-frame CT, Number of Frames (0028,0008) for one
    multi-frame instance (PS3.3 C.7.6.2, C.7.6.6). Evaluated off the SCP thread by
-   :mod:`segnode.node.streaming` through :class:`SeriesGeometry`; it can fire at the last instance,
-   before the association is released.
+   :mod:`segnode.node.ingest.streaming` through :class:`SeriesGeometry`; it can fire at the last
+   instance, before the association is released.
 2. **Association release.** When an association that delivered instances of a series is
    released normally and no other open association has delivered instances of the same
    series, the series is complete - unless the association may have carried only part of
    it: its sender is known to split series over associations (learnt per calling AE title,
-   :mod:`segnode.node.senders`), or it delivered fewer than three instances. Then the series is held
-   for the sender's usual gap between associations (0.5-3 s) and completes (``sender-gap``)
+   :mod:`segnode.node.ingest.senders`), or it delivered fewer than three instances. Then the series
+   is held for the sender's usual gap between associations (0.5-3 s) and completes (``sender-gap``)
    when nothing more came, unless its headers say instances are missing.
 3. **Quiet period** (fallback). A series with instances not yet taken by a job, no open
    association touching it, and nothing received for ``quiet_period_s`` seconds is complete.
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from segnode.node.senders import CONTINUE_WINDOW_S, FEW_INSTANCES, SenderBook, SenderPattern
-from segnode.node.volume import (
+from segnode.node.ingest.senders import CONTINUE_WINDOW_S, FEW_INSTANCES, SenderBook, SenderPattern
+from segnode.node.ingest.volume import (
     DUPLICATE_TOLERANCE_MM,
     GAP_TOLERANCE_FRACTION,
     GAP_TOLERANCE_MM,
@@ -122,9 +122,9 @@ class CompletionTracker:
     A normal release completes the series the association delivered (when no other open
     association is still delivering them) unless the association may have carried only
     part of it: the sender is known to split series over associations
-    (:class:`~segnode.node.senders.SenderBook`), or the association delivered fewer than
-    :data:`~segnode.node.senders.FEW_INSTANCES` instances of it. Such a series is *held* for the
-    sender's usual gap (0.5-3 s); when that passes with nothing more, it completes
+    (:class:`~segnode.node.ingest.senders.SenderBook`), or the association delivered fewer than
+    :data:`~segnode.node.ingest.senders.FEW_INSTANCES` instances of it. Such a series is *held* for
+    the sender's usual gap (0.5-3 s); when that passes with nothing more, it completes
     (``sender-gap``), unless its headers say instances are missing (Images in Acquisition
     not reached, a hole in the Instance Numbers): then the quiet period decides.
 
@@ -356,8 +356,8 @@ class CompletionTracker:
 class SeriesGeometry:
     """Slice positions received for one series, to tell when the stack is complete.
 
-    Uses the tolerances of :mod:`segnode.node.volume`, so a stack called complete here is one that
-    volume assembly accepts (same orientation, no duplicate, uniform spacing).
+    Uses the tolerances of :mod:`segnode.node.ingest.volume`, so a stack called complete here is one
+    that volume assembly accepts (same orientation, no duplicate, uniform spacing).
     """
 
     def __init__(self) -> None:

@@ -15,12 +15,18 @@ from pydicom.errors import InvalidDicomError
 from segnode.engines.base import Engine, EngineError, create_engine
 from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
 from segnode.node.config import Config
-from segnode.node.engine_pool import EnginePool, engine_options
 from segnode.node.errors import SegnodeError
-from segnode.node.metrics import Metrics
-from segnode.node.notify import Notifier
-from segnode.node.retention import Retention
-from segnode.node.rules import (
+from segnode.node.ingest.scp import StoreSCP, record_from_file
+from segnode.node.ingest.senders import SenderBook, load_patterns, save_pattern
+from segnode.node.ingest.series import CompletionTracker
+from segnode.node.ingest.streaming import Arrival, StreamingAssembler
+from segnode.node.ops.metrics import Metrics
+from segnode.node.ops.notify import Notifier
+from segnode.node.ops.retention import Retention
+from segnode.node.outbox.scu import Dispatcher
+from segnode.node.pipeline.engine_pool import EnginePool, engine_options
+from segnode.node.pipeline.worker import Worker
+from segnode.node.routing.rules import (
     DEFAULT_MODEL_NAME,
     Decision,
     Router,
@@ -28,12 +34,6 @@ from segnode.node.rules import (
     read_facts,
     senders_from_peers,
 )
-from segnode.node.scp import StoreSCP, record_from_file
-from segnode.node.scu import Dispatcher
-from segnode.node.senders import SenderBook, load_patterns, save_pattern
-from segnode.node.series import CompletionTracker
-from segnode.node.streaming import Arrival, StreamingAssembler
-from segnode.node.worker import Worker
 from segnode.storage.ledger import Ledger, NewJob, utcnow
 from segnode.storage.spool import POOL_FILE_BYTES, Spool
 

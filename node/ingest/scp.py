@@ -1,7 +1,7 @@
 """The Storage SCP: accept, write, record, reply.
 
-The transport is :mod:`segnode.node.ul`, a blocking, non-polling Upper Layer acceptor (one thread
-per
+The transport is :mod:`segnode.node.dicom.ul`, a blocking, non-polling Upper Layer acceptor (one
+thread per
 association). The C-STORE handler follows pynetdicom's ``apps/common.py:handle_store`` shape:
 it never decodes pixels and never waits for inference. It validates the request, parses the
 elements before Pixel Data, writes the bytes as received to the spool atomically, records the
@@ -32,13 +32,11 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Verification,
 )
 
-from segnode.node import tls
 from segnode.node.config import Config, NodeConfig
-from segnode.node.guards import AccessPolicy, DiskGuard, SeriesBudget
-from segnode.node.header import Header, HeaderError, parse_header
-from segnode.node.series import CompletionTracker
-from segnode.node.streaming import Arrival
-from segnode.node.ul import (
+from segnode.node.dicom import tls
+from segnode.node.dicom.guards import AccessPolicy, DiskGuard, SeriesBudget
+from segnode.node.dicom.header import Header, HeaderError, parse_header
+from segnode.node.dicom.ul import (
     IMPLEMENTATION_CLASS_UID,
     IMPLEMENTATION_VERSION,
     Acceptor,
@@ -47,7 +45,9 @@ from segnode.node.ul import (
     StoreRequest,
     StoreResult,
 )
-from segnode.node.volume import CT_CLASSES
+from segnode.node.ingest.series import CompletionTracker
+from segnode.node.ingest.streaming import Arrival
+from segnode.node.ingest.volume import CT_CLASSES
 from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.spool import Spool, SpoolError, Staged, StagingFile, valid_uid
 
@@ -275,7 +275,8 @@ class StoreSCP:
             staging.abandon()
         self._ready.clear()
 
-    # -- association lifecycle (segnode.node.ul.Handlers) ------------------------------------------
+    # -- association lifecycle (segnode.node.dicom.ul.Handlers)
+    # ------------------------------------------
 
     def requested(self, info: AssociationInfo) -> tuple[int, int, int] | None:
         """A-ASSOCIATE-RQ received: check the calling AE (and host) and the disk floor.

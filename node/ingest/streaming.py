@@ -3,18 +3,19 @@
 The C-STORE handler stays write-record-reply: after the instance is durable it hands
 :meth:`StreamingAssembler.submit` a small :class:`Arrival` (no pixel data, nothing decoded) and
 answers. A bounded pool of threads then reads the spooled file (still in the page cache),
-decodes its pixels with the same code as :func:`segnode.node.volume.assemble_volume` and rescales
-them to HU straight into a slot of the series' in-memory slab. The same threads track the slice
-geometry (:class:`segnode.node.series.SeriesGeometry`) and report geometric completeness.
+decodes its pixels with the same code as :func:`segnode.node.ingest.volume.assemble_volume` and
+rescales them to HU straight into a slot of the series' in-memory slab. The same threads track the
+slice geometry (:class:`segnode.node.ingest.series.SeriesGeometry`) and report geometric
+completeness.
 
 When the worker starts a job it calls :meth:`StreamingAssembler.take` with the instance files
 the ledger lists for the series. If every one of them was decoded, the volume is built from
-the slab - sorted along the normal with :mod:`segnode.node.volume`'s own checks, so it is exactly
-the :class:`~segnode.node.volume.Volume` that ``assemble_volume`` returns - usually without copying
-the voxels (the slab is permuted in place when it was sized from Images in Acquisition).
-Anything else (a restart, an instance missing, a decode error, memory pressure) returns None
-and the worker assembles from the spool as before; an error is then reported by the canonical
-path with its usual message.
+the slab - sorted along the normal with :mod:`segnode.node.ingest.volume`'s own checks, so it is
+exactly the :class:`~segnode.node.ingest.volume.Volume` that ``assemble_volume`` returns - usually
+without copying the voxels (the slab is permuted in place when it was sized from Images in
+Acquisition). Anything else (a restart, an instance missing, a decode error, memory pressure)
+returns None and the worker assembles from the spool as before; an error is then reported by the
+canonical path with its usual message.
 
 Memory is bounded: slabs of all series together stay under ``streaming.max_memory_mb``; the
 least recently active series is spilled (its pixels dropped, so it falls back to the spool)
@@ -45,9 +46,8 @@ from pydicom.dataelem import DataElement
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import UID
 
-from segnode.node.parallel import map_blocks
-from segnode.node.series import SeriesGeometry, SeriesHints
-from segnode.node.volume import (
+from segnode.node.ingest.series import SeriesGeometry, SeriesHints
+from segnode.node.ingest.volume import (
     MIN_SLICES,
     Slice,
     Volume,
@@ -61,6 +61,7 @@ from segnode.node.volume import (
     sort_and_check,
     source_header,
 )
+from segnode.node.pipeline.parallel import map_blocks
 
 log = logging.getLogger(__name__)
 
@@ -552,7 +553,8 @@ class StreamingAssembler:
         return volume
 
     def _build(self, state: _Series, slot_of: list[int]) -> Volume:
-        """:func:`segnode.node.volume._assemble_single_frames` over decoded slots, same checks."""
+        """:func:`segnode.node.ingest.volume._assemble_single_frames` over decoded slots, same
+        checks."""
         headers = [state.headers[s] for s in slot_of]
         study = same_uid(headers, "StudyInstanceUID", "studies")
         series = same_uid(headers, "SeriesInstanceUID", "series")
@@ -575,7 +577,7 @@ def _gather(state: _Series, perm: list[int], pool: SlabPool) -> npt.NDArray[np.f
 
     A single full slab is permuted in place (no second copy of the volume); otherwise the
     slices are copied into a new array (blocks of slices on several threads,
-    :func:`segnode.node.parallel.map_blocks`) and the slabs go back to ``pool``.
+    :func:`segnode.node.pipeline.parallel.map_blocks`) and the slabs go back to ``pool``.
     """
     n, per = len(perm), state.slab_slices
     if len(state.slabs) == 1 and n == per and state.slabs[0] is not None:

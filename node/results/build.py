@@ -12,8 +12,9 @@
 * :func:`verify_seg` re-reads the encoded SEG and checks it reproduces the label map and
   geometry; run it before sending.
 
-The measurements come from :mod:`segnode.node.statistics`; :class:`segnode.node.sr_encode.SrPlan`
-writes the same SR as :func:`build_sr`, byte for byte, prepared before the label map exists.
+The measurements come from :mod:`segnode.node.results.statistics`;
+:class:`segnode.node.results.sr_encode.SrPlan` writes the same SR as :func:`build_sr`, byte for
+byte, prepared before the label map exists.
 
 All UIDs come from :class:`ResultUIDs` or are derived from them, so re-encoding the same
 result (after a crash) reproduces identical UIDs. A label map with no labelled voxel raises
@@ -58,11 +59,11 @@ from pydicom.uid import generate_uid
 from segnode.engines.manifest import LabelSpec, ModelManifest
 from segnode.node.errors import NoSegmentsError as NoSegmentsError
 from segnode.node.errors import ResultError as ResultError
-from segnode.node.statistics import SegmentStatistics as SegmentStatistics
-from segnode.node.statistics import label_counts, numbering
-from segnode.node.statistics import segment_numbers as segment_numbers
-from segnode.node.statistics import segment_statistics as segment_statistics
-from segnode.node.volume import Volume
+from segnode.node.ingest.volume import Volume
+from segnode.node.results.statistics import SegmentStatistics as SegmentStatistics
+from segnode.node.results.statistics import label_counts, numbering
+from segnode.node.results.statistics import segment_numbers as segment_numbers
+from segnode.node.results.statistics import segment_statistics as segment_statistics
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class ResultUIDs:
         return cls(*(str(generate_uid(prefix=None)) for _ in range(4)))
 
 
-#: The names build_seg and segnode.node.seg_encode use.
+#: The names build_seg and segnode.node.results.seg_encode use.
 _label_counts = label_counts
 _numbering = numbering
 
@@ -313,8 +314,8 @@ def build_sr(
     """Encode the segment measurements as a TID 1500 Comprehensive 3D SR.
 
     The worker's path to the same bytes in a few milliseconds, prepared before the labels
-    exist, is :class:`segnode.node.sr_encode.SrPlan`; this function is the reference it is tested
-    against.
+    exist, is :class:`segnode.node.results.sr_encode.SrPlan`; this function is the reference it is
+    tested against.
 
     Parameters
     ----------
