@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from segnode.node.errors import ConfigError
+from segnode.node.modelspec import DEFAULT_MODEL_NAME, SPEC_KEYS, ModelSpec, parse_model_spec
 from segnode.node.peers import ClientTLS, Peer, parse_peer
 from segnode.node.peers import ae_title as _ae
 from segnode.node.peers import port as _port
@@ -209,14 +210,12 @@ ENGINE_LOAD_MODES = ("background", "before")
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """``[model]``: which model runs on which backend."""
+class ModelConfig(ModelSpec):
+    """``[model]``: the default model (a :class:`~segnode.node.modelspec.ModelSpec` named
+    ``"default"``) and when its engine loads."""
 
+    name: str = DEFAULT_MODEL_NAME
     manifest: Path = DEFAULT_MODEL
-    engine: str = "onnxruntime"
-    threads: int = 0
-    precision: str = "fp32"
-    compile: bool = False
     #: "background" (listen at once; jobs wait until the engine is loaded) or "before" (listen
     #: only once the engine is loaded).
     load: str = "background"
@@ -442,17 +441,12 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         completion=_str(s.get("completion", "auto"), "series.completion", COMPLETION_MODES),
         senders=_senders(s.get("senders", [])),
     )
-    m = _table(raw, "model", set(ModelConfig.__dataclass_fields__))
+    m = _table(raw, "model", {*SPEC_KEYS, "load"})
+    spec = parse_model_spec(DEFAULT_MODEL_NAME, m, "model", path, default_manifest=d.model.manifest)
     model = ModelConfig(
-        manifest=path(m["manifest"], "model.manifest") if "manifest" in m else d.model.manifest,
-        engine=_str(m.get("engine", d.model.engine), "model.engine"),
-        threads=_int(m.get("threads", 0), "model.threads", 0, 256),
-        precision=_str(m.get("precision", "fp32"), "model.precision", ("fp32", "fp16")),
-        compile=_bool(m.get("compile", False), "model.compile"),
+        **{f: getattr(spec, f) for f in ModelSpec.__dataclass_fields__},
         load=_str(m.get("load", d.model.load), "model.load", ENGINE_LOAD_MODES),
     )
-    if not model.manifest.exists():
-        raise ConfigError(f"model.manifest: file not found: {model.manifest}")
     t = _table(raw, "dispatch", set(DispatchConfig.__dataclass_fields__))
     dests = t.get("destinations", [])
     if not isinstance(dests, list):

@@ -75,3 +75,23 @@ def test_results_segmentation_type() -> None:
         from_dict({"results": {"segmentation_type": "FRACTIONAL"}})
     with pytest.raises(ConfigError, match="results"):
         from_dict({"results": {"segmentation": "BINARY"}})
+
+
+def test_one_model_type_for_model_and_models(tmp_path: Path) -> None:
+    """``[model]`` and ``[models.NAME]`` are the same type (ModelSpec; [model] adds ``load``),
+    validated by one function: the same bad value gives the same message under either."""
+    from segnode.node.modelspec import ModelSpec
+    from segnode.node.routing.rules import model_specs
+
+    config = from_dict({})
+    assert isinstance(config.model, ModelSpec) and config.model.name == "default"
+    assert model_specs(config)[0] is config.model
+    manifest = str(config.model.manifest)
+    for field, bad in (("threads", 999), ("precision", "fp8"), ("compile", "yes")):
+        with pytest.raises(ConfigError) as default:
+            from_dict({"model": {field: bad}})
+        with pytest.raises(ConfigError) as named:
+            from_dict({"models": {"ct": {"manifest": manifest, field: bad}}})
+        assert str(default.value).replace("model.", "X.", 1) == str(named.value).replace(
+            "models.ct.", "X.", 1
+        )

@@ -68,6 +68,10 @@ from pydicom.uid import UID
 
 from segnode.node.errors import ConfigError
 from segnode.node.ingest.volume import CT_CLASSES
+from segnode.node.modelspec import (
+    DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME,
+)
+from segnode.node.modelspec import SPEC_KEYS, ModelSpec, parse_model_spec
 from segnode.node.peers import Peer, ae_title
 from segnode.node.routing.destinations import (
     SENDER,
@@ -82,7 +86,6 @@ if TYPE_CHECKING:
     from segnode.node.config import Config
 
 ROUTING_MODES = ("first", "all")
-DEFAULT_MODEL_NAME = "default"
 DEFAULT_SKIP_IMAGE_TYPES = ("LOCALIZER", "DERIVED", "SECONDARY")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
 _RULE_KEYS = {
@@ -103,18 +106,6 @@ _RULE_KEYS = {
     "priority",
     "ignore",
 }
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """``[models.NAME]`` (or ``[model]``, named ``"default"``): a model and its backend."""
-
-    name: str
-    manifest: Path
-    engine: str = "onnxruntime"
-    threads: int = 0
-    precision: str = "fp32"
-    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -345,29 +336,10 @@ def _parse_models(raw: Any, path: PathFn) -> tuple[ModelSpec, ...]:
             raise ConfigError(f'{key}: the name "default" is the [model] table; pick another')
         if not isinstance(t, dict):
             raise ConfigError(f"{key}: must be a table")
-        unknown = set(t) - {"manifest", "engine", "threads", "precision", "compile"}
+        unknown = set(t) - set(SPEC_KEYS)
         if unknown:
             raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
-        if "manifest" not in t:
-            raise ConfigError(f"{key}.manifest: missing (the model's JSON manifest)")
-        manifest = path(t["manifest"], f"{key}.manifest")
-        if not manifest.exists():
-            raise ConfigError(f"{key}.manifest: file not found: {manifest}")
-        engine = t.get("engine", "onnxruntime")
-        if engine not in available_backends():
-            raise ConfigError(
-                f"{key}.engine: must be one of {', '.join(available_backends())}, got {engine!r}"
-            )
-        threads = t.get("threads", 0)
-        if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= 256:
-            raise ConfigError(f"{key}.threads: must be an integer in [0, 256], got {threads!r}")
-        precision = t.get("precision", "fp32")
-        if precision not in ("fp32", "fp16"):
-            raise ConfigError(f"{key}.precision: must be fp32 or fp16, got {precision!r}")
-        compile_ = t.get("compile", False)
-        if not isinstance(compile_, bool):
-            raise ConfigError(f"{key}.compile: must be true or false, got {compile_!r}")
-        out.append(ModelSpec(name, manifest, engine, threads, precision, compile_))
+        out.append(parse_model_spec(name, t, key, path, engines=available_backends()))
     return tuple(out)
 
 
@@ -591,9 +563,7 @@ class Router:
 
 def model_specs(config: Config) -> tuple[ModelSpec, ...]:
     """Every configured model: ``[model]`` as ``"default"``, then ``[models.NAME]``."""
-    m = config.model
-    default = ModelSpec(DEFAULT_MODEL_NAME, m.manifest, m.engine, m.threads, m.precision, m.compile)
-    return (default, *config.routing.models)
+    return (config.model, *config.routing.models)
 
 
 def senders_from_peers(peers: Iterable[Any]) -> dict[str, Peer]:

@@ -1,0 +1,89 @@
+"""A model and the backend that runs it: ``[model]`` and ``[models.NAME]`` of the configuration.
+
+This module owns the :class:`ModelSpec` type and the validation of a model table's keys, shared
+by :mod:`segnode.node.config` (``[model]``, the default model) and
+:mod:`segnode.node.routing.rules` (``[models.NAME]``). It imports nothing of the node but its
+errors, so that those two do not import each other to share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from segnode.node.errors import ConfigError
+
+DEFAULT_MODEL_NAME = "default"
+"""The name of ``[model]`` among the configured models."""
+
+SPEC_KEYS = ("manifest", "engine", "threads", "precision", "compile")
+"""The keys of a model table (``[model]`` adds ``load``)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``[models.NAME]`` (or ``[model]``, named ``"default"``): a model and its backend."""
+
+    name: str
+    manifest: Path
+    engine: str = "onnxruntime"
+    threads: int = 0
+    precision: str = "fp32"
+    compile: bool = False
+
+
+def parse_model_spec(
+    name: str,
+    table: Mapping[str, Any],
+    key: str,
+    path: Callable[[Any, str], Path],
+    *,
+    default_manifest: Path | None = None,
+    engines: Sequence[str] | None = None,
+) -> ModelSpec:
+    """The :class:`ModelSpec` of one model table (its keys among :data:`SPEC_KEYS`).
+
+    Parameters
+    ----------
+    name
+        The model's name.
+    table
+        The table's values.
+    key
+        The table's name in error messages (``"model"``, ``"models.NAME"``).
+    path
+        Resolves a path value relative to the configuration file.
+    default_manifest
+        The manifest when the table names none; ``None``: ``manifest`` is required.
+    engines
+        The backends ``engine`` may name; ``None``: any string (checked when the engine loads).
+
+    Raises
+    ------
+    ConfigError
+        A value is missing, of the wrong type or out of range; the message names the key.
+    """
+    if "manifest" in table:
+        manifest = path(table["manifest"], f"{key}.manifest")
+    elif default_manifest is not None:
+        manifest = default_manifest
+    else:
+        raise ConfigError(f"{key}.manifest: missing (the model's JSON manifest)")
+    if not manifest.exists():
+        raise ConfigError(f"{key}.manifest: file not found: {manifest}")
+    engine = table.get("engine", "onnxruntime")
+    if not isinstance(engine, str) or (engines is not None and engine not in engines):
+        choices = f"one of {', '.join(engines)}" if engines is not None else "a backend name"
+        raise ConfigError(f"{key}.engine: must be {choices}, got {engine!r}")
+    threads = table.get("threads", 0)
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= 256:
+        raise ConfigError(f"{key}.threads: must be an integer in [0, 256], got {threads!r}")
+    precision = table.get("precision", "fp32")
+    if precision not in ("fp32", "fp16"):
+        raise ConfigError(f"{key}.precision: must be fp32 or fp16, got {precision!r}")
+    compile_ = table.get("compile", False)
+    if not isinstance(compile_, bool):
+        raise ConfigError(f"{key}.compile: must be true or false, got {compile_!r}")
+    return ModelSpec(name, manifest, engine, threads, precision, compile_)
