@@ -108,6 +108,42 @@ def inline_initializer_identities(model: Any) -> Any:
     return model
 
 
+def fold_initializer_casts(model: Any) -> Any:
+    """Replace ``Cast`` nodes fed by an initializer with the cast initializer.
+
+    A model may store its weights in float16 and cast them to float32 in the graph (to halve
+    its size, as ``scripts/onnx_fp16_storage.py`` does); converted as is, the casts would pin
+    the weights to float32 and an FP16 engine would feed half inputs to float weights. Folded,
+    the weights are plain float32 initializers that ``.half()`` converts like any other.
+    Returns ``model``, changed in place.
+    """
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    keep = []
+    for node in graph.node:
+        if node.op_type == "Cast" and node.input[0] in inits and node.output[0] not in outputs:
+            to = next(a.i for a in node.attribute if a.name == "to")
+            value = numpy_helper.to_array(inits[node.input[0]])
+            folded = numpy_helper.from_array(
+                value.astype(helper.tensor_dtype_to_np_dtype(to)), node.output[0]
+            )
+            graph.initializer.append(folded)
+            inits[folded.name] = folded
+        else:
+            keep.append(node)
+    if len(keep) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(keep)
+        used = {name for node in graph.node for name in node.input} | outputs
+        unused = [t for t in graph.initializer if t.name not in used]
+        for t in unused:
+            graph.initializer.remove(t)
+    return model
+
+
 def convert_onnx(path: Any) -> Any:
     """Convert the ONNX file at ``path`` to a ``torch.nn.Module`` (on the CPU, float32).
 
@@ -127,7 +163,7 @@ def convert_onnx(path: Any) -> Any:
         raise EngineError(
             f"the torch engine needs onnx2torch (pip install onnx2torch): {exc}"
         ) from exc
-    model = inline_initializer_identities(onnx.load(str(path)))
+    model = fold_initializer_casts(inline_initializer_identities(onnx.load(str(path))))
     try:
         return convert(model)
     except NotImplementedError as first:
