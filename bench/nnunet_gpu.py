@@ -40,7 +40,6 @@ import platform
 import shutil
 import statistics
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -49,20 +48,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from scripts.nnunet_phantom import LABELS, Anatomy, Grid, oracle_cases, sample, write_nifti
+from scripts.make_nnunet_trained import trained_model_folder
+from scripts.nnunet_phantom import LABELS, Anatomy, Grid, dice, oracle_cases, sample, write_nifti
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "data" / "nnunet_trained_golden.npz"
 FOLDS = (0, 1)
 FULL_FEATURES = [32, 64, 128, 256, 320, 320]
 FULL_PATCH = [128, 128, 128]
-
-
-def dice(a: npt.NDArray[Any], b: npt.NDArray[Any], label: int) -> float:
-    """Dice of one label (1.0 when neither has it)."""
-    x, y = a == label, b == label
-    total = int(x.sum()) + int(y.sum())
-    return 1.0 if total == 0 else 2.0 * int((x & y).sum()) / total
 
 
 def agreement(got: npt.NDArray[Any], want: npt.NDArray[Any]) -> dict[str, float]:
@@ -73,24 +66,6 @@ def agreement(got: npt.NDArray[Any], want: npt.NDArray[Any]) -> dict[str, float]
 
 
 # --------------------------------------------------------------------------- the models
-
-
-def model_folder(model: Path | None, work: Path) -> Path:
-    """The trained-model folder (``.../nnUNetTrainer__nnUNetPlansTiny__3d_fullres``)."""
-    if model is None:
-        from scripts import make_nnunet_trained  # noqa: PLC0415
-
-        out = work / "trained"
-        make_nnunet_trained.main(["--out", str(out), "--work", str(work / "train")])
-        model = out / "nnunet_phantom_model.tar.gz"
-    if model.is_file():
-        with tarfile.open(model) as tar:
-            tar.extractall(work / "model", filter="data")
-        model = work / "model"
-    found = sorted(p.parent for p in model.rglob("plans.json") if (p.parent / "fold_0").is_dir())
-    if not found:
-        raise SystemExit(f"{model}: no nnU-Net trained-model folder (plans.json, fold_0/)")
-    return found[0]
 
 
 def full_size_folder(tiny: Path, work: Path) -> Path:
@@ -295,12 +270,9 @@ def run_speed(
     import torch  # noqa: PLC0415
 
     from segnode.engines.manifest import load_manifest  # noqa: PLC0415
-    from segnode.engines.preprocess.orientation import Geometry  # noqa: PLC0415
     from segnode.engines.trained import segment_trained  # noqa: PLC0415
 
-    row_dir, col_dir, normal = grid.directions
-    positions = [grid.origin + k * grid.slice * normal for k in range(grid.slices)]
-    geometry = Geometry.from_image_plane(row_dir, col_dir, positions, (grid.pixel, grid.pixel))
+    geometry = plane_geometry(grid, grid.slices)
     hu32 = hu.astype(np.float32)
     nifti = work / f"speed_{grid.slices}_0000.nii.gz"
     if not nifti.is_file():
@@ -326,7 +298,7 @@ def run_speed(
 
         manifest = load_manifest(manifests[mirroring])
         engine = torch_engine(manifests[mirroring], "fp16")
-        segment_trained(engine, manifest, hu32[:64], _head(geometry, grid))  # warm-up
+        segment_trained(engine, manifest, hu32[:64], plane_geometry(grid, 64))  # warm-up
         ours_times = []
         for _ in range(repeats):
             torch.cuda.synchronize()
@@ -349,12 +321,12 @@ def run_speed(
     return out
 
 
-def _head(geometry: Any, grid: Grid) -> Any:
-    """Geometry of the first 64 slices (warm-up)."""
+def plane_geometry(grid: Grid, slices: int) -> Any:
+    """Geometry of the first ``slices`` slices of ``grid`` (as the node reads a series)."""
     from segnode.engines.preprocess.orientation import Geometry  # noqa: PLC0415
 
     row_dir, col_dir, normal = grid.directions
-    positions = [grid.origin + k * grid.slice * normal for k in range(64)]
+    positions = [grid.origin + k * grid.slice * normal for k in range(slices)]
     return Geometry.from_image_plane(row_dir, col_dir, positions, (grid.pixel, grid.pixel))
 
 
@@ -459,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     parts = set(args.parts.split(","))
     result: dict[str, Any] = {"environment": environment(), "speed": []}
-    tiny = model_folder(args.model, work)
+    tiny = trained_model_folder(args.model, work)
     print(f"model: {tiny}")
     manifest, plain, seconds = import_folder(tiny, work / "imported" / "tiny", "phantom")
     result["import_tiny_s"] = round(seconds, 1)

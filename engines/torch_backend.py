@@ -77,69 +77,41 @@ def _import_torch() -> Any:
     return torch
 
 
-def inline_initializer_identities(model: Any) -> Any:
-    """Replace ``Identity`` nodes fed by an initializer with a copy of that initializer.
+def fold_initializer_nodes(model: Any) -> Any:
+    """Turn ``Identity`` and ``Cast`` nodes fed by an initializer into initializers.
 
-    ONNX exporters deduplicate equal weights (for example the all-zero biases of an untrained
-    or freshly initialised network) into one initializer read through ``Identity`` nodes;
-    onnx2torch expects a convolution's weight and bias to be initializers. Returns ``model``,
-    changed in place.
-    """
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    outputs = {o.name for o in graph.output}
-    keep = []
-    for node in graph.node:
-        if (
-            node.op_type == "Identity"
-            and node.input[0] in inits
-            and node.output[0] not in outputs
-            and node.output[0] not in inits
-        ):
-            copy = graph.initializer.add()
-            copy.CopyFrom(inits[node.input[0]])
-            copy.name = node.output[0]
-            inits[copy.name] = copy
-        else:
-            keep.append(node)
-    if len(keep) != len(graph.node):
-        del graph.node[:]
-        graph.node.extend(keep)
-    return model
-
-
-def fold_initializer_casts(model: Any) -> Any:
-    """Replace ``Cast`` nodes fed by an initializer with the cast initializer.
-
-    A model may store its weights in float16 and cast them to float32 in the graph (to halve
-    its size, as ``scripts/onnx_fp16_storage.py`` does); converted as is, the casts would pin
-    the weights to float32 and an FP16 engine would feed half inputs to float weights. Folded,
-    the weights are plain float32 initializers that ``.half()`` converts like any other.
-    Returns ``model``, changed in place.
+    onnx2torch wants a convolution's weight and bias as initializers, but exporters and
+    storage tricks put nodes in between: deduplicated equal weights (the all-zero biases of a
+    freshly initialised network) are read through ``Identity``, and weights stored in float16
+    (``scripts/onnx_fp16_storage.py``) are cast to float32 in the graph, which would also pin
+    them to float32 against an FP16 engine's half inputs. Each such node becomes an
+    initializer of its output's name (copied, or cast), and the stored originals of cast
+    weights that no node reads any more are dropped. Returns ``model``, changed in place.
     """
     from onnx import helper, numpy_helper
 
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     outputs = {o.name for o in graph.output}
-    keep = []
+    keep, cast_sources = [], set()
     for node in graph.node:
-        if node.op_type == "Cast" and node.input[0] in inits and node.output[0] not in outputs:
-            to = next(a.i for a in node.attribute if a.name == "to")
-            value = numpy_helper.to_array(inits[node.input[0]])
-            folded = numpy_helper.from_array(
-                value.astype(helper.tensor_dtype_to_np_dtype(to)), node.output[0]
-            )
-            graph.initializer.append(folded)
-            inits[folded.name] = folded
-        else:
+        source, out = node.input[0] if node.input else "", node.output[0]
+        if node.op_type not in ("Identity", "Cast") or source not in inits or out in outputs:
             keep.append(node)
+            continue
+        value = numpy_helper.to_array(inits[source])
+        if node.op_type == "Cast":
+            to = next(a.i for a in node.attribute if a.name == "to")
+            value = value.astype(helper.tensor_dtype_to_np_dtype(to))
+            cast_sources.add(source)
+        folded = numpy_helper.from_array(value, out)
+        graph.initializer.append(folded)
+        inits[out] = folded
     if len(keep) != len(graph.node):
         del graph.node[:]
         graph.node.extend(keep)
         used = {name for node in graph.node for name in node.input} | outputs
-        unused = [t for t in graph.initializer if t.name not in used]
-        for t in unused:
+        for t in [t for t in graph.initializer if t.name in cast_sources - used]:
             graph.initializer.remove(t)
     return model
 
@@ -163,7 +135,7 @@ def convert_onnx(path: Any) -> Any:
         raise EngineError(
             f"the torch engine needs onnx2torch (pip install onnx2torch): {exc}"
         ) from exc
-    model = fold_initializer_casts(inline_initializer_identities(onnx.load(str(path))))
+    model = fold_initializer_nodes(onnx.load(str(path)))
     try:
         return convert(model)
     except NotImplementedError as first:

@@ -53,6 +53,7 @@ from scripts.nnunet_phantom import (
     LABELS,
     Anatomy,
     Grid,
+    dice,
     oracle_cases,
     sample,
     write_nifti,
@@ -70,11 +71,22 @@ ITERATIONS_PER_EPOCH = 50
 the model trains in minutes on a CPU; the phantom's structures are learnt long before that."""
 
 
-def dice(a: np.ndarray, b: np.ndarray, label: int) -> float:
-    """Dice of ``label`` between two label maps (1.0 when both lack it)."""
-    x, y = a == label, b == label
-    total = int(x.sum()) + int(y.sum())
-    return 1.0 if total == 0 else 2.0 * int((x & y).sum()) / total
+def trained_model_folder(model: Path | None, work: Path) -> Path:
+    """The trained-model folder (``.../nnUNetTrainer__nnUNetPlansTiny__3d_fullres``) of
+    ``model``: the ``nnunet_phantom_model.tar.gz`` this script writes (extracted into
+    ``work``), a folder holding it, or ``None`` to train it now (into ``work``)."""
+    if model is None:
+        out = work / "trained"
+        main(["--out", str(out), "--work", str(work / "train")])
+        model = out / "nnunet_phantom_model.tar.gz"
+    if model.is_file():
+        with tarfile.open(model) as tar:
+            tar.extractall(work / "model", filter="data")
+        model = work / "model"
+    found = sorted(p.parent for p in model.rglob("plans.json") if (p.parent / "fold_0").is_dir())
+    if not found:
+        raise SystemExit(f"{model}: no nnU-Net trained-model folder (plans.json, fold_0/)")
+    return found[0]
 
 
 def write_dataset(raw: Path, cases: int, seed: int) -> None:

@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import sys
-import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from scripts.nnunet_phantom import oracle_cases, sample, write_dicom_case, write_nifti
+from scripts.make_nnunet_trained import trained_model_folder
+from scripts.nnunet_phantom import dice, oracle_cases, sample, write_dicom_case, write_nifti
 
 PERMUTATIONS = ([0, 1, 2, 3], [0, 2, 3, 1], [0, 3, 1, 2], [0, 2, 1, 3], [0, 3, 2, 1])
 """Per part (291..295): new output channel ``j`` is the phantom model's channel ``perm[j]``."""
@@ -74,12 +74,6 @@ def permuted_onnx(src: Path, dst: Path, perm: list[int]) -> None:
     onnx.save(model, str(dst))
 
 
-def dice(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> float:
-    """Dice of two boolean masks (1.0 when both are empty)."""
-    total = int(a.sum()) + int(b.sum())
-    return 1.0 if total == 0 else 2.0 * int((a & b).sum()) / total
-
-
 def by_name(labels: npt.NDArray[Any], names: dict[int, str]) -> dict[str, npt.NDArray[np.bool_]]:
     """Masks of every named structure present in ``labels``."""
     return {names[int(v)]: labels == v for v in np.unique(labels) if int(v) in names}
@@ -95,7 +89,7 @@ def compare(
     a, b = by_name(ours, our_names), by_name(theirs, their_names)
     empty = np.zeros(ours.shape, dtype=bool)
     return {
-        name: round(dice(a.get(name, empty), b.get(name, empty)), 5)
+        name: round(dice(a.get(name, empty), b.get(name, empty), True), 5)
         for name in sorted(set(a) | set(b))
     }
 
@@ -167,14 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             {"totalseg_id": "segnode-oracle", "send_usage_stats": False, "prediction_counter": 0}
         )  # fmt: skip
     )
-    model = args.model
-    if model.is_file():
-        with tarfile.open(model) as tar:
-            tar.extractall(work / "model", filter="data")
-        model = work / "model"
-    model_dir = next(
-        p.parent for p in sorted(model.rglob("plans.json")) if (p.parent / "fold_0").is_dir()
-    )
+    model_dir = trained_model_folder(args.model, work)
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()

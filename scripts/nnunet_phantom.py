@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -159,6 +160,14 @@ def sample(grid: Grid, anatomy: Anatomy) -> tuple[npt.NDArray[np.int16], npt.NDA
     rng = np.random.default_rng(anatomy.seed)
     hu += rng.normal(0.0, anatomy.noise_hu, size=hu.shape)
     return np.clip(np.rint(hu), -1024, 3071).astype(np.int16), labels
+
+
+def dice(a: npt.NDArray[Any], b: npt.NDArray[Any], label: Any) -> float:
+    """Dice of ``label`` between two label maps (1.0 when both lack it); ``label=True`` on
+    two boolean masks compares the masks."""
+    x, y = a == label, b == label
+    total = int(x.sum()) + int(y.sum())
+    return 1.0 if total == 0 else 2.0 * int((x & y).sum()) / total
 
 
 def write_nifti(path: str, grid: Grid, array: npt.NDArray[np.generic]) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from scripts.nnunet_phantom import LABELS, oracle_cases, write_dicom_case
+from scripts.nnunet_phantom import LABELS, dice, oracle_cases, write_dicom_case
 from segnode.engines.manifest import ModelManifest, load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.engines.preprocess.orientation import Geometry
@@ -41,13 +41,6 @@ pytestmark = pytest.mark.skipif(
     reason="the trained phantom model or its golden file is missing "
     "(python -m scripts.make_nnunet_trained, then segnode model import nnunet)",
 )
-
-
-def dice(a: npt.NDArray[Any], b: npt.NDArray[Any], label: int) -> float:
-    """Dice of one label (1.0 when neither has it)."""
-    x, y = a == label, b == label
-    total = int(x.sum()) + int(y.sum())
-    return 1.0 if total == 0 else 2.0 * int((x & y).sum()) / total
 
 
 @pytest.fixture(scope="module")

@@ -726,7 +726,7 @@ def test_identity_fed_weights_become_initializers() -> None:
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from segnode.engines.torch_backend import inline_initializer_identities
+    from segnode.engines.torch_backend import fold_initializer_nodes
 
     rng = np.random.default_rng(2)
     weight = numpy_helper.from_array(rng.standard_normal((2, 1, 3, 3, 3)).astype(np.float32), "w")
@@ -745,7 +745,7 @@ def test_identity_fed_weights_become_initializers() -> None:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     before = model.SerializeToString()
-    fixed = inline_initializer_identities(model)
+    fixed = fold_initializer_nodes(model)
     onnx.checker.check_model(fixed)
     assert [n.op_type for n in fixed.graph.node] == ["Conv"]
     assert {"b1", "b2"} <= {t.name for t in fixed.graph.initializer}
@@ -763,7 +763,7 @@ def test_cast_weights_become_float32_initializers() -> None:
     import onnx
     import onnxruntime as ort
 
-    from segnode.engines.torch_backend import fold_initializer_casts
+    from segnode.engines.torch_backend import fold_initializer_nodes
 
     path = Path(__file__).resolve().parent / "data" / "nnunet_phantom" / "fold_0.onnx"
     if not path.is_file():
@@ -771,7 +771,7 @@ def test_cast_weights_become_float32_initializers() -> None:
     model = onnx.load(str(path))
     assert any(n.op_type == "Cast" for n in model.graph.node)
     before = model.SerializeToString()
-    folded = fold_initializer_casts(model)
+    folded = fold_initializer_nodes(model)
     onnx.checker.check_model(folded)
     assert not any(n.op_type == "Cast" for n in folded.graph.node)
     used = {name for n in folded.graph.node for name in n.input}
