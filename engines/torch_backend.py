@@ -38,8 +38,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -184,6 +186,12 @@ class TorchEngine:
         restored) or ``"aoti"`` (AOTInductor package, test-run in a child process when
         built; falls back to ``"inductor"`` when the model cannot be exported or the package
         fails its test run). See :mod:`segnode.engines.torch_compile`.
+    eager_while_compiling
+        With ``compile=True`` and a ``cache_dir``: :meth:`load` returns as soon as the
+        model runs eagerly (seconds) and the compiled predictor is loaded, or built, on a
+        background thread (``segnode-torch-compile``); each segmentation that starts after
+        it is ready uses it (a job never switches predictors half-way). Off: :meth:`load`
+        returns only with the compiled predictor (``segnode engine build``, benchmarks).
 
     Attributes
     ----------
@@ -192,7 +200,11 @@ class TorchEngine:
     load_info
         How :meth:`load` got its predictor: ``compiled`` (``"aoti"``, ``"inductor"``,
         ``"jit"`` or ``""`` for eager), ``cache_hit``, ``artefact`` (path),
-        ``build_seconds``, ``convert_seconds``.
+        ``build_seconds``, ``convert_seconds``; with ``eager_while_compiling``,
+        ``compiled_after_seconds`` once the compiled predictor is in use.
+    compiled_ready
+        Set when the background compilation has ended (in use from the next segmentation,
+        or failed: the engine then stays eager); set at once without one.
     """
 
     name = "torch"
@@ -210,6 +222,7 @@ class TorchEngine:
         compile_mode: str = "default",
         cache_dir: str | Path | None = None,
         compile_cache: str = "inductor",
+        eager_while_compiling: bool = False,
     ) -> None:
         if precision not in ("fp16", "fp32"):
             raise EngineError(f"precision must be fp16 or fp32, not {precision!r}")
@@ -227,6 +240,11 @@ class TorchEngine:
         self.compile_mode = compile_mode
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.compile_cache = compile_cache
+        self.eager_while_compiling = eager_while_compiling
+        self.compiled_ready = threading.Event()
+        self.compiled_ready.set()
+        self._compiling: Future[Any] | None = None
+        self._load_started = 0.0
         self.load_seconds = 0.0
         self.load_info: dict[str, Any] = {}
         self.manifest: ModelManifest | None = None
@@ -287,6 +305,7 @@ class TorchEngine:
                     compile_mode=self.compile_mode,
                     cache_dir=self.cache_dir,
                     compile_cache=self.compile_cache,
+                    eager_while_compiling=self.eager_while_compiling,
                 )
                 fold._load_single(unit)
                 folds.append(fold)
@@ -346,11 +365,23 @@ class TorchEngine:
         if self.channels_last is None:
             self.channels_last = dev.type == "cuda" and self.compile
         self._graphs = {}
+        self._compiling = None
+        self.compiled_ready.set()
         self.load_info = {"compiled": "", "cache_hit": False}
         batch = self._batch = self.batch_size or default_batch(manifest, dev.type == "cuda")
         zeros = torch.zeros((batch, 1, *manifest.patch_size), device=dev)
+        self._load_started = started
         try:
-            if self.compile and self.cache_dir is not None:
+            if self.compile and self.cache_dir is not None and self.eager_while_compiling:
+                self._fn = self._module_on_device()
+                try:
+                    self._predict(zeros)
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except Exception as exc:
+                    raise EngineError(f"{manifest.name} does not run under torch: {exc}") from exc
+                self._start_compiling(self._prepare(zeros))
+            elif self.compile and self.cache_dir is not None:
                 self._fn = self._compile_cached(self._prepare(zeros))
             if self._fn is None:
                 module = self._module_on_device()
@@ -373,6 +404,8 @@ class TorchEngine:
             batch,
             f", compiled ({info['compiled']}{', cached' if info['cache_hit'] else ''})"
             if info["compiled"]
+            else ", eager while compiling"
+            if self._compiling is not None
             else "",
             ", CUDA graphs" if self.cuda_graphs else "",
             self.load_seconds,
@@ -420,38 +453,52 @@ class TorchEngine:
         if self._dev.type == "cuda":
             self._torch.cuda.synchronize(self._dev)
 
-    def _compile_cached(self, example: Any) -> Callable[[Any], Any] | None:
-        """The predictor from the compiled-artefact cache (built on a miss), or None (with a
-        warning) when nothing can be compiled: the caller then runs the model eagerly."""
+    def _compiled(self, example: Any) -> Any:
+        """The :class:`segnode.engines.torch_compile.Compiled` predictor from the artefact
+        cache (built on a miss); raises when nothing can be compiled. Changes nothing of the
+        engine, so that it can run on the background thread."""
         from segnode.engines.torch_cache import SUBDIR, TorchCache
         from segnode.engines.torch_compile import compile_cached, runtime_facts
 
         assert self.manifest is not None and self.cache_dir is not None
+        return compile_cached(
+            self._torch,
+            self._module_on_device,
+            example,
+            lambda fn: self._run_once(fn, example),
+            cache=TorchCache(self.cache_dir / SUBDIR),
+            manifest=self.manifest,
+            facts=runtime_facts(self._torch, self._dev),
+            precision="fp16" if self._dtype == self._torch.float16 else "fp32",
+            channels_last=bool(self.channels_last),
+            compile_mode=self.compile_mode,
+            kind=self.compile_cache,
+        )
+
+    def _compile_cached(self, example: Any) -> Callable[[Any], Any] | None:
+        """The predictor from the compiled-artefact cache (built on a miss), or None (with a
+        warning) when nothing can be compiled: the caller then runs the model eagerly."""
         try:
-            compiled = compile_cached(
-                self._torch,
-                self._module_on_device,
-                example,
-                lambda fn: self._run_once(fn, example),
-                cache=TorchCache(self.cache_dir / SUBDIR),
-                manifest=self.manifest,
-                facts=runtime_facts(self._torch, self._dev),
-                precision="fp16" if self._dtype == self._torch.float16 else "fp32",
-                channels_last=bool(self.channels_last),
-                compile_mode=self.compile_mode,
-                kind=self.compile_cache,
-            )
+            compiled = self._compiled(example)
         except self._torch.cuda.OutOfMemoryError:
             raise
         except Exception as exc:
-            logger.warning(
-                "no compiled artefact for %s (%s: %s); running eagerly",
-                self.manifest.name,
-                type(exc).__name__,
-                exc,
-            )
-            self.compile = False
+            self._compile_failed(exc)
             return None
+        self._record_compiled(compiled)
+        return compiled.fn  # type: ignore[no-any-return]
+
+    def _compile_failed(self, exc: BaseException) -> None:
+        assert self.manifest is not None
+        logger.warning(
+            "no compiled artefact for %s (%s: %s); running eagerly",
+            self.manifest.name,
+            type(exc).__name__,
+            exc,
+        )
+        self.compile = False
+
+    def _record_compiled(self, compiled: Any) -> None:
         loaded = compiled.loaded
         self.load_info.update(
             compiled=compiled.kind,
@@ -460,7 +507,69 @@ class TorchEngine:
             build_seconds=round(loaded.build_seconds, 3),
             artefact_load_seconds=round(loaded.load_seconds, 3),
         )
-        return compiled.fn
+
+    def _start_compiling(self, example: Any) -> None:
+        """Load or build the compiled predictor on a background thread (see
+        ``eager_while_compiling``); :meth:`_adopt_compiled` puts it in use."""
+        assert self.manifest is not None
+        name = self.manifest.name
+        self.compiled_ready.clear()
+        future: Future[Any] = Future()
+        started = self._load_started
+
+        def run() -> None:
+            try:
+                if self._dev.type == "cuda":
+                    self._torch.cuda.set_device(self._dev)
+                future.set_result(self._compiled(example))
+                logger.info(
+                    "compiled model for %s ready %.1f s after the load began; in use from "
+                    "the next job",
+                    name,
+                    time.perf_counter() - started,
+                )
+            except BaseException as exc:
+                future.set_exception(exc)
+            finally:
+                self.compiled_ready.set()
+
+        self._compiling = future
+        threading.Thread(target=run, name="segnode-torch-compile", daemon=True).start()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until every background compilation (each fold's) has ended; False on
+        timeout. The compiled predictors are used from the next segmentation."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for engine in self.fold_engines or [self]:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not engine.compiled_ready.wait(left):
+                return False
+        return True
+
+    def _adopt_compiled(self) -> None:
+        """Between segmentations: put a compiled predictor that became ready in use."""
+        future = self._compiling
+        if future is None or not future.done():
+            return
+        self._compiling = None
+        try:
+            compiled = future.result()
+        except Exception as exc:
+            self._compile_failed(exc)
+            self.load_info["compiled"] = ""
+            return
+        self._record_compiled(compiled)
+        self._fn = compiled.fn
+        seconds = round(time.perf_counter() - self._load_started, 3)
+        self.load_info["compiled_after_seconds"] = seconds
+        assert self.manifest is not None
+        logger.info(
+            "compiled model for %s in use (%s%s), %.1f s after the load began",
+            self.manifest.name,
+            compiled.kind,
+            ", cached" if compiled.loaded.hit else "",
+            seconds,
+        )
 
     def _prepare(self, patches: Any) -> Any:
         x = patches.to(device=self._dev, dtype=self._dtype)
@@ -513,6 +622,7 @@ class TorchEngine:
 
     def predict(self, patches: Any) -> Any:
         """Public form of the predictor the sliding window calls (for benchmarks)."""
+        self._adopt_compiled()
         return self._predict(patches)
 
     def fold_predictors(self) -> list[PatchPredictor]:
@@ -523,7 +633,10 @@ class TorchEngine:
         if self.manifest is None:
             raise EngineError("torch engine used before load()")
         if not self.fold_engines:
+            self._adopt_compiled()
             return [self._predict]
+        for fold in self.fold_engines:
+            fold._adopt_compiled()
         return [fold._predict for fold in self.fold_engines]
 
     def window_batch(self) -> int:
@@ -592,6 +705,7 @@ class TorchEngine:
             )
         if hu.ndim != 3:
             raise EngineError(f"expected a (z, y, x) volume, got shape {hu.shape}")
+        self._adopt_compiled()
         torch, m = self._torch, self.manifest
         try:
             with torch.inference_mode():
@@ -677,5 +791,6 @@ class TorchEngine:
         self.fold_engines = []
         self._graphs = {}
         self._fn = self._module = None
+        self._compiling = None  # a background compilation still running is dropped
         if self._torch is not None and self._dev is not None and self._dev.type == "cuda":
             self._torch.cuda.empty_cache()

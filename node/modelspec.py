@@ -18,7 +18,7 @@ from segnode.node.errors import ConfigError
 DEFAULT_MODEL_NAME = "default"
 """The name of ``[model]`` among the configured models."""
 
-SPEC_KEYS = ("manifest", "engine", "threads", "precision", "compile")
+SPEC_KEYS = ("manifest", "engine", "threads", "precision", "compile", "eager_while_compiling")
 """The keys of a model table (``[model]`` adds ``load``)."""
 
 
@@ -32,6 +32,8 @@ class ModelSpec:
     threads: int = 0
     precision: str = "fp32"
     compile: bool = False
+    #: With ``compile``: serve jobs eagerly while the compiled model loads or builds.
+    eager_while_compiling: bool = True
 
 
 def parse_model_spec(
@@ -86,4 +88,7 @@ def parse_model_spec(
     compile_ = table.get("compile", False)
     if not isinstance(compile_, bool):
         raise ConfigError(f"{key}.compile: must be true or false, got {compile_!r}")
-    return ModelSpec(name, manifest, engine, threads, precision, compile_)
+    eager = table.get("eager_while_compiling", True)
+    if not isinstance(eager, bool):
+        raise ConfigError(f"{key}.eager_while_compiling: must be true or false, got {eager!r}")
+    return ModelSpec(name, manifest, engine, threads, precision, compile_, eager)

@@ -276,3 +276,91 @@ def test_corrupt_artefact_is_rebuilt(
     assert second.load_info["cache_hit"] is False
     assert float(np.mean(second.segment(hu) == expected)) >= 0.9999  # see check_cold_then_warm
     second.close()
+
+
+def _eager_then_compiled(manifest: ModelManifest, tmp_path: Path, device: str) -> None:
+    """``eager_while_compiling``: load returns with the eager module, the segmentation that
+    starts after the compiled predictor is ready uses it, and both give the same labels."""
+    precision = "fp16" if device == "cuda" else "fp32"
+    hu = np.random.default_rng(7).normal(0, 300, (40, 64, 48)).astype(np.float32)
+    reference = TorchEngine(device=device, precision=precision)
+    reference.load(manifest)
+    expected = reference.segment(hu)
+    reference.close()
+    engine = TorchEngine(
+        device=device,
+        precision=precision,
+        compile=True,
+        cache_dir=tmp_path / "engines",
+        eager_while_compiling=True,
+    )
+    engine.load(manifest)
+    assert engine.load_info["compiled"] == ""  # ready before anything was compiled
+    eager = engine.segment(hu)
+    assert engine.wait_compiled(timeout=900)
+    compiled = engine.segment(hu)  # the first segmentation after it: compiled
+    assert engine.load_info["compiled"] == "inductor"
+    assert engine.load_info["compiled_after_seconds"] > 0
+    np.testing.assert_array_equal(eager, expected)
+    assert float(np.mean(compiled == expected)) >= 0.9999
+    engine.close()
+    # A restart finds the artefact: a cache hit, again after an eager start.
+    again = TorchEngine(
+        device=device,
+        precision=precision,
+        compile=True,
+        cache_dir=tmp_path / "engines",
+        eager_while_compiling=True,
+    )
+    again.load(manifest)
+    assert again.wait_compiled(timeout=900)
+    again.segment(hu)
+    assert again.load_info["compiled"] == "inductor" and again.load_info["cache_hit"]
+    again.close()
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_eager_while_compiling_switches_between_jobs(unet: ModelManifest, tmp_path: Path) -> None:
+    _eager_then_compiled(unet, tmp_path, "cuda")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="the GPU variant covers it")
+def test_eager_while_compiling_on_the_cpu(unet: ModelManifest, tmp_path: Path) -> None:
+    import shutil
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("Inductor on the CPU needs a C++ compiler")
+    _eager_then_compiled(unet, tmp_path, "cpu")
+
+
+def test_failed_background_compilation_stays_eager(
+    unet: ModelManifest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    import logging
+
+    import segnode.engines.torch_compile as tc
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(tc, "compile_cached", broken)
+    device = "cuda" if CUDA else "cpu"
+    engine = TorchEngine(
+        device=device,
+        precision="fp32",
+        compile=True,
+        cache_dir=tmp_path / "engines",
+        eager_while_compiling=True,
+    )
+    engine.load(unet)
+    assert engine.wait_compiled(timeout=60)
+    hu = np.random.default_rng(8).normal(0, 300, (24, 40, 40)).astype(np.float32)
+    with caplog.at_level(logging.WARNING):
+        labels = engine.segment(hu)
+    assert labels.shape == hu.shape
+    assert "no compiled artefact" in caplog.text and "no C compiler" in caplog.text
+    assert engine.load_info["compiled"] == "" and not engine.compile
+    engine.close()

@@ -315,8 +315,15 @@ def test_compile_option_reaches_the_torch_engine(tmp_path: Path) -> None:
         "precision": "fp16",
         "compile": True,
         "cache_dir": config.data_dir / "engines",
+        "eager_while_compiling": True,
     }
+    assert not engine_options(
+        model_specs(from_dict({"model": {"engine": "torch", "eager_while_compiling": False}}))[0],
+        config.data_dir,
+    )["eager_while_compiling"]
     with pytest.raises(ConfigError, match="model.compile"):
         from_dict({"model": {"engine": "torch", "compile": "yes"}})
     with pytest.raises(ConfigError, match="models.lungs.compile"):
         from_dict({"models": {"lungs": {**lungs_table, "compile": 1}}})
+    with pytest.raises(ConfigError, match="model.eager_while_compiling"):
+        from_dict({"model": {"engine": "torch", "eager_while_compiling": "no"}})

@@ -30,7 +30,12 @@ def engine_options(spec: ModelSpec, data_dir: Path) -> dict[str, Any]:
     if spec.engine == "torch":
         # compiled artefacts are cached in <data_dir>/engines/torch (segnode.engines.torch_cache)
         cache_dir = data_dir / "engines"
-        return {"precision": spec.precision, "compile": spec.compile, "cache_dir": cache_dir}
+        return {
+            "precision": spec.precision,
+            "compile": spec.compile,
+            "cache_dir": cache_dir,
+            "eager_while_compiling": spec.eager_while_compiling,
+        }
     return {}
 
 
