@@ -177,14 +177,17 @@ def serve(work: Path, cfg: Path, port: int) -> Iterator[tuple[subprocess.Popen[b
         log.close()
 
 
-def wait_log(path: Path, offset: int, text: str, timeout: float) -> None:
-    """Wait until ``text`` appears in the log file after ``offset``."""
+def wait_log(path: Path, offset: int, text: str, timeout: float, *others: str) -> str:
+    """Wait until ``text`` (or one of ``others``) appears in the log file after ``offset``;
+    return the one found."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with path.open("rb") as f:
             f.seek(offset)
-            if text.encode() in f.read():
-                return
+            log = f.read()
+        for found in (text, *others):
+            if found.encode() in log:
+                return found
         time.sleep(0.05)
     raise TimeoutError(f"{text!r} not in {path} after {timeout:.0f} s")
 
@@ -360,6 +363,8 @@ def run_variant(
     node_log = work / "node.log"
     log_start = node_log.stat().st_size if node_log.exists() else 0
     stem = Path(name).stem
+    eager_start = args.engine == "torch" and not args.no_compile and not args.wait_compiled
+    first_series = make_series(args.slices, seed + 999) if eager_start else []
     with serve(work, cfg, port) as (_proc, ready_s):
         spawned = time.time() - ready_s
         result["serve_ready_s"] = round(ready_s, 2)
@@ -368,15 +373,19 @@ def run_variant(
         wait_log(node_log, log_start, "; jobs start", args.timeout + 900)
         result["engine_ready_s"] = round(ready_s + time.monotonic() - listening, 2)
         runs = []
-        if args.engine == "torch" and not args.no_compile and not args.wait_compiled:
+        if eager_start:
             # Restart to first result: a series sent as soon as jobs start runs eagerly while
             # the compiled model loads; the measured series wait for the compiled one.
-            first = one_series(port, data, scp, make_series(args.slices, seed + 999), args.timeout)
+            first = one_series(port, data, scp, first_series, args.timeout)
             result["first_result"] = first
             result["first_result_s"] = round(first["acked_epoch"] - spawned, 2)
             print(f"[gpu-e2e] {name}: first result {result['first_result_s']} s after spawn")
-            wait_log(node_log, log_start, "in use from the next job", args.timeout + 900)
+            found = wait_log(
+                node_log, log_start, "in use from the next job", args.timeout, "failed ("
+            )
             result["compiled_ready_s"] = round(time.time() - spawned, 2)
+            if found != "in use from the next job":
+                result["compile_failed"] = True
         for k, datasets in enumerate(series):
             r = one_series(port, data, scp, datasets, args.timeout)
             print(f"[gpu-e2e] {name} ({prepare}): series {k} {json.dumps(r)[:400]}", flush=True)

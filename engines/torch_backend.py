@@ -519,8 +519,8 @@ class TorchEngine:
 
         def run() -> None:
             try:
-                if self._dev.type == "cuda":
-                    self._torch.cuda.set_device(self._dev)
+                if self._dev.type == "cuda" and self._dev.index is not None:
+                    self._torch.cuda.set_device(self._dev.index)  # a new thread's is 0
                 future.set_result(self._compiled(example))
                 logger.info(
                     "compiled model for %s ready %.1f s after the load began; in use from "
@@ -529,6 +529,12 @@ class TorchEngine:
                     time.perf_counter() - started,
                 )
             except BaseException as exc:
+                logger.warning(
+                    "compiling %s failed (%s: %s); jobs keep running eagerly",
+                    name,
+                    type(exc).__name__,
+                    exc,
+                )
                 future.set_exception(exc)
             finally:
                 self.compiled_ready.set()
