@@ -38,8 +38,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -77,6 +79,54 @@ def _import_torch() -> Any:
     except ImportError as exc:
         raise EngineError(f"the torch engine needs PyTorch ({exc})") from exc
     return torch
+
+
+#: What onnx2torch takes from torchvision (its NonMaxSuppression and RoiAlign converters).
+_TORCHVISION_OPS = ("nms", "box_convert", "roi_align")
+
+
+def _torchvision_stand_in(name: str) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        import torchvision.ops
+
+        return getattr(torchvision.ops, name)(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+def import_onnx2torch() -> Any:
+    """Import onnx2torch without importing torchvision.
+
+    onnx2torch imports torchvision at import time (about 5 s on a GPU server, half of an
+    engine's load) for two converters, NonMaxSuppression and RoiAlign, that segmentation
+    models do not use. While onnx2torch is imported, ``torchvision`` and ``torchvision.ops``
+    are stand-ins whose functions import the real torchvision when first called; they are
+    removed again at once, so any later ``import torchvision`` gets the real package.
+
+    Raises
+    ------
+    ImportError
+        If onnx2torch is not installed.
+    """
+    if "onnx2torch" in sys.modules or "torchvision" in sys.modules:
+        import onnx2torch
+
+        return onnx2torch
+    package, ops = types.ModuleType("torchvision"), types.ModuleType("torchvision.ops")
+    for name in _TORCHVISION_OPS:
+        setattr(ops, name, _torchvision_stand_in(name))
+    package.ops = ops  # type: ignore[attr-defined]
+    package.__path__ = []  # a package, so that ``from torchvision.ops import ...`` resolves
+    stand_ins = {"torchvision": package, "torchvision.ops": ops}
+    sys.modules.update(stand_ins)
+    try:
+        import onnx2torch
+    finally:
+        for name, module in stand_ins.items():
+            if sys.modules.get(name) is module:
+                del sys.modules[name]
+    return onnx2torch
 
 
 def fold_initializer_nodes(model: Any) -> Any:
@@ -132,7 +182,7 @@ def convert_onnx(path: Any) -> Any:
     import onnx
 
     try:
-        from onnx2torch import convert
+        convert = import_onnx2torch().convert
     except ImportError as exc:
         raise EngineError(
             f"the torch engine needs onnx2torch (pip install onnx2torch): {exc}"
@@ -187,11 +237,13 @@ class TorchEngine:
         built; falls back to ``"inductor"`` when the model cannot be exported or the package
         fails its test run). See :mod:`segnode.engines.torch_compile`.
     eager_while_compiling
-        With ``compile=True`` and a ``cache_dir``: :meth:`load` returns as soon as the
-        model runs eagerly (seconds) and the compiled predictor is loaded, or built, on a
-        background thread (``segnode-torch-compile``); each segmentation that starts after
-        it is ready uses it (a job never switches predictors half-way). Off: :meth:`load`
-        returns only with the compiled predictor (``segnode engine build``, benchmarks).
+        With ``compile=True`` and a ``cache_dir`` that does not hold the compiled model yet:
+        :meth:`load` returns as soon as the model runs eagerly (seconds) and the compiled
+        predictor is built on a background thread (``segnode-torch-compile``); each
+        segmentation that starts after it is ready uses it (a job never switches
+        predictors half-way). A cached compiled model is loaded before :meth:`load`
+        returns either way. Off: :meth:`load` always returns with the compiled predictor
+        (``segnode engine build``, benchmarks).
 
     Attributes
     ----------
@@ -372,7 +424,8 @@ class TorchEngine:
         zeros = torch.zeros((batch, 1, *manifest.patch_size), device=dev)
         self._load_started = started
         try:
-            if self.compile and self.cache_dir is not None and self.eager_while_compiling:
+            eager_first = self.eager_while_compiling and not self._compiled_is_cached(batch)
+            if self.compile and self.cache_dir is not None and eager_first:
                 self._fn = self._module_on_device()
                 try:
                     self._predict(zeros)
@@ -452,6 +505,33 @@ class TorchEngine:
             fn(example)
         if self._dev.type == "cuda":
             self._torch.cuda.synchronize(self._dev)
+
+    def _compiled_is_cached(self, batch: int) -> bool:
+        """Whether the artefact cache holds a valid compiled model for this engine (a start
+        with it loads it at once: compiling on a background thread would slow the jobs that
+        run meanwhile, through the GIL, more than loading it first delays them)."""
+        if not self.compile or self.cache_dir is None:
+            return False
+        from segnode.engines.torch_cache import SUBDIR, TorchCache
+        from segnode.engines.torch_compile import runtime_facts, torch_key
+
+        assert self.manifest is not None
+        cache = TorchCache(self.cache_dir / SUBDIR)
+        facts = runtime_facts(self._torch, self._dev)
+        kinds = ("aoti", "inductor") if self.compile_cache == "aoti" else ("inductor",)
+        for kind in kinds:
+            key = torch_key(
+                self.manifest,
+                facts,
+                kind=kind,
+                precision="fp16" if self._dtype == self._torch.float16 else "fp32",
+                batch=batch,
+                channels_last=bool(self.channels_last),
+                compile_mode=self.compile_mode,
+            )
+            if cache.lookup(key)[0] is not None:
+                return True
+        return False
 
     def _compiled(self, example: Any) -> Any:
         """The :class:`segnode.engines.torch_compile.Compiled` predictor from the artefact
