@@ -61,7 +61,7 @@ from segnode.node.results.build import (
     sr_document,
 )
 from segnode.node.results.sr_encode import SrPlan
-from segnode.node.results.statistics import SegmentStatsAccumulator, _bincount, numbering
+from segnode.node.results.statistics import SegmentStatsAccumulator, _bincount, _statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
 _TISSUE = ("85756007", "SCT", "Tissue")
@@ -97,22 +97,7 @@ def bincount_statistics(
         sums += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
         hu *= hu
         squares += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
-    out = []
-    for value, number in numbering(counts, manifest).items():
-        n = int(counts[value])
-        mean = float(sums[value] / n)
-        variance = max(float(squares[value] / n) - mean * mean, 0.0)
-        out.append(
-            SegmentStatistics(
-                number,
-                manifest.label(value),
-                n,
-                n * volume.voxel_volume_ml,
-                mean,
-                float(np.sqrt(variance)),
-            )
-        )
-    return out
+    return _statistics(counts, sums, squares, manifest, volume.voxel_volume_ml)
 
 
 def _medians_ms(fn: Callable[[], object], runs: int) -> tuple[float, float]:
