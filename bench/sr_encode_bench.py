@@ -51,6 +51,7 @@ from segnode.node.ingest.volume import Volume, assemble_from_datasets
 from segnode.node.pipeline.worker import encode
 from segnode.node.results.build import (
     SEGMENTATION_STORAGE,
+    Equipment,
     ResultUIDs,
     SegmentStatistics,
     _source_headers,
@@ -136,11 +137,7 @@ def run(slices: int, size: int, runs: int) -> dict[str, Any]:
             MANIFEST,
             uids,
             specific_character_set=None,
-            manufacturer="segnode",
-            software_version=VERSION,
-            series_number=9902,
-            device_serial="segnode",
-            instance_number=1,
+            equipment=Equipment(VERSION, 9902),
         )
         return encode(sr)
 
