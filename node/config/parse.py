@@ -41,6 +41,7 @@ from segnode.node.peers import ae_title as _ae
 from segnode.node.peers import port as _port
 from segnode.node.routing.destinations import PathFn, parse_destination
 from segnode.node.routing.rules import parse_routing
+from segnode.node.tables import array_of_tables, check_keys, section
 
 
 def _num(value: Any, key: str, lo: float, hi: float = float("inf")) -> float:
@@ -84,16 +85,6 @@ def _str(value: Any, key: str, choices: tuple[str, ...] | None = None) -> str:
     return value
 
 
-def _table(raw: dict[str, Any], name: str, known: set[str]) -> dict[str, Any]:
-    t = raw.get(name, {})
-    if not isinstance(t, dict):
-        raise ConfigError(f"[{name}] must be a table")
-    unknown = set(t) - known
-    if unknown:
-        raise ConfigError(f"[{name}] unknown key(s): {', '.join(sorted(unknown))}")
-    return t
-
-
 def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     """Build a validated :class:`Config` from parsed TOML.
 
@@ -126,7 +117,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         p = Path(_str(value, key)).expanduser()
         return p if p.is_absolute() or base_dir is None else base_dir / p
 
-    n = _table(raw, "node", set(NodeConfig.__dataclass_fields__))
+    n = section(raw, "node", NodeConfig.__dataclass_fields__)
     allowed = n.get("allowed_calling_aes", [])
     if not isinstance(allowed, list):
         raise ConfigError("node.allowed_calling_aes: must be a list of AE titles")
@@ -186,7 +177,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         max_series_mb=_int(n.get("max_series_mb", d.node.max_series_mb), "node.max_series_mb", 0),
         peers=_peer_rules(n.get("peers", []), path),
     )
-    s = _table(raw, "series", set(SeriesConfig.__dataclass_fields__))
+    s = section(raw, "series", SeriesConfig.__dataclass_fields__)
     series = SeriesConfig(
         complete_on_release=_bool(s.get("complete_on_release", True), "series.complete_on_release"),
         quiet_period_s=_num(
@@ -196,13 +187,13 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         completion=_str(s.get("completion", "auto"), "series.completion", COMPLETION_MODES),
         senders=_senders(s.get("senders", [])),
     )
-    m = _table(raw, "model", {*SPEC_KEYS, "load"})
+    m = section(raw, "model", {*SPEC_KEYS, "load"})
     spec = parse_model_spec(DEFAULT_MODEL_NAME, m, "model", path, default_manifest=d.model.manifest)
     model = ModelConfig(
         **{f: getattr(spec, f) for f in ModelSpec.__dataclass_fields__},
         load=_str(m.get("load", d.model.load), "model.load", ENGINE_LOAD_MODES),
     )
-    t = _table(raw, "dispatch", set(DispatchConfig.__dataclass_fields__))
+    t = section(raw, "dispatch", DispatchConfig.__dataclass_fields__)
     dests = t.get("destinations", [])
     if not isinstance(dests, list):
         raise ConfigError('dispatch.destinations: must be a list of "AE@HOST:PORT" strings')
@@ -244,8 +235,10 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         ),
     )
     level = _str(raw.get("log_level", "INFO"), "log_level", ("DEBUG", "INFO", "WARNING", "ERROR"))
-    tls = _tls(_table(raw, "tls", set(TLSConfig.__dataclass_fields__)), path)
-    web = _web(_table(raw, "web", {"enabled", "listen", "token_file", "tls", "preview"}), path, tls)
+    tls = _tls(section(raw, "tls", TLSConfig.__dataclass_fields__), path)
+    web = _web(
+        section(raw, "web", {"enabled", "listen", "token_file", "tls", "preview"}), path, tls
+    )
     return Config(
         data_dir=path(raw["data_dir"], "data_dir") if "data_dir" in raw else d.data_dir,
         log_level=level,
@@ -255,10 +248,10 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
         dispatch=dispatch,
         job_max_attempts=_int(raw.get("job_max_attempts", 3), "job_max_attempts", 1, 100),
         tls=tls,
-        retention=_retention(_table(raw, "retention", set(RetentionConfig.__dataclass_fields__))),
-        streaming=_streaming(_table(raw, "streaming", set(StreamingConfig.__dataclass_fields__))),
-        metrics=_metrics(_table(raw, "metrics", set(MetricsConfig.__dataclass_fields__))),
-        results=_results(_table(raw, "results", set(ResultsConfig.__dataclass_fields__))),
+        retention=_retention(section(raw, "retention", RetentionConfig.__dataclass_fields__)),
+        streaming=_streaming(section(raw, "streaming", StreamingConfig.__dataclass_fields__)),
+        metrics=_metrics(section(raw, "metrics", MetricsConfig.__dataclass_fields__)),
+        results=_results(section(raw, "results", ResultsConfig.__dataclass_fields__)),
         web=web,
         routing=parse_routing(raw, path, peer_table),
     )
@@ -326,9 +319,7 @@ def _tls_dest(x: dict[str, Any], key: str, path: PathFn) -> Peer:
         "verify",
         "reject_superseded",
     }
-    unknown = set(x) - known
-    if unknown:
-        raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
+    check_keys(x, known, f"{key}:")
     if "peer" not in x:
         raise ConfigError(f'{key}: a table destination needs peer = "AE@HOST:PORT"')
     peer = parse_peer(_str(x["peer"], f"{key}.peer"), f"{key}.peer")
@@ -362,16 +353,10 @@ _PEER_TLS_KEYS = {"tls", "ca_file", "cert_file", "key_file", "server_name", "ver
 
 
 def _peer_rules(value: Any, path: PathFn) -> tuple[PeerRule, ...]:
-    if not isinstance(value, list):
-        raise ConfigError("node.peers: must be an array of tables ([[node.peers]])")
     rules = []
-    for i, item in enumerate(value):
-        key = f"node.peers[{i}]"
-        if not isinstance(item, dict):
-            raise ConfigError(f"{key}: must be a table with ae_title and optional host")
-        unknown = set(item) - {"ae_title", "host", "port", "return_ae_title"} - _PEER_TLS_KEYS
-        if unknown:
-            raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
+    known = {"ae_title", "host", "port", "return_ae_title", *_PEER_TLS_KEYS}
+    what = "a table with ae_title and optional host"
+    for key, item in array_of_tables(value, "node.peers", known, what):
         if "ae_title" not in item:
             raise ConfigError(f"{key}.ae_title: missing")
         host = item.get("host")
@@ -434,16 +419,10 @@ def _tls(t: dict[str, Any], path: PathFn) -> TLSConfig:
 
 def _senders(raw: Any) -> tuple[SenderPolicy, ...]:
     """Parse ``[[series.senders]]`` (one table per calling AE title)."""
-    if not isinstance(raw, list):
-        raise ConfigError("series.senders: must be an array of tables ([[series.senders]])")
     out: list[SenderPolicy] = []
-    for i, t in enumerate(raw):
-        key = f"series.senders[{i}]"
-        if not isinstance(t, dict):
-            raise ConfigError(f"{key}: must be a table with ae_title, completion, priority")
-        unknown = set(t) - set(SenderPolicy.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
+    known = SenderPolicy.__dataclass_fields__
+    what = "a table with ae_title, completion, priority"
+    for key, t in array_of_tables(raw, "series.senders", known, what):
         if "ae_title" not in t:
             raise ConfigError(f"{key}.ae_title: missing")
         ae = _ae(t["ae_title"], f"{key}.ae_title")
