@@ -54,12 +54,10 @@ from segnode.node.results.build import (
     Equipment,
     ResultUIDs,
     SegmentStatistics,
-    _source_headers,
     build_seg,
     build_sr,
-    measurement_report,
     segment_statistics,
-    sr_document,
+    sr_of_statistics,
 )
 from segnode.node.results.sr_encode import SrPlan
 from segnode.node.results.statistics import SegmentStatsAccumulator, _bincount, _statistics
@@ -122,24 +120,9 @@ def run(slices: int, size: int, runs: int) -> dict[str, Any]:
 
     def baseline() -> bytes:
         stats = bincount_statistics(volume, labels, MANIFEST)
-        report = measurement_report(
-            stats,
-            MANIFEST,
-            uids,
-            seg_sop_class_uid=str(seg.SOPClassUID),
-            source_series_uid=volume.series_instance_uid,
-            manufacturer="segnode",
-            device_serial="segnode",
+        return encode(
+            sr_of_statistics(stats, volume, MANIFEST, seg, uids, Equipment(VERSION, 9902))
         )
-        sr = sr_document(
-            [seg, *_source_headers(volume)],
-            report,
-            MANIFEST,
-            uids,
-            specific_character_set=None,
-            equipment=Equipment(VERSION, 9902),
-        )
-        return encode(sr)
 
     def build_sr_now() -> bytes:
         return encode(build_sr(volume, labels, MANIFEST, seg, uids, software_version=VERSION))

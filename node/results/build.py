@@ -377,7 +377,7 @@ def build_sr(
 
     The worker's path to the same bytes in a few milliseconds, prepared before the labels
     exist, is :class:`segnode.node.results.sr_encode.SrPlan`; this function is the reference it is
-    tested against.
+    tested against. It is :func:`segment_statistics` then :func:`sr_of_statistics`.
 
     Parameters
     ----------
@@ -404,7 +404,36 @@ def build_sr(
     ResultError
         ``seg`` does not describe the segments of ``labels``.
     """
-    stats = segment_statistics(volume, labels, manifest)
+    equipment = Equipment(
+        software_version,
+        series_number,
+        manufacturer,
+        device_serial=device_serial,
+        instance_number=instance_number,
+    )
+    return sr_of_statistics(
+        segment_statistics(volume, labels, manifest), volume, manifest, seg, uids, equipment
+    )
+
+
+def sr_of_statistics(
+    stats: Sequence[SegmentStatistics],
+    volume: Volume,
+    manifest: ModelManifest,
+    seg: Dataset,
+    uids: ResultUIDs,
+    equipment: Equipment,
+) -> Dataset:
+    """:func:`build_sr` from the measurements of its label map (``stats``, in segment
+    order) and the SR's ``equipment``.
+
+    Raises
+    ------
+    NoSegmentsError
+        ``stats`` is empty.
+    ResultError
+        ``seg`` does not describe the segments of ``stats``.
+    """
     if not stats:
         raise NoSegmentsError("no segment found; no SR is produced")
     described = _segment_label_map(seg)
@@ -421,8 +450,8 @@ def build_sr(
         uids,
         seg_sop_class_uid=str(seg.SOPClassUID),
         source_series_uid=volume.series_instance_uid,
-        manufacturer=manufacturer,
-        device_serial=device_serial,
+        manufacturer=equipment.manufacturer,
+        device_serial=equipment.device_serial,
     )
     return sr_document(
         [seg, *_source_headers(volume)],
@@ -430,13 +459,7 @@ def build_sr(
         manifest,
         uids,
         specific_character_set=_character_set(volume),
-        equipment=Equipment(
-            software_version,
-            series_number,
-            manufacturer,
-            device_serial=device_serial,
-            instance_number=instance_number,
-        ),
+        equipment=equipment,
     )
 
 
