@@ -51,17 +51,16 @@ from segnode.node.ingest.volume import Volume, assemble_from_datasets
 from segnode.node.pipeline.worker import encode
 from segnode.node.results.build import (
     SEGMENTATION_STORAGE,
+    Equipment,
     ResultUIDs,
     SegmentStatistics,
-    _source_headers,
     build_seg,
     build_sr,
-    measurement_report,
     segment_statistics,
-    sr_document,
+    sr_of_statistics,
 )
 from segnode.node.results.sr_encode import SrPlan
-from segnode.node.results.statistics import SegmentStatsAccumulator, _bincount, numbering
+from segnode.node.results.statistics import SegmentStatsAccumulator, _bincount, _statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
 _TISSUE = ("85756007", "SCT", "Tissue")
@@ -97,22 +96,7 @@ def bincount_statistics(
         sums += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
         hu *= hu
         squares += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
-    out = []
-    for value, number in numbering(counts, manifest).items():
-        n = int(counts[value])
-        mean = float(sums[value] / n)
-        variance = max(float(squares[value] / n) - mean * mean, 0.0)
-        out.append(
-            SegmentStatistics(
-                number,
-                manifest.label(value),
-                n,
-                n * volume.voxel_volume_ml,
-                mean,
-                float(np.sqrt(variance)),
-            )
-        )
-    return out
+    return _statistics(counts, sums, squares, manifest, volume.voxel_volume_ml)
 
 
 def _medians_ms(fn: Callable[[], object], runs: int) -> tuple[float, float]:
@@ -136,28 +120,9 @@ def run(slices: int, size: int, runs: int) -> dict[str, Any]:
 
     def baseline() -> bytes:
         stats = bincount_statistics(volume, labels, MANIFEST)
-        report = measurement_report(
-            stats,
-            MANIFEST,
-            uids,
-            seg_sop_class_uid=str(seg.SOPClassUID),
-            source_series_uid=volume.series_instance_uid,
-            manufacturer="segnode",
-            device_serial="segnode",
+        return encode(
+            sr_of_statistics(stats, volume, MANIFEST, seg, uids, Equipment(VERSION, 9902))
         )
-        sr = sr_document(
-            [seg, *_source_headers(volume)],
-            report,
-            MANIFEST,
-            uids,
-            specific_character_set=None,
-            manufacturer="segnode",
-            software_version=VERSION,
-            series_number=9902,
-            device_serial="segnode",
-            instance_number=1,
-        )
-        return encode(sr)
 
     def build_sr_now() -> bytes:
         return encode(build_sr(volume, labels, MANIFEST, seg, uids, software_version=VERSION))

@@ -1,7 +1,7 @@
 """A model and the backend that runs it: ``[model]`` and ``[models.NAME]`` of the configuration.
 
 This module owns the :class:`ModelSpec` type and the validation of a model table's keys, shared
-by :mod:`segnode.node.config` (``[model]``, the default model) and
+by :mod:`segnode.node.config.parse` (``[model]``, the default model) and
 :mod:`segnode.node.routing.rules` (``[models.NAME]``). It imports nothing of the node but its
 errors, so that those two do not import each other to share it.
 """

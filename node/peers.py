@@ -3,10 +3,10 @@
 :class:`Peer` (and its :class:`ClientTLS`) is what the outbox sends to, what routing rules and
 destinations refer to and what ``[node] peers`` lists; :func:`parse_peer` reads the
 ``AE@HOST:PORT`` form and :func:`ae_title` checks an AE title (PS3.5 6.2). This module owns
-those values and their validation only; :mod:`segnode.node.config` builds the configuration from
-them, :mod:`segnode.node.routing.destinations` and :mod:`segnode.node.routing.rules` parse their
-sections with them. It imports nothing of the node but its errors, so that those three do not import
-each other in a circle.
+those values and their validation only; :mod:`segnode.node.config.parse` builds the
+configuration from them, :mod:`segnode.node.routing.destinations` and
+:mod:`segnode.node.routing.rules` parse their sections with them. It imports nothing of the
+node but its errors, so that those three do not import each other in a circle.
 """
 
 from __future__ import annotations

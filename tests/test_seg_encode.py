@@ -35,7 +35,13 @@ from pydicom.valuerep import DA, DT, TM
 from segnode.engines.manifest import LabelSpec, ModelManifest
 from segnode.node.ingest.volume import Volume, assemble_volume
 from segnode.node.pipeline.worker import encode
-from segnode.node.results.build import NoSegmentsError, ResultError, build_seg, build_sr
+from segnode.node.results.build import (
+    NoSegmentsError,
+    ResultError,
+    build_seg,
+    build_sr,
+    seg_label_map,
+)
 from segnode.node.results.seg_check import check_encoded, elements, items
 from segnode.node.results.seg_encode import EncodedSeg, SegPlan
 from segnode.node.results.seg_header import (
@@ -400,19 +406,7 @@ def test_highdicom_reads_back(tmp_path: Path, case: str, kind: str) -> None:
     labels = some_absent(truth(volume))
     encoded = prepare(volume, kind).encode(labels)
     seg = hd.seg.Segmentation.from_dataset(pydicom.dcmread(io.BytesIO(encoded.data)))
-    if volume.is_multiframe:
-        array = seg.get_pixels_by_source_frame(
-            source_sop_instance_uid=str(volume.sources[0].SOPInstanceUID),
-            source_frame_numbers=list(volume.frame_numbers),
-            combine_segments=True,
-            assert_missing_frames_are_empty=True,
-        )
-    else:
-        array = seg.get_pixels_by_source_instance(
-            source_sop_instance_uids=[str(s.SOPInstanceUID) for s in volume.sources],
-            combine_segments=True,
-            assert_missing_frames_are_empty=True,
-        )
+    array = seg_label_map(seg, volume)
     lut = np.zeros(max(encoded.segment_numbers.values()) + 1, dtype=np.uint8)
     for value, number in encoded.segment_numbers.items():
         lut[number] = value

@@ -24,6 +24,7 @@ import pydicom
 import pytest
 from pydicom.sr.codedict import codes
 
+from bench.sr_encode_bench import bincount_statistics
 from segnode.engines.manifest import LabelSpec, ModelManifest
 from segnode.node.ingest.volume import Volume, assemble_from_datasets, assemble_volume
 from segnode.node.pipeline.worker import encode
@@ -43,7 +44,6 @@ from segnode.node.results.statistics import (
     SegmentStatsAccumulator,
     _bincount,
     label_counts,
-    numbering,
 )
 from tests.conftest import PHANTOM, require_data, require_tool
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
@@ -95,38 +95,6 @@ def phantom() -> Volume:
     return _phantom()
 
 
-def _reference_statistics(
-    volume: Volume, labels: npt.NDArray[np.integer], manifest: ModelManifest
-) -> list[SegmentStatistics]:
-    """segment_statistics as it was (np.bincount with float64 weights)."""
-    counts = _bincount(labels, max(s.value for s in manifest.labels) + 1)
-    sums = np.zeros(len(counts), dtype=np.float64)
-    squares = np.zeros(len(counts), dtype=np.float64)
-    step = max(1, (1 << 21) // max(1, labels[0].size))
-    for z in range(0, labels.shape[0], step):
-        flat = labels[z : z + step].ravel().astype(np.intp)
-        hu = volume.hu[z : z + step].ravel().astype(np.float64)
-        sums += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
-        hu *= hu
-        squares += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
-    out = []
-    for value, number in numbering(counts, manifest).items():
-        n = int(counts[value])
-        mean = float(sums[value] / n)
-        variance = max(float(squares[value] / n) - mean * mean, 0.0)
-        out.append(
-            SegmentStatistics(
-                number,
-                manifest.label(value),
-                n,
-                n * volume.voxel_volume_ml,
-                mean,
-                float(np.sqrt(variance)),
-            )
-        )
-    return out
-
-
 def _stored(stats: list[SegmentStatistics]) -> list[tuple[int, int, int, float, float, float]]:
     """What the SR stores of each segment."""
     return [
@@ -167,7 +135,7 @@ def test_statistics_equal_bincount_synthetic(count: int) -> None:
     stats = segment_statistics(volume, labels, MANIFEST)
     assert [s.label.value for s in stats] == list(PRESENT[count])
     # integer HU: every sum is exact, so the floats are the same bit for bit
-    assert stats == _reference_statistics(volume, labels, MANIFEST)
+    assert stats == bincount_statistics(volume, labels, MANIFEST)
     counts = label_counts(volume, labels, MANIFEST)
     np.testing.assert_array_equal(counts, _bincount(labels, 7))
 
@@ -176,13 +144,13 @@ def test_statistics_equal_bincount_synthetic(count: int) -> None:
 @pytest.mark.parametrize("count", sorted(PRESENT))
 def test_statistics_equal_bincount_phantom(phantom: Volume, count: int) -> None:
     labels = _labels(phantom, PRESENT[count])
-    assert segment_statistics(phantom, labels, MANIFEST) == _reference_statistics(
+    assert segment_statistics(phantom, labels, MANIFEST) == bincount_statistics(
         phantom, labels, MANIFEST
     )
     thresholds = np.zeros(phantom.shape, dtype=np.uint8)
     thresholds[(phantom.hu > -500) & (phantom.hu <= 300)] = 1
     thresholds[phantom.hu > 300] = 5
-    assert segment_statistics(phantom, thresholds, MANIFEST) == _reference_statistics(
+    assert segment_statistics(phantom, thresholds, MANIFEST) == bincount_statistics(
         phantom, thresholds, MANIFEST
     )
 
@@ -194,7 +162,7 @@ def test_statistics_of_non_integer_hu_agree_to_rounding() -> None:
     scaled = _with_hu(volume, hu)
     labels = _labels(volume, PRESENT[5])
     stats = segment_statistics(scaled, labels, MANIFEST)
-    reference = _reference_statistics(scaled, labels, MANIFEST)
+    reference = bincount_statistics(scaled, labels, MANIFEST)
     assert _stored(stats) == _stored(reference)
     for new, old in zip(stats, reference, strict=True):
         assert new.mean_hu == pytest.approx(old.mean_hu, rel=1e-12, abs=1e-9)
@@ -210,7 +178,7 @@ def test_statistics_of_fragmented_maps_and_many_labels() -> None:
     one (np.bincount throughout) give the same statistics."""
     volume = _synthetic()
     noisy = _fragmented(volume.shape, 6, seed=1)
-    assert segment_statistics(volume, noisy, MANIFEST) == _reference_statistics(
+    assert segment_statistics(volume, noisy, MANIFEST) == bincount_statistics(
         volume, noisy, MANIFEST
     )
     tissue = ("85756007", "SCT", "Tissue")
@@ -223,7 +191,7 @@ def test_statistics_of_fragmented_maps_and_many_labels() -> None:
     )
     labels = _fragmented(volume.shape, 40, seed=2)
     labels[:4] = phantom_labels(*volume.shape[1:], 4)
-    assert segment_statistics(volume, labels, many) == _reference_statistics(volume, labels, many)
+    assert segment_statistics(volume, labels, many) == bincount_statistics(volume, labels, many)
     np.testing.assert_array_equal(label_counts(volume, labels, many), _bincount(labels, 41))
 
 

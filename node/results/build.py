@@ -30,6 +30,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import highdicom as hd
 import numpy as np
@@ -54,7 +55,7 @@ from pydicom.dataset import Dataset
 from pydicom.multival import MultiValue
 from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
-from pydicom.uid import generate_uid
+from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 
 from segnode.engines.manifest import LabelSpec, ModelManifest
 from segnode.node.errors import NoSegmentsError as NoSegmentsError
@@ -91,6 +92,31 @@ class ResultUIDs:
     def new(cls) -> ResultUIDs:
         """Allocate four fresh UIDs (PS3.5 B.2, UUID-derived ``2.25`` root)."""
         return cls(*(str(generate_uid(prefix=None)) for _ in range(4)))
+
+
+@dataclass(frozen=True)
+class Equipment:
+    """General Equipment, General Series and General Image values of one SEG or SR: the
+    series and instance numbers and who made it (PS3.3 C.7.5.1, C.7.3.1, C.7.6.1)."""
+
+    software_version: str
+    series_number: int
+    manufacturer: str = "segnode"
+    manufacturer_model_name: str = "segnode"
+    device_serial: str = "segnode"
+    instance_number: int = 1
+
+    def arguments(self) -> dict[str, Any]:
+        """These values as the keyword arguments of highdicom's ``SOPClass`` (and of
+        ``Segmentation`` and ``Comprehensive3DSR``, which pass them to it)."""
+        return {
+            "series_number": self.series_number,
+            "instance_number": self.instance_number,
+            "manufacturer": self.manufacturer,
+            "manufacturer_model_name": self.manufacturer_model_name,
+            "software_versions": self.software_version,
+            "device_serial_number": self.device_serial,
+        }
 
 
 #: The names build_seg and segnode.node.results.seg_encode use.
@@ -173,6 +199,39 @@ def _source_headers(volume: Volume) -> list[Dataset]:
                 ds.ImageOrientationPatient = iop
                 sources[i] = ds
     return sources
+
+
+def source_base(
+    src: Dataset,
+    *,
+    modality: str,
+    series_instance_uid: str,
+    sop_instance_uid: str,
+    sop_class_uid: str,
+    **more: Any,
+) -> hd.SOPClass:
+    """highdicom's ``SOPClass`` as ``Segmentation`` and ``Comprehensive3DSR`` make their base
+    from their first source or evidence ``src``: its Study Instance UID and the Patient and
+    Study arguments taken from it, Explicit VR Little Endian (``more``: further arguments,
+    e.g. :meth:`Equipment.arguments`)."""
+    return hd.SOPClass(
+        study_instance_uid=src.StudyInstanceUID,
+        series_instance_uid=series_instance_uid,
+        sop_instance_uid=sop_instance_uid,
+        sop_class_uid=sop_class_uid,
+        modality=modality,
+        transfer_syntax_uid=ExplicitVRLittleEndian,
+        patient_id=src.PatientID,
+        patient_name=src.PatientName,
+        patient_birth_date=src.PatientBirthDate,
+        patient_sex=src.PatientSex,
+        accession_number=src.AccessionNumber,
+        study_id=src.StudyID,
+        study_date=src.StudyDate,
+        study_time=src.StudyTime,
+        referring_physician_name=getattr(src, "ReferringPhysicianName", None),
+        **more,
+    )
 
 
 def _character_set(volume: Volume) -> str | list[str] | None:
@@ -261,6 +320,14 @@ def build_seg(
         hd.PlanePositionSequence(hd.CoordinateSystemNames.PATIENT, list(p))
         for p in volume.slice_positions
     ]
+    equipment = Equipment(
+        software_version,
+        series_number,
+        manufacturer,
+        manufacturer_model_name,
+        device_serial,
+        instance_number,
+    )
     try:
         seg = hd.seg.Segmentation(
             source_images=_source_headers(volume),
@@ -268,13 +335,8 @@ def build_seg(
             segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
             segment_descriptions=descriptions,
             series_instance_uid=uids.seg_series_uid,
-            series_number=series_number,
             sop_instance_uid=uids.seg_sop_uid,
-            instance_number=instance_number,
-            manufacturer=manufacturer,
-            manufacturer_model_name=manufacturer_model_name,
-            software_versions=software_version,
-            device_serial_number=device_serial,
+            **equipment.arguments(),
             content_description=f"{manifest.name} {manifest.version}"[:64],
             series_description=f"SEG {manifest.name}"[:64],
             plane_positions=positions,
@@ -315,7 +377,7 @@ def build_sr(
 
     The worker's path to the same bytes in a few milliseconds, prepared before the labels
     exist, is :class:`segnode.node.results.sr_encode.SrPlan`; this function is the reference it is
-    tested against.
+    tested against. It is :func:`segment_statistics` then :func:`sr_of_statistics`.
 
     Parameters
     ----------
@@ -342,7 +404,36 @@ def build_sr(
     ResultError
         ``seg`` does not describe the segments of ``labels``.
     """
-    stats = segment_statistics(volume, labels, manifest)
+    equipment = Equipment(
+        software_version,
+        series_number,
+        manufacturer,
+        device_serial=device_serial,
+        instance_number=instance_number,
+    )
+    return sr_of_statistics(
+        segment_statistics(volume, labels, manifest), volume, manifest, seg, uids, equipment
+    )
+
+
+def sr_of_statistics(
+    stats: Sequence[SegmentStatistics],
+    volume: Volume,
+    manifest: ModelManifest,
+    seg: Dataset,
+    uids: ResultUIDs,
+    equipment: Equipment,
+) -> Dataset:
+    """:func:`build_sr` from the measurements of its label map (``stats``, in segment
+    order) and the SR's ``equipment``.
+
+    Raises
+    ------
+    NoSegmentsError
+        ``stats`` is empty.
+    ResultError
+        ``seg`` does not describe the segments of ``stats``.
+    """
     if not stats:
         raise NoSegmentsError("no segment found; no SR is produced")
     described = _segment_label_map(seg)
@@ -359,8 +450,8 @@ def build_sr(
         uids,
         seg_sop_class_uid=str(seg.SOPClassUID),
         source_series_uid=volume.series_instance_uid,
-        manufacturer=manufacturer,
-        device_serial=device_serial,
+        manufacturer=equipment.manufacturer,
+        device_serial=equipment.device_serial,
     )
     return sr_document(
         [seg, *_source_headers(volume)],
@@ -368,11 +459,7 @@ def build_sr(
         manifest,
         uids,
         specific_character_set=_character_set(volume),
-        manufacturer=manufacturer,
-        software_version=software_version,
-        series_number=series_number,
-        device_serial=device_serial,
-        instance_number=instance_number,
+        equipment=equipment,
     )
 
 
@@ -466,13 +553,10 @@ def sr_document(
     uids: ResultUIDs,
     *,
     specific_character_set: str | list[str] | None,
-    manufacturer: str,
-    software_version: str,
-    series_number: int,
-    device_serial: str,
-    instance_number: int,
+    equipment: Equipment,
 ) -> Comprehensive3DSR:
-    """The Comprehensive 3D SR of :func:`build_sr` around ``report``.
+    """The Comprehensive 3D SR of :func:`build_sr` around ``report``, made by ``equipment``
+    (:func:`build_sr`'s: its Manufacturer's Model Name is ``"segnode"``).
 
     highdicom takes the Patient and Study modules, and the Contributing Equipment, from
     ``evidence[0]`` (the SEG) and lists all of ``evidence`` in the Current Requested
@@ -483,16 +567,11 @@ def sr_document(
             evidence=evidence,
             content=report,
             series_instance_uid=uids.sr_series_uid,
-            series_number=series_number,
             sop_instance_uid=uids.sr_sop_uid,
-            instance_number=instance_number,
-            manufacturer=manufacturer,
             is_complete=True,
             series_description=f"SR {manifest.name}"[:64],
             specific_character_set=specific_character_set,
-            manufacturer_model_name="segnode",
-            software_versions=software_version,
-            device_serial_number=device_serial,
+            **equipment.arguments(),
         )
     except (ValueError, TypeError) as exc:
         raise ResultError(f"cannot encode the measurement report: {exc}") from exc

@@ -43,6 +43,7 @@ from segnode.engines.manifest import ModelManifest
 from segnode.node.ingest.volume import Volume
 from segnode.node.pipeline.parallel import map_blocks
 from segnode.node.results.build import (
+    Equipment,
     NoSegmentsError,
     ResultError,
     ResultUIDs,
@@ -227,12 +228,14 @@ class SegPlan:
                 created=created,
                 dimension_organization_uid=dim_uid,
                 charset=charset,
-                series_number=series_number,
-                instance_number=instance_number,
-                manufacturer=manufacturer,
-                manufacturer_model_name=manufacturer_model_name,
-                software_version=software_version,
-                device_serial=device_serial,
+                equipment=Equipment(
+                    software_version,
+                    series_number,
+                    manufacturer,
+                    manufacturer_model_name,
+                    device_serial,
+                    instance_number,
+                ),
             )
             geometry = Geometry.of(volume, sources)
             meta = Dataset()

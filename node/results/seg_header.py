@@ -21,7 +21,6 @@ from typing import Any
 import highdicom as hd
 import numpy as np
 import numpy.typing as npt
-from highdicom.base import SOPClass
 from highdicom.spatial import VOLUME_INDEX_CONVENTION, get_normal_vector, get_volume_positions
 from highdicom.sr.coding import CodedConcept
 from pydicom.dataelem import DataElement
@@ -30,7 +29,6 @@ from pydicom.filebase import DicomBytesIO
 from pydicom.filewriter import correct_ambiguous_vr, write_data_element, write_dataset
 from pydicom.sequence import Sequence as DicomSequence
 from pydicom.sr.codedict import codes
-from pydicom.uid import ExplicitVRLittleEndian
 from pydicom.valuerep import DA, DT, TM, format_number_as_ds
 
 from segnode.engines.manifest import LabelSpec, ModelManifest
@@ -38,10 +36,12 @@ from segnode.node.ingest.volume import Volume
 from segnode.node.results.build import (
     LABEL_MAP_SEGMENTATION_STORAGE,
     SEGMENTATION_STORAGE,
+    Equipment,
     ResultError,
     ResultUIDs,
     derived_uid,
     segment_description,
+    source_base,
 )
 
 #: highdicom matches a frame to a source plane closer than this (mm)
@@ -141,42 +141,22 @@ def seg_base(
     src: Dataset,
     uids: ResultUIDs,
     sop_class_uid: str,
+    equipment: Equipment,
     *,
-    series_number: int,
-    instance_number: int,
-    manufacturer: str,
-    manufacturer_model_name: str,
-    software_version: str,
-    device_serial: str,
     charset: str | list[str] | None,
     **more: Any,
 ) -> Dataset:
     """The SEG's SOP Common, Patient, Study, Series and Equipment attributes as
     ``hd.seg.Segmentation`` sets them on its base class from the first source ``src``
     (``more``: further base-class arguments, e.g. the series description)."""
-    return SOPClass(
-        study_instance_uid=src.StudyInstanceUID,
+    return source_base(
+        src,
+        modality="SEG",
         series_instance_uid=uids.seg_series_uid,
-        series_number=series_number,
         sop_instance_uid=uids.seg_sop_uid,
         sop_class_uid=sop_class_uid,
-        instance_number=instance_number,
-        manufacturer=manufacturer,
-        modality="SEG",
-        transfer_syntax_uid=ExplicitVRLittleEndian,
-        patient_id=src.PatientID,
-        patient_name=src.PatientName,
-        patient_birth_date=src.PatientBirthDate,
-        patient_sex=src.PatientSex,
-        accession_number=src.AccessionNumber,
-        study_id=src.StudyID,
-        study_date=src.StudyDate,
-        study_time=src.StudyTime,
-        referring_physician_name=getattr(src, "ReferringPhysicianName", None),
-        manufacturer_model_name=manufacturer_model_name,
-        device_serial_number=device_serial,
-        software_versions=software_version,
         specific_character_set=charset,
+        **equipment.arguments(),
         **more,
     )
 
@@ -191,12 +171,7 @@ def build_header(
     created: datetime.datetime,
     dimension_organization_uid: str,
     charset: str | list[str] | None,
-    series_number: int,
-    instance_number: int,
-    manufacturer: str,
-    manufacturer_model_name: str,
-    software_version: str,
-    device_serial: str,
+    equipment: Equipment,
 ) -> Dataset:
     """Every top-level attribute of the SEG except those that depend on the labels (frame
     count, Segment Sequence, functional groups, Dimension Organization Type, Pixel Data).
@@ -213,12 +188,7 @@ def build_header(
         src,
         uids,
         sop_class,
-        series_number=series_number,
-        instance_number=instance_number,
-        manufacturer=manufacturer,
-        manufacturer_model_name=manufacturer_model_name,
-        software_version=software_version,
-        device_serial=device_serial,
+        equipment,
         charset=charset,
         series_description=f"SEG {manifest.name}"[:64],
         content_date=created.date(),

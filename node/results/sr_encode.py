@@ -54,7 +54,7 @@ from pydicom.dataelem import DataElement
 from pydicom.dataset import Dataset
 from pydicom.filebase import DicomBytesIO
 from pydicom.filewriter import dcmwrite, write_data_element
-from pydicom.uid import Comprehensive3DSRStorage, ExplicitVRLittleEndian
+from pydicom.uid import Comprehensive3DSRStorage
 from pydicom.valuerep import DA, DS, DT, TM
 
 from segnode.engines.manifest import ModelManifest
@@ -63,11 +63,13 @@ from segnode.node.ingest.volume import Volume
 from segnode.node.results.build import (
     LABEL_MAP_SEGMENTATION_STORAGE,
     SEGMENTATION_STORAGE,
+    Equipment,
     ResultUIDs,
     _character_set,
     _source_headers,
     derived_uid,
     measurement_report,
+    source_base,
     sr_document,
 )
 from segnode.node.results.seg_header import seg_base
@@ -301,22 +303,12 @@ def _sr_base(seg: Dataset, uids: ResultUIDs, **kwargs: Any) -> hd.SOPClass:
     ``Comprehensive3DSR`` sets them from ``seg`` (its first evidence): highdicom's base
     class with the same arguments, then the Patient and Study modules copied."""
     try:
-        sr = hd.SOPClass(
-            study_instance_uid=seg.StudyInstanceUID,
+        sr = source_base(
+            seg,
+            modality="SR",
             series_instance_uid=uids.sr_series_uid,
             sop_instance_uid=uids.sr_sop_uid,
             sop_class_uid=Comprehensive3DSRStorage,
-            modality="SR",
-            transfer_syntax_uid=ExplicitVRLittleEndian,
-            patient_id=seg.PatientID,
-            patient_name=seg.PatientName,
-            patient_birth_date=seg.PatientBirthDate,
-            patient_sex=seg.PatientSex,
-            accession_number=seg.AccessionNumber,
-            study_id=seg.StudyID,
-            study_date=seg.StudyDate,
-            study_time=seg.StudyTime,
-            referring_physician_name=getattr(seg, "ReferringPhysicianName", None),
             **kwargs,
         )
     except (ValueError, TypeError) as exc:
@@ -365,27 +357,12 @@ def _seg_header(
     first: Dataset,
     uids: ResultUIDs,
     sop_class_uid: str,
-    *,
-    manufacturer: str,
-    manufacturer_model_name: str,
-    software_version: str,
-    device_serial: str,
+    equipment: Equipment,
     specific_character_set: str | list[str] | None,
 ) -> Dataset:
     """The attributes of the SEG that highdicom's SR reads (its evidence, Patient and Study
     modules, equipment), set as ``hd.seg.Segmentation`` sets them from the first source."""
-    seg = seg_base(
-        first,
-        uids,
-        sop_class_uid,
-        series_number=1,
-        instance_number=1,
-        manufacturer=manufacturer,
-        manufacturer_model_name=manufacturer_model_name,
-        software_version=software_version,
-        device_serial=device_serial,
-        charset=specific_character_set,
-    )
+    seg = seg_base(first, uids, sop_class_uid, equipment, charset=specific_character_set)
     seg.copy_patient_and_study_information(first)
     return seg
 
@@ -465,26 +442,23 @@ class SrPlan:
             raise ResultError(f"{seg_sop_class_uid} is not a Segmentation SOP Class")
         sources = _source_headers(volume)
         charset = _character_set(volume)
-        seg = _seg_header(
-            sources[0],
-            uids,
-            seg_sop_class_uid,
-            manufacturer=manufacturer,
-            manufacturer_model_name=seg_manufacturer_model_name,
-            software_version=software_version,
+        # The SEG's series and instance numbers are not among what the SR reads of it.
+        seg_equipment = Equipment(
+            software_version, 1, manufacturer, seg_manufacturer_model_name, device_serial, 1
+        )
+        seg = _seg_header(sources[0], uids, seg_sop_class_uid, seg_equipment, charset)
+        equipment = Equipment(
+            software_version,
+            series_number,
+            manufacturer,
             device_serial=device_serial,
-            specific_character_set=charset,
+            instance_number=instance_number,
         )
         # The keywords sr_document gives Comprehensive3DSR that its base class keeps.
         base_kwargs: dict[str, Any] = {
-            "series_number": series_number,
-            "instance_number": instance_number,
-            "manufacturer": manufacturer,
+            **equipment.arguments(),
             "specific_character_set": charset,
             "series_description": f"SR {manifest.name}"[:64],
-            "manufacturer_model_name": "segnode",
-            "software_versions": software_version,
-            "device_serial_number": device_serial,
         }
         key = (
             manifest.name,
@@ -533,11 +507,7 @@ class SrPlan:
             manifest,
             uids,
             specific_character_set=charset,
-            manufacturer=manufacturer,
-            software_version=software_version,
-            series_number=series_number,
-            device_serial=device_serial,
-            instance_number=instance_number,
+            equipment=equipment,
         )
         plan, items = cls._from_model(
             model, manifest, uids, [spec.value for spec in specs], source_series_uid

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 from segnode.node.errors import ConfigError
 from segnode.node.outbox.stow import STOW_PREFIX, StowTarget
 from segnode.node.peers import Peer, parse_peer
+from segnode.node.tables import check_keys
 
 #: The destination that means "back to the AE that sent the series".
 SENDER = "@sender"
@@ -70,9 +71,7 @@ def parse_stow_url(url: Any, key: str) -> str:
 
 def _stow_table(x: Mapping[str, Any], key: str, path: PathFn) -> StowTarget:
     known = {"stow", "ca_file", "verify", "username", "password_file", "token_file"}
-    unknown = set(x) - known
-    if unknown:
-        raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
+    check_keys(x, known, f"{key}:")
     url = parse_stow_url(x["stow"], f"{key}.stow")
 
     def opt(name: str) -> Path | None:

@@ -81,6 +81,7 @@ from segnode.node.routing.destinations import (
     parse_destination,
     resolve,
 )
+from segnode.node.tables import array_of_tables, check_keys, section
 
 if TYPE_CHECKING:
     from segnode.node.config import Config
@@ -336,9 +337,7 @@ def _parse_models(raw: Any, path: PathFn) -> tuple[ModelSpec, ...]:
             raise ConfigError(f'{key}: the name "default" is the [model] table; pick another')
         if not isinstance(t, dict):
             raise ConfigError(f"{key}: must be a table")
-        unknown = set(t) - set(SPEC_KEYS)
-        if unknown:
-            raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
+        check_keys(t, SPEC_KEYS, f"{key}:")
         out.append(parse_model_spec(name, t, key, path, engines=available_backends()))
     return tuple(out)
 
@@ -356,27 +355,14 @@ def parse_routing(
         Naming the key: an unknown key or mode, a rule naming an undeclared model, a duplicate
         rule name, an invalid regular expression, range or destination.
     """
-    r = raw.get("routing", {})
-    if not isinstance(r, dict):
-        raise ConfigError("[routing] must be a table")
-    if set(r) - {"mode"}:
-        raise ConfigError(f"[routing] unknown key(s): {', '.join(sorted(set(r) - {'mode'}))}")
+    r = section(raw, "routing", {"mode"})
     mode = r.get("mode", "first")
     if mode not in ROUTING_MODES:
         raise ConfigError(f'routing.mode: must be "first" or "all", got {mode!r}')
     models = _parse_models(raw.get("models", {}), path)
     known = {DEFAULT_MODEL_NAME} | {m.name for m in models}
-    items = raw.get("rules", [])
-    if not isinstance(items, list):
-        raise ConfigError("rules: must be an array of tables ([[rules]])")
     rules: list[Rule] = []
-    for i, t in enumerate(items):
-        key = f"rules[{i}]"
-        if not isinstance(t, dict):
-            raise ConfigError(f"{key}: must be a table")
-        unknown = set(t) - _RULE_KEYS
-        if unknown:
-            raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))}")
+    for i, (key, t) in enumerate(array_of_tables(raw.get("rules", []), "rules", _RULE_KEYS)):
         name = t.get("name", f"rule{i + 1}")
         if not isinstance(name, str) or not _MODEL_NAME.match(name):
             raise ConfigError(f"{key}.name: 1-48 letters, digits, '_', '-' or '.', got {name!r}")

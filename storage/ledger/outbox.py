@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import CursorResult
+from sqlalchemy.orm import Session
 
 from segnode.storage.ledger.connection import LedgerBase, utcnow
 from segnode.storage.ledger.states import DeliveryStatus, JobState, move, move_delivery
@@ -130,14 +131,8 @@ class Outbox(LedgerBase):
             d = s.get(Delivery, delivery_id)
             if d is None or d.status != DeliveryStatus.PENDING:
                 return  # already settled (sent, given up or cancelled): that stands
-            move_delivery(s, d, DeliveryStatus.FAILED, now, error)
             d.attempts += 1
-            d.last_error = error[:1024]
-            job = s.get(Job, d.job_id)
-            if job is not None and job.state == JobState.ENCODED:
-                job.reason = f"delivery to {d.destination} failed: {error}"[:2048]
-                move(s, job, JobState.FAILED, now, message=job.reason)
-                job.finished_at = now
+            _give_up(s, d, error, now)
 
     def next_delivery_time(self) -> datetime | None:
         """When the earliest pending delivery is due."""
@@ -189,15 +184,24 @@ class Outbox(LedgerBase):
                 )
             ).all()
             for d in rows:
-                move_delivery(s, d, DeliveryStatus.FAILED, now, reason)
-                d.last_error = reason[:1024]
-                job = s.get(Job, d.job_id)
-                if job is not None and job.state == JobState.ENCODED:
-                    job.reason = f"delivery to {d.destination} failed: {reason}"[:2048]
-                    move(s, job, JobState.FAILED, now, message=job.reason)
-                    job.finished_at = now
+                job = _give_up(s, d, reason, now)
+                if job is not None:
                     failed.append(job.id)
         return failed
+
+
+def _give_up(s: Session, d: Delivery, reason: str, now: datetime) -> Job | None:
+    """Fail delivery ``d`` for ``reason``, and with it its job when that job is waiting on
+    its deliveries (``encoded``); return the job when it failed."""
+    move_delivery(s, d, DeliveryStatus.FAILED, now, reason)
+    d.last_error = reason[:1024]
+    job = s.get(Job, d.job_id)
+    if job is None or job.state != JobState.ENCODED:
+        return None
+    job.reason = f"delivery to {d.destination} failed: {reason}"[:2048]
+    move(s, job, JobState.FAILED, now, message=job.reason)
+    job.finished_at = now
+    return job
 
 
 _DELIVERY_SENDING = "UPDATE deliveries SET sending_at = ? WHERE id = ?"

@@ -12,8 +12,10 @@ transaction), nor any query; it only changes the row it is given and adds its ev
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from enum import StrEnum
+from typing import TypeVar
 
 from sqlalchemy.orm import Session
 
@@ -92,6 +94,22 @@ class TransitionError(RuntimeError):
     """A job was asked to make a move :data:`TRANSITIONS` does not allow (a bug)."""
 
 
+_S = TypeVar("_S", JobState, DeliveryStatus)
+
+
+def _allowed(what: str, moves: Mapping[_S, frozenset[_S]], current: _S, to: _S) -> _S:
+    """``current``, once ``moves`` allows ``current -> to`` for ``what`` (a job or a delivery).
+
+    Raises
+    ------
+    TransitionError
+        ``moves`` does not allow it.
+    """
+    if to not in moves[current]:
+        raise TransitionError(f"{what}: {current} -> {to} is not an allowed move")
+    return current
+
+
 def move_delivery(
     s: Session, d: Delivery, to: DeliveryStatus, now: datetime, message: str = ""
 ) -> None:
@@ -103,9 +121,7 @@ def move_delivery(
     TransitionError
         The move is not allowed from the delivery's status.
     """
-    now_status = DeliveryStatus(d.status)
-    if to not in DELIVERY_MOVES[now_status]:
-        raise TransitionError(f"delivery {d.id}: {now_status} -> {to} is not an allowed move")
+    now_status = _allowed(f"delivery {d.id}", DELIVERY_MOVES, DeliveryStatus(d.status), to)
     d.status = to.value
     text = f"{d.destination}: {message or f'{now_status} -> {to}'}"
     s.add(Event(at=now, kind=f"delivery-{to}", job_id=d.job_id, message=text[:2048]))
@@ -128,9 +144,7 @@ def move(
     TransitionError
         The move is not allowed from the job's state.
     """
-    now_state = JobState(job.state)
-    if to not in TRANSITIONS[now_state]:
-        raise TransitionError(f"job {job.id}: {now_state} -> {to} is not an allowed move")
+    now_state = _allowed(f"job {job.id}", TRANSITIONS, JobState(job.state), to)
     job.state = to.value
     text = message if message is not None else f"{now_state} -> {to}"
     s.add(Event(at=now, kind=kind or f"job-{to}", job_id=job.id, message=text[:2048]))

@@ -1,0 +1,455 @@
+"""Reading ``config.toml`` into the frozen dataclasses of :mod:`segnode.node.config.schema`.
+
+This module owns parsing and validation: :func:`load_config` reads the file,
+:func:`from_dict` checks every table and value and builds the
+:class:`~segnode.node.config.schema.Config`. An invalid value stops the node at start with a
+:class:`~segnode.node.errors.ConfigError` naming the key. The sections that other modules own
+are parsed by them: ``[model]`` by :mod:`segnode.node.modelspec`, destinations by
+:mod:`segnode.node.routing.destinations`, ``[routing]``, ``[[rules]]`` and ``[models.NAME]`` by
+:mod:`segnode.node.routing.rules`.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import segnode.node.config.schema as schema
+from segnode.node.errors import ConfigError
+from segnode.node.modelspec import DEFAULT_MODEL_NAME, SPEC_KEYS, ModelSpec, parse_model_spec
+from segnode.node.peers import ClientTLS, Peer, parse_peer
+from segnode.node.peers import ae_title as _ae
+from segnode.node.peers import port as _port
+from segnode.node.routing.destinations import PathFn, parse_destination
+from segnode.node.routing.rules import parse_routing
+from segnode.node.tables import array_of_tables, check_keys, section
+
+
+def _num(value: Any, key: str, lo: float, hi: float = float("inf")) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ConfigError(f"{key}: must be a number in [{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+def _int(value: Any, key: str, lo: int, hi: int = 2**31) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ConfigError(f"{key}: must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: must be true or false, got {value!r}")
+    return value
+
+
+def _str(value: Any, key: str, choices: tuple[str, ...] | None = None) -> str:
+    if not isinstance(value, str) or (choices and value not in choices):
+        allowed = f" (one of {', '.join(choices)})" if choices else ""
+        raise ConfigError(f"{key}: must be a string{allowed}, got {value!r}")
+    return value
+
+
+_DATACLASS_DEFAULT = object()
+
+
+class _Table:
+    """One table's values and the dataclass instance holding its defaults.
+
+    Each reader takes a key's value (the default when the table does not set it), checks it
+    and names ``<table>.<key>`` in the :class:`~segnode.node.errors.ConfigError`.
+    """
+
+    def __init__(self, name: str, values: Mapping[str, Any], defaults: object = None) -> None:
+        self.name = name
+        self.values = values
+        self.defaults = defaults
+
+    def key(self, key: str) -> str:
+        """``key`` as the messages name it."""
+        return f"{self.name}.{key}"
+
+    def get(self, key: str, default: Any = _DATACLASS_DEFAULT) -> Any:
+        """The table's value of ``key``, else ``default``, else the dataclass's default."""
+        if key in self.values:
+            return self.values[key]
+        return getattr(self.defaults, key) if default is _DATACLASS_DEFAULT else default
+
+    def integer(self, key: str, lo: int, hi: int = 2**31) -> int:
+        """``key`` as an integer in ``[lo, hi]``."""
+        return _int(self.get(key), self.key(key), lo, hi)
+
+    def number(self, key: str, lo: float, hi: float = float("inf")) -> float:
+        """``key`` as a number in ``[lo, hi]``."""
+        return _num(self.get(key), self.key(key), lo, hi)
+
+    def flag(self, key: str, default: Any = _DATACLASS_DEFAULT) -> bool:
+        """``key`` as true or false."""
+        return _bool(self.get(key, default), self.key(key))
+
+    def text(self, key: str, choices: tuple[str, ...] | None = None) -> str:
+        """``key`` as a string (one of ``choices`` when given)."""
+        return _str(self.get(key), self.key(key), choices)
+
+    def path(self, key: str, path: PathFn) -> Path | None:
+        """``key`` as a path resolved by ``path``; None when the table does not set it."""
+        return path(self.values[key], self.key(key)) if key in self.values else None
+
+
+def _section(raw: Mapping[str, Any], name: str, defaults: Any) -> _Table:
+    """``[name]``, its keys among the fields of ``defaults`` (its dataclass's instance)."""
+    return _Table(name, section(raw, name, defaults.__dataclass_fields__), defaults)
+
+
+#: The range of ``node.max_pdu`` (PS3.8 allows any length; below 4 KiB costs speed, above
+#: 16 MiB memory per association).
+MAX_PDU_RANGE = (4096, 1 << 24)
+
+
+def _max_pdu(value: Any) -> int:
+    """``node.max_pdu``; 0 ("unlimited", the old default) is read as the default, because a
+    peer could otherwise make the node buffer gigabytes (the node logs a warning)."""
+    n = _int(value, "node.max_pdu", 0, MAX_PDU_RANGE[1])
+    if n and n < MAX_PDU_RANGE[0]:
+        raise ConfigError(
+            f"node.max_pdu: must be between {MAX_PDU_RANGE[0]} and {MAX_PDU_RANGE[1]} bytes"
+        )
+    return n
+
+
+_TOP_LEVEL_KEYS = {
+    "data_dir",
+    "log_level",
+    "job_max_attempts",
+    "node",
+    "series",
+    "model",
+    "dispatch",
+    "tls",
+    "retention",
+    "streaming",
+    "metrics",
+    "results",
+    "web",
+    "routing",
+    "rules",
+    "models",
+}
+
+
+def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> schema.Config:
+    """Build a validated :class:`~segnode.node.config.schema.Config` from parsed TOML.
+
+    Relative paths (``data_dir``, ``model.manifest``) are relative to ``base_dir`` (the
+    config file's folder) when given, else to the working directory.
+    """
+    d = schema.Config()
+    unknown = set(raw) - _TOP_LEVEL_KEYS
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s): {', '.join(sorted(unknown))}")
+
+    def path(value: Any, key: str) -> Path:
+        p = Path(_str(value, key)).expanduser()
+        return p if p.is_absolute() or base_dir is None else base_dir / p
+
+    def peer_table(x: dict[str, Any], key: str) -> Peer:
+        return _tls_dest(x, key, path)
+
+    node = _node(_section(raw, "node", d.node), path)
+    series = _series(_section(raw, "series", d.series))
+    m = section(raw, "model", {*SPEC_KEYS, "load"})
+    spec = parse_model_spec(DEFAULT_MODEL_NAME, m, "model", path, default_manifest=d.model.manifest)
+    model = schema.ModelConfig(
+        **{f: getattr(spec, f) for f in ModelSpec.__dataclass_fields__},
+        load=_Table("model", m, d.model).text("load", schema.ENGINE_LOAD_MODES),
+    )
+    dispatch = _dispatch(_section(raw, "dispatch", d.dispatch), node, path, peer_table)
+    level = _str(raw.get("log_level", "INFO"), "log_level", ("DEBUG", "INFO", "WARNING", "ERROR"))
+    tls = _tls(_section(raw, "tls", d.tls), path)
+    web_keys = {"enabled", "listen", "token_file", "tls", "preview"}
+    web = _web(_Table("web", section(raw, "web", web_keys), d.web), path, tls)
+    return schema.Config(
+        data_dir=path(raw["data_dir"], "data_dir") if "data_dir" in raw else d.data_dir,
+        log_level=level,
+        node=node,
+        series=series,
+        model=model,
+        dispatch=dispatch,
+        job_max_attempts=_int(raw.get("job_max_attempts", 3), "job_max_attempts", 1, 100),
+        tls=tls,
+        retention=_retention(_section(raw, "retention", d.retention)),
+        streaming=_streaming(_section(raw, "streaming", d.streaming)),
+        metrics=_metrics(_section(raw, "metrics", d.metrics)),
+        results=_results(_section(raw, "results", d.results)),
+        web=web,
+        routing=parse_routing(raw, path, peer_table),
+    )
+
+
+def _node(n: _Table, path: PathFn) -> schema.NodeConfig:
+    """``[node]`` and its ``[[node.peers]]``."""
+    allowed = n.get("allowed_calling_aes", [])
+    if not isinstance(allowed, list):
+        raise ConfigError("node.allowed_calling_aes: must be a list of AE titles")
+    return schema.NodeConfig(
+        ae_title=_ae(n.get("ae_title"), "node.ae_title"),
+        host=n.text("host"),
+        port=_port(n.get("port"), "node.port"),
+        max_pdu=_max_pdu(n.get("max_pdu")),
+        allowed_calling_aes=tuple(_ae(a, "node.allowed_calling_aes") for a in allowed),
+        other_sop_classes=n.text("other_sop_classes", ("ignore", "reject")),
+        max_associations=n.integer("max_associations", 1, 1000),
+        max_pending=n.integer("max_pending", 1, 10000),
+        max_pending_per_host=n.integer("max_pending_per_host", 1, 10000),
+        association_request_timeout_s=n.number("association_request_timeout_s", 0.1, 600),
+        network_timeout_s=n.number("network_timeout_s", 1),
+        min_transfer_rate_kib_s=n.number("min_transfer_rate_kib_s", 0),
+        max_instance_mb=n.integer("max_instance_mb", 1, 65536),
+        check_called_ae=n.flag("check_called_ae"),
+        stop_grace_s=n.number("stop_grace_s", 0, 600),
+        min_free_disk_mb=n.integer("min_free_disk_mb", 0),
+        staging_pool_mb=n.integer("staging_pool_mb", 0, 65536),
+        max_series_instances=n.integer("max_series_instances", 0),
+        max_series_mb=n.integer("max_series_mb", 0),
+        peers=_peer_rules(n.get("peers", []), path),
+    )
+
+
+def _series(s: _Table) -> schema.SeriesConfig:
+    """``[series]`` and its ``[[series.senders]]``."""
+    return schema.SeriesConfig(
+        complete_on_release=s.flag("complete_on_release"),
+        quiet_period_s=s.number("quiet_period_s", 0.1, 86400),
+        min_slices=s.integer("min_slices", 2),
+        completion=s.text("completion", schema.COMPLETION_MODES),
+        senders=_senders(s.get("senders", [])),
+    )
+
+
+def _dispatch(
+    t: _Table,
+    node: schema.NodeConfig,
+    path: PathFn,
+    peer_table: Callable[[dict[str, Any], str], Peer],
+) -> schema.DispatchConfig:
+    """``[dispatch]``; its calling AE title defaults to the node's."""
+    dests = t.get("destinations", [])
+    if not isinstance(dests, list):
+        raise ConfigError('dispatch.destinations: must be a list of "AE@HOST:PORT" strings')
+    return schema.DispatchConfig(
+        destinations=tuple(
+            parse_destination(x, f"dispatch.destinations[{i}]", path, peer_table)
+            for i, x in enumerate(dests)
+        ),
+        calling_ae=_ae(t.get("calling_ae", node.ae_title), "dispatch.calling_ae"),
+        retry_initial_s=t.number("retry_initial_s", 0.01, 3600),
+        retry_max_s=t.number("retry_max_s", 0.01, 86400),
+        max_attempts=t.integer("max_attempts", 1),
+        timeout_s=t.number("timeout_s", 1, 3600),
+        max_age_s=t.number("max_age_s", 0),
+        breaker_failures=t.integer("breaker_failures", 1),
+        breaker_cooldown_s=t.number("breaker_cooldown_s", 0.01, 86400),
+        keep_open_s=t.number("keep_open_s", 0, 3600),
+    )
+
+
+def _web(t: _Table, path: PathFn, tls: schema.TLSConfig) -> schema.WebConfig:
+    """``[web]``: ``listen = "HOST:PORT"`` (``[::1]:PORT`` for IPv6), a token file, TLS."""
+    d = schema.WebConfig()
+    listen = _str(t.get("listen", f"{d.host}:{d.port}"), "web.listen")
+    m = re.fullmatch(r"(\[[^\]]+\]|[^:\[\]]+):(\d{1,5})", listen.strip())
+    if not m:
+        raise ConfigError(f'web.listen: expected "HOST:PORT" or "[IPV6]:PORT", got {listen!r}')
+    port = int(m.group(2))
+    if port > 65535:  # 0 (any free port) is allowed: tests and `segnode serve` log the port
+        raise ConfigError(f"web.listen: port must be 0-65535, got {port}")
+    token = _str(t.get("token_file", ""), "web.token_file")
+    cfg = schema.WebConfig(
+        enabled=t.flag("enabled"),
+        host=m.group(1).strip("[]"),
+        port=port,
+        token_file=path(token, "web.token_file") if token else None,
+        tls=t.flag("tls"),
+        preview=t.flag("preview"),
+    )
+    if not cfg.enabled:
+        return cfg
+    if cfg.token_file is None and not cfg.loopback:
+        raise ConfigError(
+            f"web.token_file: required when web.listen is not a loopback address "
+            f"({cfg.host}): every request then needs the bearer token"
+        )
+    if cfg.token_file is not None and not cfg.token_file.is_file():
+        raise ConfigError(f"web.token_file: file not found: {cfg.token_file}")
+    if cfg.tls:
+        for name in ("cert_file", "key_file"):
+            p = getattr(tls, name)
+            if p is None:
+                raise ConfigError(f"tls.{name}: required when web.tls = true")
+            if not p.exists():
+                raise ConfigError(f"tls.{name}: file not found: {p}")
+    return cfg
+
+
+def _results(t: _Table) -> schema.ResultsConfig:
+    return schema.ResultsConfig(
+        segmentation_type=t.text("segmentation_type", ("BINARY", "LABELMAP")),
+        prepare=t.text("prepare", ("concurrent", "before")),
+    )
+
+
+def _tls_dest(x: dict[str, Any], key: str, path: PathFn) -> Peer:
+    """A destination given as a table: ``{peer = "AE@HOST:PORT", tls = true, ...}``."""
+    known = {
+        "peer",
+        "tls",
+        "ca_file",
+        "cert_file",
+        "key_file",
+        "server_name",
+        "verify",
+        "reject_superseded",
+    }
+    check_keys(x, known, f"{key}:")
+    if "peer" not in x:
+        raise ConfigError(f'{key}: a table destination needs peer = "AE@HOST:PORT"')
+    t = _Table(key, x)
+    peer = parse_peer(t.text("peer"), t.key("peer"))
+    peer = replace(peer, reject_superseded=t.flag("reject_superseded", False))
+    if not t.flag("tls", False):
+        if set(x) - {"peer", "tls", "reject_superseded"}:
+            raise ConfigError(f"{key}: TLS options given but tls is not true")
+        return peer
+    tls = ClientTLS(
+        ca_file=t.path("ca_file", path),
+        cert_file=t.path("cert_file", path),
+        key_file=t.path("key_file", path),
+        server_name=t.text("server_name") if "server_name" in x else None,
+        verify=t.flag("verify", True),
+    )
+    if (tls.cert_file is None) != (tls.key_file is None):
+        raise ConfigError(f"{key}: cert_file and key_file go together")
+    for name in ("ca_file", "cert_file", "key_file"):
+        p = getattr(tls, name)
+        if p is not None and not p.exists():
+            raise ConfigError(f"{key}.{name}: file not found: {p}")
+    return replace(peer, tls=tls)
+
+
+_PEER_TLS_KEYS = {"tls", "ca_file", "cert_file", "key_file", "server_name", "verify"}
+
+
+def _peer_rules(value: Any, path: PathFn) -> tuple[schema.PeerRule, ...]:
+    rules = []
+    known = {"ae_title", "host", "port", "return_ae_title", *_PEER_TLS_KEYS}
+    what = "a table with ae_title and optional host"
+    for key, item in array_of_tables(value, "node.peers", known, what):
+        if "ae_title" not in item:
+            raise ConfigError(f"{key}.ae_title: missing")
+        host = item.get("host")
+        if host is not None and (not isinstance(host, str) or not host.strip()):
+            raise ConfigError(f"{key}.host: must be an address, CIDR network or host name")
+        rule = schema.PeerRule(
+            _ae(item["ae_title"], f"{key}.ae_title"), host.strip() if host else None
+        )
+        if "port" in item:
+            if rule.host is None:
+                raise ConfigError(f"{key}.port: a return address needs host (address or name)")
+            if "/" in rule.host:
+                raise ConfigError(
+                    f"{key}.host: with a port it is a return address: an address or a host "
+                    f"name, not a network ({rule.host!r})"
+                )
+            port = _port(item["port"], f"{key}.port")
+            ret = _ae(item.get("return_ae_title", rule.ae_title), f"{key}.return_ae_title")
+            spec = {k: item[k] for k in _PEER_TLS_KEYS if k in item}
+            peer = _tls_dest({"peer": f"{ret}@{rule.host}:{port}", **spec}, key, path)
+            rule = replace(rule, port=peer.port, return_ae_title=ret, tls=peer.tls)
+        elif set(item) & (_PEER_TLS_KEYS | {"return_ae_title"}):
+            raise ConfigError(f"{key}: return_ae_title and TLS options need port")
+        rules.append(rule)
+    return tuple(rules)
+
+
+def _tls(t: _Table, path: PathFn) -> schema.TLSConfig:
+    cfg = schema.TLSConfig(
+        enabled=t.flag("enabled"),
+        port=t.integer("port", 0, 65535),
+        cert_file=t.path("cert_file", path),
+        key_file=t.path("key_file", path),
+        ca_file=t.path("ca_file", path),
+        require_client_cert=t.flag("require_client_cert"),
+        min_version=t.text("min_version", ("1.2", "1.3")),
+        handshake_timeout_s=t.number("handshake_timeout_s", 0.1),
+    )
+    if not cfg.enabled:
+        return cfg
+    for name in ("cert_file", "key_file"):
+        if getattr(cfg, name) is None:
+            raise ConfigError(f"tls.{name}: required when tls.enabled = true")
+    if cfg.require_client_cert and cfg.ca_file is None:
+        raise ConfigError("tls.ca_file: required when tls.require_client_cert = true")
+    for name in ("cert_file", "key_file", "ca_file"):
+        p = getattr(cfg, name)
+        if p is not None and not p.exists():
+            raise ConfigError(f"tls.{name}: file not found: {p}")
+    return cfg
+
+
+def _senders(raw: Any) -> tuple[schema.SenderPolicy, ...]:
+    """Parse ``[[series.senders]]`` (one table per calling AE title)."""
+    out: list[schema.SenderPolicy] = []
+    known = schema.SenderPolicy.__dataclass_fields__
+    what = "a table with ae_title, completion, priority"
+    for key, t in array_of_tables(raw, "series.senders", known, what):
+        if "ae_title" not in t:
+            raise ConfigError(f"{key}.ae_title: missing")
+        ae = _ae(t["ae_title"], f"{key}.ae_title")
+        if any(p.ae_title == ae for p in out):
+            raise ConfigError(f"{key}.ae_title: {ae!r} is listed twice")
+        policy = _Table(key, t, schema.SenderPolicy(ae_title=ae))
+        completion = policy.text("completion", schema.COMPLETION_MODES)
+        priority = policy.integer("priority", -1000, 1000)
+        out.append(schema.SenderPolicy(ae_title=ae, completion=completion, priority=priority))
+    return tuple(out)
+
+
+def _streaming(t: _Table) -> schema.StreamingConfig:
+    return schema.StreamingConfig(
+        enabled=t.flag("enabled"),
+        workers=t.integer("workers", 1, 64),
+        max_memory_mb=t.integer("max_memory_mb", 0),
+        warm_mb=t.integer("warm_mb", 0),
+    )
+
+
+def _metrics(t: _Table) -> schema.MetricsConfig:
+    return schema.MetricsConfig(
+        enabled=t.flag("enabled"),
+        host=t.text("host"),
+        port=t.integer("port", 0, 65535),
+    )
+
+
+def _retention(t: _Table) -> schema.RetentionConfig:
+    return schema.RetentionConfig(
+        spool_days=t.number("spool_days", 0),
+        check_interval_s=t.number("check_interval_s", 1),
+    )
+
+
+def load_config(path: Path | None) -> schema.Config:
+    """Read ``path`` (or return the defaults when None)."""
+    if path is None:
+        return from_dict({})
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    return from_dict(raw, base_dir=path.resolve().parent)

@@ -1,0 +1,283 @@
+"""The configuration's schema: one frozen dataclass per ``config.toml`` table.
+
+This module owns what a configuration holds (field names, types and defaults, and the small
+derived views such as :meth:`SeriesConfig.policy_for`); :mod:`segnode.node.config.parse` owns
+reading ``config.toml`` into these types. ``config.toml`` at the repository root documents
+every key with its default. The ``[routing]``, ``[[rules]]`` and ``[models.NAME]`` tables are
+:class:`~segnode.node.routing.rules.Routing`, the destinations
+:data:`~segnode.node.routing.destinations.Destination` (their modules own them and their
+parsing).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from segnode.node.modelspec import DEFAULT_MODEL_NAME, ModelSpec
+from segnode.node.peers import ClientTLS, Peer, parse_peer
+from segnode.node.peers import ae_title as _ae
+from segnode.node.peers import port as _port
+from segnode.node.routing.destinations import Destination
+from segnode.node.routing.rules import Routing
+
+_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = _ROOT / "engines" / "models" / "tissue" / "tissue.json"
+"""The bundled model's manifest: ``[model] manifest`` when the configuration names none."""
+#: The documented default configuration at the repository root.
+ROOT_CONFIG = _ROOT / "config.toml"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """``[node]``: the listening application entity."""
+
+    ae_title: str = "SEGNODE"
+    host: str = "127.0.0.1"
+    port: int = 11112
+    max_pdu: int = 1 << 20
+    allowed_calling_aes: tuple[str, ...] = ()
+    other_sop_classes: str = "ignore"
+    max_associations: int = 16
+    max_pending: int = 64
+    max_pending_per_host: int = 16
+    association_request_timeout_s: float = 10.0
+    network_timeout_s: float = 60.0
+    min_transfer_rate_kib_s: float = 16.0
+    max_instance_mb: int = 1024
+    check_called_ae: bool = False
+    stop_grace_s: float = 5.0
+    min_free_disk_mb: int = 1024
+    staging_pool_mb: int = 192
+    max_series_instances: int = 10000
+    max_series_mb: int = 20480
+    peers: tuple[PeerRule, ...] = ()
+
+
+@dataclass(frozen=True)
+class PeerRule:
+    """``[[node.peers]]``: a calling AE title allowed to associate, optionally only from a host.
+
+    ``host`` is an IP address, a network in CIDR notation or a host name (resolved at start);
+    None accepts the AE title from any address. With ``port`` (and a ``host`` that is an
+    address or a name, not a network) the peer is also a return address: the destination
+    ``"@sender"`` sends results of its series to ``return_ae_title`` (default ``ae_title``)
+    at ``host:port``, over TLS when ``tls`` is set.
+    """
+
+    ae_title: str
+    host: str | None = None
+    port: int | None = None
+    return_ae_title: str | None = None
+    tls: ClientTLS | None = None
+
+    @property
+    def return_peer(self) -> Peer | None:
+        """Where ``"@sender"`` sends this peer's results (None without a port)."""
+        if self.port is None or self.host is None:
+            return None
+        return Peer(self.return_ae_title or self.ae_title, self.host, self.port, self.tls)
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """``[tls]``: DICOM TLS on the listening side (PS3.15 Annex B.1 / B.9)."""
+
+    enabled: bool = False
+    port: int = 0
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    ca_file: Path | None = None
+    require_client_cert: bool = False
+    min_version: str = "1.2"
+    handshake_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """``[retention]``: deleting spooled instances and results after delivery."""
+
+    spool_days: float = 0.0
+    check_interval_s: float = 600.0
+
+
+#: Completion policies: which signals complete a sender's series (the quiet period is always
+#: the fallback). "auto": association release or geometric completeness, whichever is first.
+COMPLETION_MODES = ("auto", "release", "geometry", "quiet")
+
+
+@dataclass(frozen=True)
+class SenderPolicy:
+    """``[[series.senders]]``: completion policy and job priority for one calling AE title."""
+
+    ae_title: str
+    completion: str = "auto"
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class SeriesConfig:
+    """``[series]``: when a series is complete."""
+
+    complete_on_release: bool = True
+    quiet_period_s: float = 30.0
+    min_slices: int = 2
+    completion: str = "auto"
+    senders: tuple[SenderPolicy, ...] = ()
+
+    def policy_for(self, calling_ae: str) -> SenderPolicy:
+        """The policy of ``calling_ae`` (the defaults when it has no ``[[series.senders]]``)."""
+        for p in self.senders:
+            if p.ae_title == calling_ae.strip():
+                return p
+        return SenderPolicy(ae_title=calling_ae.strip(), completion=self.completion)
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """``[streaming]``: decoding instances into volumes while they arrive."""
+
+    enabled: bool = True
+    workers: int = 1
+    max_memory_mb: int = 2048
+    warm_mb: int = 256
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """``[metrics]``: the Prometheus endpoint (off by default)."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 9464
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    """``[web]``: the web console and HTTP API (off by default; ``docs/web.md``).
+
+    ``token_file`` holds the bearer token that the actions (retry, cancel) need, and that
+    every request needs when ``host`` is not a loopback address. ``tls`` serves HTTPS with
+    the certificate and key of ``[tls]``.
+    """
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8080
+    token_file: Path | None = None
+    tls: bool = False
+    preview: bool = True
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the console listens on a loopback address only."""
+        return is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback address."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+@dataclass(frozen=True)
+class ResultsConfig:
+    """``[results]``: how the results are encoded."""
+
+    #: "BINARY" (Segmentation Storage, one 1-bit frame per non-empty segment and slice: every
+    #: viewer that reads DICOM SEG) or "LABELMAP" (Label Map Segmentation Storage: one 8-bit
+    #: frame per non-empty slice holding every segment; read only by recent viewers).
+    segmentation_type: str = "BINARY"
+    #: When the SEG and SR are prepared (everything but what the label map decides):
+    #: "concurrent" (on a helper thread while the engine runs) or "before" (in the worker
+    #: thread, before the engine runs: the engine's Python then has the GIL to itself, which
+    #: a GPU engine launching kernels from Python needs; docs/performance.md).
+    prepare: str = "concurrent"
+
+
+ENGINE_LOAD_MODES = ("background", "before")
+"""``[model] load``: when the default model's engine loads relative to listening."""
+
+
+@dataclass(frozen=True)
+class ModelConfig(ModelSpec):
+    """``[model]``: the default model (a :class:`~segnode.node.modelspec.ModelSpec` named
+    ``"default"``) and when its engine loads."""
+
+    name: str = DEFAULT_MODEL_NAME
+    manifest: Path = DEFAULT_MODEL
+    #: "background" (listen at once; jobs wait until the engine is loaded) or "before" (listen
+    #: only once the engine is loaded).
+    load: str = "background"
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """``[dispatch]``: sending results."""
+
+    destinations: tuple[Destination, ...] = ()
+    calling_ae: str = "SEGNODE"
+    retry_initial_s: float = 5.0
+    retry_max_s: float = 300.0
+    max_attempts: int = 50
+    timeout_s: float = 30.0
+    max_age_s: float = 86400.0
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 60.0
+    keep_open_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration."""
+
+    data_dir: Path = Path("data")
+    log_level: str = "INFO"
+    node: NodeConfig = field(default_factory=NodeConfig)
+    series: SeriesConfig = field(default_factory=SeriesConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    job_max_attempts: int = 3
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    results: ResultsConfig = field(default_factory=ResultsConfig)
+    web: WebConfig = field(default_factory=WebConfig)
+    routing: Routing = field(default_factory=Routing)
+
+    def configured_destinations(self) -> list[Destination]:
+        """Every destination the configuration names: ``dispatch.destinations``, the routing
+        rules' destinations, and the return addresses of ``[[node.peers]]``."""
+        returns = [p.return_peer for p in self.node.peers if p.return_peer is not None]
+        return [*self.dispatch.destinations, *self.routing.destinations(), *returns]
+
+    def with_overrides(
+        self,
+        *,
+        port: int | None = None,
+        ae_title: str | None = None,
+        data_dir: Path | None = None,
+        send_to: list[str] | None = None,
+        host: str | None = None,
+    ) -> Config:
+        """A copy with command-line overrides applied (validated like the file)."""
+        node = self.node
+        if port is not None:
+            node = replace(node, port=_port(port, "--port"))
+        if ae_title is not None:
+            node = replace(node, ae_title=_ae(ae_title, "--ae-title"))
+        if host is not None:
+            node = replace(node, host=host)
+        dispatch = self.dispatch
+        if send_to:
+            extra = tuple(parse_peer(s, "--send-to") for s in send_to)
+            dispatch = replace(dispatch, destinations=dispatch.destinations + extra)
+        return replace(
+            self, node=node, dispatch=dispatch, data_dir=data_dir if data_dir else self.data_dir
+        )
