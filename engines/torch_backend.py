@@ -433,9 +433,9 @@ class TorchEngine:
                     raise
                 except Exception as exc:
                     raise EngineError(f"{manifest.name} does not run under torch: {exc}") from exc
-                self._start_compiling(self._prepare(zeros))
+                self._start_compiling(self._example(zeros))
             elif self.compile and self.cache_dir is not None:
-                self._fn = self._compile_cached(self._prepare(zeros))
+                self._fn = self._compile_cached(self._example(zeros))
             if self._fn is None:
                 module = self._module_on_device()
                 self._fn = module
@@ -657,11 +657,22 @@ class TorchEngine:
             seconds,
         )
 
+    def _example(self, zeros: Any) -> Any:
+        """The compiler's example input, made as the jobs' inputs are: under
+        ``torch.inference_mode``. A tensor made outside it carries another dispatch key set,
+        which fails one of Dynamo's guards, so that the first job compiled the model again
+        (12-16 s on the H200 after a restart with the compiled model cached)."""
+        with self._torch.inference_mode():
+            return self._prepare(zeros.clone())
+
     def _prepare(self, patches: Any) -> Any:
+        """Patches on the device, in the engine's dtype and dense in its memory format: a
+        compiled module is specialised to its example's strides, and a view of the sliding
+        window's buffer would fail that guard and compile the model again."""
+        torch = self._torch
         x = patches.to(device=self._dev, dtype=self._dtype)
-        if self.channels_last:
-            x = x.contiguous(memory_format=self._torch.channels_last_3d)
-        return x
+        fmt = torch.channels_last_3d if self.channels_last else torch.contiguous_format
+        return x.contiguous(memory_format=fmt)
 
     def _graph(self, n: int) -> tuple[Any, Any, Any]:
         torch = self._torch

@@ -298,8 +298,8 @@ def compile_cached(
 
 def _build_aoti(torch: Any, module: Any, example: Any, tmp: Path, compile_mode: str) -> Path:
     """Export ``module`` at ``example``'s shape and compile it into ``tmp/model.pt2``."""
-    with torch.no_grad():
-        exported = torch.export.export(module, (example,), strict=False)
+    with torch.no_grad():  # (an inference tensor, a plain copy for the export)
+        exported = torch.export.export(module, (example.clone(),), strict=False)
     out = tmp / "model.pt2"
     torch._inductor.aoti_compile_and_package(
         exported, package_path=str(out), inductor_configs=dict(_AOTI_MODES[compile_mode])

@@ -403,3 +403,26 @@ def test_onnx2torch_is_imported_without_torchvision() -> None:
     assert lines[0] == "False roi_align"  # onnx2torch imported, torchvision not
     # A later import gets the real package (or fails as without the stand-ins).
     assert lines[1] in ("real True", "real absent")
+
+
+@pytest.mark.slow
+def test_first_segmentation_does_not_compile_again(unet: ModelManifest, tmp_path: Path) -> None:
+    """The compiled model is warmed up with an input made as the jobs' are (an inference
+    tensor): before, a guard failed on the first job, which compiled the model again
+    (12-16 s on the H200 after every restart)."""
+    import shutil
+
+    from torch._dynamo.utils import counters
+
+    if not CUDA and shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("Inductor on the CPU needs a C++ compiler")
+    device = "cuda" if CUDA else "cpu"
+    hu = np.random.default_rng(9).normal(0, 300, (24, 40, 40)).astype(np.float32)
+    for start in ("cold", "warm"):  # compiled and stored, then loaded from the cache
+        engine = TorchEngine(device=device, precision="fp32", compile=True, cache_dir=tmp_path)
+        engine.load(unet)
+        assert engine.load_info["cache_hit"] == (start == "warm")
+        graphs = counters["stats"]["unique_graphs"]
+        engine.segment(hu)
+        assert counters["stats"]["unique_graphs"] == graphs, f"{start}: compiled again"
+        engine.close()
