@@ -581,7 +581,7 @@ class TorchEngine:
     def _segment(
         self, hu: npt.NDArray[np.float32], *, sums: bool
     ) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
-        from segnode.engines.sliding_window import sliding_window_segment
+        from segnode.engines.sliding_window import segment_with_manifest
 
         if self.manifest is None:
             raise EngineError("torch engine used before load()")
@@ -605,15 +605,7 @@ class TorchEngine:
                     volume.mul_(m.scale)
                 if m.offset != 0.0:
                     volume.add_(m.offset)
-                labels = sliding_window_segment(
-                    volume,
-                    self._predict,
-                    patch_size=m.patch_size,
-                    overlap=m.overlap,
-                    num_classes=m.num_classes,
-                    batch_size=self._batch,
-                    output_kind=m.output_kind,
-                )
+                labels = segment_with_manifest(volume, self._predict, m, batch_size=self._batch)
                 del volume
                 labels = labels.to(torch.uint8)
                 totals = self._label_sums(labels, raw) if sums else None

@@ -272,7 +272,7 @@ class TrtRunner:
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Label map of a ``(z, y, x)`` HU volume; only the uint8 result comes back."""
-        from segnode.engines.sliding_window import sliding_window_segment
+        from segnode.engines.sliding_window import segment_with_manifest
 
         cp = self._cp
         m = self.manifest
@@ -282,15 +282,7 @@ class TrtRunner:
             with self.device, self.stream:
                 volume = self.upload(hu)
                 preprocess_gpu(cp, volume, m)
-                labels = sliding_window_segment(
-                    volume,
-                    self.predict,
-                    patch_size=m.patch_size,
-                    overlap=m.overlap,
-                    num_classes=m.num_classes,
-                    batch_size=self.batch_size,
-                    output_kind=m.output_kind,
-                )
+                labels = segment_with_manifest(volume, self.predict, m, batch_size=self.batch_size)
                 result: npt.NDArray[np.uint8] = labels.astype(cp.uint8, copy=False).get(
                     stream=self.stream
                 )
