@@ -61,7 +61,8 @@ from segnode.node.results.build import (
     sr_document,
 )
 from segnode.node.results.sr_encode import SrPlan
-from segnode.node.results.statistics import SegmentStatsAccumulator, _bincount, numbering
+from segnode.node.results.statistics import SegmentStatsAccumulator
+from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
 _TISSUE = ("85756007", "SCT", "Tissue")
@@ -81,38 +82,6 @@ MANIFEST = ModelManifest(
     ),
 )
 VERSION = "bench"
-
-
-def bincount_statistics(
-    volume: Volume, labels: npt.NDArray[np.integer], manifest: ModelManifest
-) -> list[SegmentStatistics]:
-    """``segment_statistics`` before :class:`SegmentStatsAccumulator` (the baseline)."""
-    counts = _bincount(labels, max(s.value for s in manifest.labels) + 1)
-    sums = np.zeros(len(counts), dtype=np.float64)
-    squares = np.zeros(len(counts), dtype=np.float64)
-    step = max(1, (1 << 21) // max(1, labels[0].size))
-    for z in range(0, labels.shape[0], step):
-        flat = labels[z : z + step].ravel().astype(np.intp)
-        hu = volume.hu[z : z + step].ravel().astype(np.float64)
-        sums += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
-        hu *= hu
-        squares += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
-    out = []
-    for value, number in numbering(counts, manifest).items():
-        n = int(counts[value])
-        mean = float(sums[value] / n)
-        variance = max(float(squares[value] / n) - mean * mean, 0.0)
-        out.append(
-            SegmentStatistics(
-                number,
-                manifest.label(value),
-                n,
-                n * volume.voxel_volume_ml,
-                mean,
-                float(np.sqrt(variance)),
-            )
-        )
-    return out
 
 
 def _medians_ms(fn: Callable[[], object], runs: int) -> tuple[float, float]:
