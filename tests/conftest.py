@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -48,6 +50,24 @@ def require_data(path: Path) -> Path:
     if not path.is_dir():
         pytest.skip(f"shared data not present: {path}")
     return path
+
+
+def nnunet_mark(*modules: str) -> pytest.MarkDecorator:
+    """A ``skipif`` mark for the tests against nnU-Net's own code: they skip when ``nnunetv2``
+    is not installed or one of ``modules`` does not import (the golden-file tests cover it)."""
+    missing: str | None = None
+    if importlib.util.find_spec("nnunetv2") is None:
+        missing = "nnunetv2 is not installed"
+    else:
+        try:
+            for module in modules:
+                importlib.import_module(module)
+        except Exception as exc:  # any import failure of the optional oracle means "skip"
+            missing = f"nnunetv2 is installed but does not import: {exc!r}"
+    return pytest.mark.skipif(
+        missing is not None,
+        reason=f"{missing} (pip install -e .[nnunet]); the golden-file tests cover it",
+    )
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
