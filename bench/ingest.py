@@ -279,13 +279,22 @@ def epoch(text: str | None) -> float | None:
     return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
 
 
-def ledger_job(data: Path) -> dict[str, Any] | None:
+def ledger_job(data: Path, series_uid: str | None = None) -> dict[str, Any] | None:
+    """The latest job (of ``series_uid``, when given), with its delivery acknowledgement
+    times (``acks``); ``None`` before there is one."""
     db = data / "ledger.sqlite"
     if not db.exists():
         return None
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
         c.row_factory = sqlite3.Row
-        row = c.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT 1").fetchone()
+        if series_uid is None:
+            row = c.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT 1").fetchone()
+        else:
+            row = c.execute(
+                "SELECT jobs.* FROM jobs JOIN series ON series.id = jobs.series_id "
+                "WHERE series.series_instance_uid = ? ORDER BY jobs.id DESC LIMIT 1",
+                (series_uid,),
+            ).fetchone()
         if row is None:
             return None
         job = dict(row)
