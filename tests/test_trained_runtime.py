@@ -552,26 +552,9 @@ def test_engine_build_builds_every_fold_with_its_own_key(
 
 def _reread(seg_path: Path, files: list[Path]) -> npt.NDArray[np.uint8]:
     """The SEG's labels per source instance through highdicom, in label values."""
-    import highdicom as hd
-    from pydicom import dcmread
+    from tests.fixtures.seg_readback import seg_labels
 
-    seg = hd.seg.segread(seg_path)
-    sources = sorted(
-        (dcmread(f, stop_before_pixels=True) for f in files),
-        key=lambda d: float(d.ImagePositionPatient[2]),
-    )
-    numbers = np.asarray(
-        seg.get_pixels_by_source_instance(
-            source_sop_instance_uids=[str(d.SOPInstanceUID) for d in sources],
-            combine_segments=True,
-            assert_missing_frames_are_empty=True,
-        )
-    )
-    lut = np.zeros(256, dtype=np.uint8)
-    for item in seg.SegmentSequence:  # segment number -> the label it was named after
-        value = {"Soft tissue": 1, "Bone": 2, "Body": 3}[str(item.SegmentLabel)]
-        lut[int(item.SegmentNumber)] = value
-    return lut[numbers]
+    return seg_labels(seg_path, files, {"Soft tissue": 1, "Bone": 2, "Body": 3}.__getitem__)
 
 
 def _direct(manifest: ModelManifest, files: list[Path]) -> npt.NDArray[np.uint8]:
