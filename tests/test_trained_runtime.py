@@ -573,17 +573,11 @@ def test_worker_runs_a_trained_model_and_fails_a_tilted_series_with_the_reason(
     why; the next series is segmented on the source grid, its SEG and SR written."""
     from pydicom import dcmread
 
-    from segnode.node.config import from_dict
-    from segnode.node.pipeline.worker import Worker, result_paths
-    from segnode.storage.ledger import Ledger
-    from segnode.storage.spool import Spool
+    from segnode.node.pipeline.worker import result_paths
     from tests.fixtures.synthetic import write_synthetic_series
-    from tests.test_worker import ingest
+    from tests.test_worker import ingest, worker_on
 
-    cfg = replace(from_dict({}), data_dir=tmp_path)
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    spool = Spool(tmp_path / "spool")
-    worker = Worker(cfg, ledger, ort_engine, manifest)
+    worker, ledger, spool = worker_on(tmp_path, ort_engine, manifest)
     t = math.radians(15.0)
     tilted = write_synthetic_series(
         tmp_path / "tilted",
@@ -671,12 +665,9 @@ def test_torch_cache_keeps_one_artefact_per_fold(manifest: ModelManifest, tmp_pa
 def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> None:
     """A composite's job: the SEG holds the merged labels (segments named after the
     composite's labels), equal to segment_trained's merge."""
-    from segnode.node.config import from_dict
-    from segnode.node.pipeline.worker import Worker, result_paths
-    from segnode.storage.ledger import Ledger
-    from segnode.storage.spool import Spool
+    from segnode.node.pipeline.worker import result_paths
     from tests.fixtures.synthetic import write_synthetic_series
-    from tests.test_worker import ingest
+    from tests.test_worker import ingest, run_job, worker_on
 
     parts = [
         {"manifest": "part_b/part_b.json", "labels": {"1": 3}},
@@ -685,15 +676,10 @@ def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> N
     composite = load_manifest(write_composite(composite_dir, parts))
     engine = OrtEngine(threads=2)
     engine.load(composite)
-    cfg = replace(from_dict({}), data_dir=tmp_path)
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    worker = Worker(cfg, ledger, engine, composite)
+    worker, ledger, spool = worker_on(tmp_path, engine, composite)
     files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=20, seed=8)
-    uid = ingest(ledger, Spool(tmp_path / "spool"), files)
-    job = ledger.create_job(uid, trigger="test", model="default", engine="onnxruntime")
-    assert job is not None and worker.run_once()
-    view = ledger.job(job)
-    assert view is not None and view.state == "done", view.reason if view else None
+    job, view = run_job(worker, ledger, ingest(ledger, spool, files), model="default")
+    assert view.state == "done", view.reason
     seg_path, _ = sorted(result_paths(tmp_path, job))
     want = _direct(composite, files)
     assert set(np.unique(want).tolist()) == {0, 2, 3}  # bone over body; soft tissue dropped

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from pydicom import dcmread
 
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest import ModelManifest, load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL, from_dict
 from segnode.node.pipeline.worker import Worker, result_paths
@@ -45,19 +46,22 @@ def ingest(ledger: Ledger, spool: Spool, files: list[Path]) -> str:
     return str(dcmread(files[0]).SeriesInstanceUID)
 
 
-def make(tmp_path: Path, engine: OrtEngine) -> tuple[Worker, Ledger, Spool]:
-    cfg = replace(from_dict({}), data_dir=tmp_path)
+def worker_on(
+    tmp_path: Path, engine: Any, manifest: ModelManifest, config: dict[str, Any] | None = None
+) -> tuple[Worker, Ledger, Spool]:
+    """A worker of ``config`` (defaults otherwise) with its ledger and spool in ``tmp_path``."""
+    cfg = replace(from_dict(config or {}), data_dir=tmp_path)
     ledger = Ledger(tmp_path / "ledger.sqlite")
-    return (
-        Worker(cfg, ledger, engine, load_manifest(DEFAULT_MODEL)),
-        ledger,
-        Spool(tmp_path / "spool"),
-    )
+    return Worker(cfg, ledger, engine, manifest), ledger, Spool(tmp_path / "spool")
 
 
-def run_job(worker: Worker, ledger: Ledger, uid: str) -> tuple[int, JobView]:
+def make(tmp_path: Path, engine: OrtEngine) -> tuple[Worker, Ledger, Spool]:
+    return worker_on(tmp_path, engine, load_manifest(DEFAULT_MODEL))
+
+
+def run_job(worker: Worker, ledger: Ledger, uid: str, model: str = "tissue") -> tuple[int, JobView]:
     """Queue a job for the series ``uid`` and run it; return its id and its ledger view."""
-    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
+    jid = ledger.create_job(uid, trigger="test", model=model, engine="onnxruntime")
     assert jid is not None and worker.run_once()
     view = ledger.job(jid)
     assert view is not None
