@@ -56,9 +56,8 @@ from bench.ingest import (
     free_port,
     ledger_job,
     plot,
-    stop,
+    serving,
     wait,
-    wait_port,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,20 +168,9 @@ def engine_build(work: Path, cfg: Path, args: Any) -> dict[str, Any]:
 @contextmanager
 def serve(work: Path, cfg: Path, port: int) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
     """``segnode serve``; yields the process and seconds from spawn to the port listening."""
-    log = (work / "node.log").open("ab")
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "segnode.node.ops.cli", "serve", "--config", str(cfg)],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_port(port, proc, timeout=900)
+    with serving(work, cfg, port, timeout=900) as proc:
         yield proc, time.monotonic() - t0
-    finally:
-        stop(proc)
-        log.close()
 
 
 def wait_log(path: Path, offset: int, text: str, timeout: float) -> None:

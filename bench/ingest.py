@@ -130,18 +130,28 @@ def segnode(
         f'data_dir = "{data}"\nlog_level = "INFO"\n{extra}\n'
         f'[node]\nae_title = "SEGNODE"\nhost = "{LOOPBACK}"\nport = {port}\n{node}\n'
     )
-    log = (work / "node.log").open("ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "segnode.node.ops.cli", "serve", "--config", str(cfg)],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_port(port, proc)
+    with serving(work, cfg, port) as proc:
         yield port, proc, data
-    finally:
-        stop(proc)
+
+
+@contextmanager
+def serving(
+    work: Path, cfg: Path, port: int, timeout: float = 60
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``segnode serve --config cfg`` (output appended to ``work/node.log``), yielded once
+    ``port`` listens, stopped afterwards."""
+    with (work / "node.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "segnode.node.ops.cli", "serve", "--config", str(cfg)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_port(port, proc, timeout)
+            yield proc
+        finally:
+            stop(proc)
 
 
 @contextmanager
