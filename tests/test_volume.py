@@ -7,6 +7,7 @@ import dataclasses
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import highdicom as hd
 import numpy as np
@@ -45,6 +46,13 @@ def small(**kwargs: object) -> list[Dataset]:
     args: dict[str, object] = {"rows": ROWS, "columns": COLUMNS, "slices": SLICES}
     args.update(kwargs)
     return synthetic_datasets(**args)  # type: ignore[arg-type]
+
+
+def enhanced(tmp_path: Path, **kwargs: Any) -> Path:
+    """The small phantom (32 x 40 x 6) as one Enhanced CT file."""
+    return write_enhanced_ct(
+        tmp_path / "enhanced.dcm", rows=ROWS, columns=COLUMNS, slices=SLICES, **kwargs
+    )
 
 
 def reread(ds: Dataset) -> Dataset:
@@ -174,14 +182,7 @@ def test_datasets_are_not_modified() -> None:
 @pytest.mark.parametrize("per_frame_rescale", [False, True], ids=["shared", "per-frame"])
 def test_enhanced_ct(tmp_path: Path, per_frame_rescale: bool) -> None:
     order = [3, 1, 0, 5, 4, 2]
-    path = write_enhanced_ct(
-        tmp_path / "enhanced.dcm",
-        rows=ROWS,
-        columns=COLUMNS,
-        slices=SLICES,
-        frame_order=order,
-        per_frame_rescale=per_frame_rescale,
-    )
+    path = enhanced(tmp_path, frame_order=order, per_frame_rescale=per_frame_rescale)
     volume = assemble_volume([path])
     np.testing.assert_array_equal(volume.hu, phantom_hu(ROWS, COLUMNS, SLICES))
     assert volume.is_multiframe
@@ -193,13 +194,7 @@ def test_enhanced_ct(tmp_path: Path, per_frame_rescale: bool) -> None:
 
 
 def test_enhanced_ct_compressed(tmp_path: Path) -> None:
-    path = write_enhanced_ct(
-        tmp_path / "enhanced.dcm",
-        rows=ROWS,
-        columns=COLUMNS,
-        slices=SLICES,
-        transfer_syntax=RLELossless,
-    )
+    path = enhanced(tmp_path, transfer_syntax=RLELossless)
     np.testing.assert_array_equal(assemble_volume([path]).hu, phantom_hu(ROWS, COLUMNS, SLICES))
 
 
@@ -383,7 +378,7 @@ def test_not_dicom(tmp_path: Path) -> None:
 
 
 def test_multiframe_mixed_with_single_frames(tmp_path: Path) -> None:
-    path = write_enhanced_ct(tmp_path / "e.dcm", rows=ROWS, columns=COLUMNS, slices=SLICES)
+    path = enhanced(tmp_path)
     with pytest.raises(VolumeError, match="of which 1 are multi-frame"):
         assemble_from_datasets([pydicom.dcmread(path), *small()])
 
