@@ -94,6 +94,18 @@ class NodeProcess(NodeRunner):
         return dict(json.loads(out.stdout))
 
 
+def wait_for_the_job(node: Any, timeout: float, what: str) -> dict[str, Any]:
+    """The node's one job once it has ended; the test fails unless it is ``done``."""
+
+    def finished() -> Any:
+        jobs = node.jobs()["jobs"]
+        return jobs if jobs and jobs[0]["state"] in ("done", "failed") else None
+
+    [job] = wait_for(finished, timeout, what)
+    assert job["state"] == "done", job
+    return dict(job)
+
+
 @pytest.fixture
 def make_node(tmp_path: Path) -> Iterator[Any]:
     """Factory: ``make_node(**sections) -> NodeProcess`` (started); all stopped at teardown."""

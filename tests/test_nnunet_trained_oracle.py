@@ -101,7 +101,7 @@ def test_node_seg_agrees_with_nnunet_predictor(
     at Dice >= 0.99 for every label."""
     from scripts.harness import send_files
     from segnode.node.pipeline.worker import result_paths
-    from tests.conftest import wait_for
+    from tests.conftest import wait_for_the_job
     from tests.fixtures.seg_readback import seg_labels
 
     case = CASES["native_ffs"]
@@ -109,12 +109,7 @@ def test_node_seg_agrees_with_nnunet_predictor(
     node = make_node(model={"manifest": str(MODEL)})
     assert send_files(files, node.port).complete
 
-    def finished() -> Any:
-        jobs = node.jobs()["jobs"]
-        return jobs if jobs and jobs[0]["state"] in ("done", "failed") else None
-
-    [job] = wait_for(finished, 180, "the trained model's job")
-    assert job["state"] == "done", job
+    job = wait_for_the_job(node, 180, "the trained model's job")
     seg_path, _ = sorted(result_paths(node.data_dir, int(job["id"])))
     # Source instances in the order of the golden array: ascending along the slice normal.
     normal = np.cross(case.grid.orientation[:3], case.grid.orientation[3:])

@@ -613,7 +613,7 @@ def test_node_segments_a_series_with_a_trained_model(
     directly with segment_trained."""
     from scripts.harness import send_files
     from segnode.node.pipeline.worker import result_paths
-    from tests.conftest import wait_for
+    from tests.conftest import wait_for_the_job
     from tests.fixtures.synthetic import write_synthetic_series
 
     node = make_node(model={"manifest": str(manifest.fold_paths[0].parent / "bands.json")})
@@ -621,12 +621,7 @@ def test_node_segments_a_series_with_a_trained_model(
     sent = send_files(files, node.port)
     assert sent.complete, sent
 
-    def finished() -> Any:
-        jobs = node.jobs()["jobs"]
-        return jobs if jobs and jobs[0]["state"] in ("done", "failed") else None
-
-    [job] = wait_for(finished, 90, "the trained model's job")
-    assert job["state"] == "done", job
+    job = wait_for_the_job(node, 90, "the trained model's job")
     seg_path, _ = sorted(result_paths(node.data_dir, int(job["id"])))
     assert np.array_equal(_reread(seg_path, files), _direct(manifest, files))
 
