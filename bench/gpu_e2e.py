@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import re
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.ingest import LOOPBACK, STAGES, epoch, free_port, plot, stop, wait, wait_port
+from bench.ingest import (
+    LOOPBACK,
+    STAGES,
+    epoch,
+    free_port,
+    ledger_job,
+    plot,
+    serving,
+    wait,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TISSUE = ROOT / "engines" / "models" / "tissue" / "tissue.json"
@@ -162,20 +170,9 @@ def engine_build(work: Path, cfg: Path, args: Any) -> dict[str, Any]:
 @contextmanager
 def serve(work: Path, cfg: Path, port: int) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
     """``segnode serve``; yields the process and seconds from spawn to the port listening."""
-    log = (work / "node.log").open("ab")
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "segnode.node.ops.cli", "serve", "--config", str(cfg)],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_port(port, proc, timeout=900)
+    with serving(work, cfg, port, timeout=900) as proc:
         yield proc, time.monotonic() - t0
-    finally:
-        stop(proc)
-        log.close()
 
 
 def wait_log(path: Path, offset: int, text: str, timeout: float, *others: str) -> str:
@@ -191,28 +188,6 @@ def wait_log(path: Path, offset: int, text: str, timeout: float, *others: str) -
                 return found
         time.sleep(0.05)
     raise TimeoutError(f"{text!r} not in {path} after {timeout:.0f} s")
-
-
-def ledger_job_for(data: Path, series_uid: str) -> dict[str, Any] | None:
-    """The latest job of one series, with its delivery acknowledgement times."""
-    db = data / "ledger.sqlite"
-    if not db.exists():
-        return None
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
-        c.row_factory = sqlite3.Row
-        row = c.execute(
-            "SELECT jobs.* FROM jobs JOIN series ON series.id = jobs.series_id "
-            "WHERE series.series_instance_uid = ? ORDER BY jobs.id DESC LIMIT 1",
-            (series_uid,),
-        ).fetchone()
-        if row is None:
-            return None
-        job = dict(row)
-        acks = c.execute(
-            "SELECT sent_at FROM deliveries WHERE job_id = ? ORDER BY id", (job["id"],)
-        ).fetchall()
-        job["acks"] = [a[0] for a in acks]
-        return job
 
 
 # -- one series -------------------------------------------------------------------------------
@@ -281,7 +256,7 @@ def one_series(
     )
     acked = max(acks["SEG"], acks["SR"])
     job = wait(
-        lambda: (j := ledger_job_for(data, series_uid)) and j["state"] in ("sent", "failed") and j,
+        lambda: (j := ledger_job(data, series_uid)) and j["state"] in ("sent", "failed") and j,
         60,
         "job sent in the ledger",
     )

@@ -130,18 +130,28 @@ def segnode(
         f'data_dir = "{data}"\nlog_level = "INFO"\n{extra}\n'
         f'[node]\nae_title = "SEGNODE"\nhost = "{LOOPBACK}"\nport = {port}\n{node}\n'
     )
-    log = (work / "node.log").open("ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "segnode.node.ops.cli", "serve", "--config", str(cfg)],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_port(port, proc)
+    with serving(work, cfg, port) as proc:
         yield port, proc, data
-    finally:
-        stop(proc)
+
+
+@contextmanager
+def serving(
+    work: Path, cfg: Path, port: int, timeout: float = 60
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``segnode serve --config cfg`` (output appended to ``work/node.log``), yielded once
+    ``port`` listens, stopped afterwards."""
+    with (work / "node.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "segnode.node.ops.cli", "serve", "--config", str(cfg)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_port(port, proc, timeout)
+            yield proc
+        finally:
+            stop(proc)
 
 
 @contextmanager
@@ -279,13 +289,22 @@ def epoch(text: str | None) -> float | None:
     return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
 
 
-def ledger_job(data: Path) -> dict[str, Any] | None:
+def ledger_job(data: Path, series_uid: str | None = None) -> dict[str, Any] | None:
+    """The latest job (of ``series_uid``, when given), with its delivery acknowledgement
+    times (``acks``); ``None`` before there is one."""
     db = data / "ledger.sqlite"
     if not db.exists():
         return None
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
         c.row_factory = sqlite3.Row
-        row = c.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT 1").fetchone()
+        if series_uid is None:
+            row = c.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT 1").fetchone()
+        else:
+            row = c.execute(
+                "SELECT jobs.* FROM jobs JOIN series ON series.id = jobs.series_id "
+                "WHERE series.series_instance_uid = ? ORDER BY jobs.id DESC LIMIT 1",
+                (series_uid,),
+            ).fetchone()
         if row is None:
             return None
         job = dict(row)

@@ -60,7 +60,8 @@ from segnode.node.results.build import (
     sr_of_statistics,
 )
 from segnode.node.results.sr_encode import SrPlan
-from segnode.node.results.statistics import SegmentStatsAccumulator, _bincount, _statistics
+from segnode.node.results.statistics import SegmentStatsAccumulator
+from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
 _TISSUE = ("85756007", "SCT", "Tissue")
@@ -80,23 +81,6 @@ MANIFEST = ModelManifest(
     ),
 )
 VERSION = "bench"
-
-
-def bincount_statistics(
-    volume: Volume, labels: npt.NDArray[np.integer], manifest: ModelManifest
-) -> list[SegmentStatistics]:
-    """``segment_statistics`` before :class:`SegmentStatsAccumulator` (the baseline)."""
-    counts = _bincount(labels, max(s.value for s in manifest.labels) + 1)
-    sums = np.zeros(len(counts), dtype=np.float64)
-    squares = np.zeros(len(counts), dtype=np.float64)
-    step = max(1, (1 << 21) // max(1, labels[0].size))
-    for z in range(0, labels.shape[0], step):
-        flat = labels[z : z + step].ravel().astype(np.intp)
-        hu = volume.hu[z : z + step].ravel().astype(np.float64)
-        sums += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
-        hu *= hu
-        squares += np.bincount(flat, weights=hu, minlength=len(counts))[: len(counts)]
-    return _statistics(counts, sums, squares, manifest, volume.voxel_volume_ml)
 
 
 def _medians_ms(fn: Callable[[], object], runs: int) -> tuple[float, float]:

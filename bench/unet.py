@@ -94,30 +94,15 @@ class _Graph:
         b = self.rng.normal(0.0, 0.01, size=(cout,))
         inputs = [x, self.weight(f"{base}.weight", w), self.weight(f"{base}.bias", b)]
         out = f"{base}.out"
+        attrs: dict[str, list[int]] = {"kernel_shape": [k] * 3, "strides": [stride] * 3}
         if transpose:
-            node = helper.make_node(
-                "ConvTranspose",
-                inputs,
-                [out],
-                name=base,
-                kernel_shape=[k] * 3,
-                strides=[stride] * 3,
-            )
             # every input voxel spreads to k^3 outputs: cin*cout*k^3 MACs per input voxel
             self.flops += 2 * cin * cout * k**3 * (voxels_out // stride**3)
         else:
-            pad = k // 2
-            node = helper.make_node(
-                "Conv",
-                inputs,
-                [out],
-                name=base,
-                kernel_shape=[k] * 3,
-                strides=[stride] * 3,
-                pads=[pad] * 6,
-            )
+            attrs["pads"] = [k // 2] * 6
             self.flops += 2 * cin * cout * k**3 * voxels_out
-        self.nodes.append(node)
+        op = "ConvTranspose" if transpose else "Conv"
+        self.nodes.append(helper.make_node(op, inputs, [out], name=base, **attrs))
         return out
 
     def norm_act(self, x: str, channels: int) -> str:

@@ -15,8 +15,9 @@ network per fold file, :meth:`segnode.engines.manifest.ModelManifest.model_files
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -30,6 +31,16 @@ if TYPE_CHECKING:
 
 class EngineError(Exception):
     """A model or backend cannot be loaded or run; the message says why."""
+
+
+@contextlib.contextmanager
+def out_of_gpu_memory(oom: type[BaseException], doing: str) -> Iterator[None]:
+    """Within the block, the GPU library's out-of-memory error ``oom`` (``torch``'s or
+    CuPy's) becomes an :class:`EngineError` saying ``out of GPU memory <doing>: <error>``."""
+    try:
+        yield
+    except oom as exc:
+        raise EngineError(f"out of GPU memory {doing}: {exc}") from exc
 
 
 PatchPredictor = Callable[[Any], Any]

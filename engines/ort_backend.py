@@ -33,7 +33,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from segnode.engines.base import EngineError, PatchPredictor
 from segnode.engines.manifest import ModelManifest
-from segnode.engines.sliding_window import OUTPUT_KINDS, sliding_window_segment
+from segnode.engines.sliding_window import OUTPUT_KINDS, segment_with_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -243,15 +243,8 @@ class OrtEngine:
             return np.concatenate(list(pool.map(run, chunks)))
 
         try:
-            labels = sliding_window_segment(
-                volume,
-                predict,
-                patch_size=manifest.patch_size,
-                overlap=manifest.overlap,
-                num_classes=manifest.num_classes,
-                batch_size=run_batch * self._workers,
-                output_kind=manifest.output_kind,
-            )
+            batch_size = run_batch * self._workers
+            labels = segment_with_manifest(volume, predict, manifest, batch_size=batch_size)
         except ValueError as exc:
             raise EngineError(f"model {manifest.name!r}: {exc}") from exc
         result: npt.NDArray[np.uint8] = np.asarray(labels, dtype=np.uint8)

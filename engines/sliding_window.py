@@ -36,10 +36,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from array_api_compat import array_namespace
 from array_api_compat import device as array_device
+
+if TYPE_CHECKING:
+    from segnode.engines.manifest import ModelManifest
 
 Array: TypeAlias = Any
 """An array of any array-API namespace (NumPy, CuPy, torch ...)."""
@@ -242,6 +245,22 @@ def sliding_window_segment(
         return labels
     crop = tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
     return xp.asarray(labels[crop], copy=True)
+
+
+def segment_with_manifest(
+    volume: Array, predict: Predict, manifest: ModelManifest, *, batch_size: int
+) -> Array:
+    """:func:`sliding_window_segment` with ``manifest``'s patch size, overlap, classes and
+    output kind: what every engine runs on a preprocessed volume."""
+    return sliding_window_segment(
+        volume,
+        predict,
+        patch_size=manifest.patch_size,
+        overlap=manifest.overlap,
+        num_classes=manifest.num_classes,
+        batch_size=batch_size,
+        output_kind=manifest.output_kind,
+    )
 
 
 def _slabs_tile(grid: list[Patch], shape: Sequence[int], patch_size: Sequence[int]) -> bool:

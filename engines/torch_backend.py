@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from segnode.engines.base import EngineError, LabelSums, PatchPredictor
+from segnode.engines.base import EngineError, LabelSums, PatchPredictor, out_of_gpu_memory
 
 if TYPE_CHECKING:
     from segnode.engines.manifest import ModelManifest
@@ -423,7 +423,7 @@ class TorchEngine:
         batch = self._batch = self.batch_size or default_batch(manifest, dev.type == "cuda")
         zeros = torch.zeros((batch, 1, *manifest.patch_size), device=dev)
         self._load_started = started
-        try:
+        with out_of_gpu_memory(torch.cuda.OutOfMemoryError, f"loading {manifest.name}"):
             eager_first = self.eager_while_compiling and not self._compiled_is_cached(batch)
             if self.compile and self.cache_dir is not None and eager_first:
                 self._fn = self._module_on_device()
@@ -443,8 +443,6 @@ class TorchEngine:
                     self._fn = torch.compile(module, mode=self.compile_mode, dynamic=False)
                     self.load_info["compiled"] = "jit"
                 self._warm_up(zeros)
-        except torch.cuda.OutOfMemoryError as exc:
-            raise EngineError(f"out of GPU memory loading {manifest.name}: {exc}") from exc
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.load_seconds = time.perf_counter() - started
@@ -758,15 +756,15 @@ class TorchEngine:
         torch = self._torch
         if torch is None:
             raise EngineError("torch engine used before load()")
-        try:
-            with torch.inference_mode():
-                if self._dev.type == "cuda":
-                    with torch.cuda.device(self._dev):
-                        yield
-                else:
+        with (
+            out_of_gpu_memory(torch.cuda.OutOfMemoryError, "running a trained model"),
+            torch.inference_mode(),
+        ):
+            if self._dev.type == "cuda":
+                with torch.cuda.device(self._dev):
                     yield
-        except torch.cuda.OutOfMemoryError as exc:
-            raise EngineError(f"out of GPU memory running a trained model: {exc}") from exc
+            else:
+                yield
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Label map of a ``(z, y, x)`` HU volume, computed on the engine's device."""
@@ -791,7 +789,7 @@ class TorchEngine:
     def _segment(
         self, hu: npt.NDArray[np.float32], *, sums: bool
     ) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
-        from segnode.engines.sliding_window import sliding_window_segment
+        from segnode.engines.sliding_window import segment_with_manifest
 
         if self.manifest is None:
             raise EngineError("torch engine used before load()")
@@ -804,42 +802,34 @@ class TorchEngine:
             raise EngineError(f"expected a (z, y, x) volume, got shape {hu.shape}")
         self._adopt_compiled()
         torch, m = self._torch, self.manifest
-        try:
-            with torch.inference_mode():
-                raw = torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32)).to(self._dev)
-                # The model's clipping and scaling go to a copy when the HU are summed after,
-                # and on the CPU, where ``raw`` is the caller's array.
-                volume = raw.clone() if sums or raw.device.type == "cpu" else raw
-                if m.clip is not None:
-                    volume.clamp_(m.clip[0], m.clip[1])
-                if m.scale != 1.0:
-                    volume.mul_(m.scale)
-                if m.offset != 0.0:
-                    volume.add_(m.offset)
-                labels = sliding_window_segment(
-                    volume,
-                    self._predict,
-                    patch_size=m.patch_size,
-                    overlap=m.overlap,
-                    num_classes=m.num_classes,
-                    batch_size=self._batch,
-                    output_kind=m.output_kind,
+        with (
+            out_of_gpu_memory(torch.cuda.OutOfMemoryError, f"segmenting a {hu.shape} volume"),
+            torch.inference_mode(),
+        ):
+            raw = torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32)).to(self._dev)
+            # The model's clipping and scaling go to a copy when the HU are summed after,
+            # and on the CPU, where ``raw`` is the caller's array.
+            volume = raw.clone() if sums or raw.device.type == "cpu" else raw
+            if m.clip is not None:
+                volume.clamp_(m.clip[0], m.clip[1])
+            if m.scale != 1.0:
+                volume.mul_(m.scale)
+            if m.offset != 0.0:
+                volume.add_(m.offset)
+            labels = segment_with_manifest(volume, self._predict, m, batch_size=self._batch)
+            del volume
+            labels = labels.to(torch.uint8)
+            totals = self._label_sums(labels, raw) if sums else None
+            del raw
+            result: npt.NDArray[np.uint8] = self._to_host(labels)
+            label_sums = None
+            if totals is not None:
+                table = totals.cpu().numpy()
+                label_sums = LabelSums(
+                    counts=table[0].astype(np.int64),
+                    sums=np.ascontiguousarray(table[1]),
+                    squares=np.ascontiguousarray(table[2]),
                 )
-                del volume
-                labels = labels.to(torch.uint8)
-                totals = self._label_sums(labels, raw) if sums else None
-                del raw
-                result: npt.NDArray[np.uint8] = self._to_host(labels)
-                label_sums = None
-                if totals is not None:
-                    table = totals.cpu().numpy()
-                    label_sums = LabelSums(
-                        counts=table[0].astype(np.int64),
-                        sums=np.ascontiguousarray(table[1]),
-                        squares=np.ascontiguousarray(table[2]),
-                    )
-        except torch.cuda.OutOfMemoryError as exc:
-            raise EngineError(f"out of GPU memory segmenting a {hu.shape} volume: {exc}") from exc
         return result, label_sums
 
     def _label_sums(self, labels: Any, hu: Any) -> Any:

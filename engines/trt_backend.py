@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from segnode.engines.base import EngineError, PatchPredictor
+from segnode.engines.base import EngineError, PatchPredictor, out_of_gpu_memory
 from segnode.engines.engine_cache import CachedEngine, EngineCache, EngineRecord, atomic_write
 from segnode.engines.trt_build import (
     PORTABLE,
@@ -160,14 +160,14 @@ class TrtRunner:
         self._keep: tuple[Any, ...] = ()
         self._runtime_cache: tuple[Any, Path] | None = None
         patch = manifest.patch_size
-        try:
-            with self.device:
-                self.stream = cp.cuda.Stream(non_blocking=True)
-                self._inputs = cp.empty((2, batch_size, 1, *patch), dtype=input_dtype)
-                channels = manifest.output_channels
-                self._outputs = cp.empty((2, batch_size, channels, *patch), dtype=output_dtype)
-        except cp.cuda.memory.OutOfMemoryError as exc:
-            raise EngineError(f"out of GPU memory for the TensorRT bindings: {exc}") from exc
+        with (
+            out_of_gpu_memory(cp.cuda.memory.OutOfMemoryError, "for the TensorRT bindings"),
+            self.device,
+        ):
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self._inputs = cp.empty((2, batch_size, 1, *patch), dtype=input_dtype)
+            channels = manifest.output_channels
+            self._outputs = cp.empty((2, batch_size, channels, *patch), dtype=output_dtype)
         self._slot = 0
         self._pinned: list[Any] = []
 
@@ -272,31 +272,24 @@ class TrtRunner:
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Label map of a ``(z, y, x)`` HU volume; only the uint8 result comes back."""
-        from segnode.engines.sliding_window import sliding_window_segment
+        from segnode.engines.sliding_window import segment_with_manifest
 
         cp = self._cp
         m = self.manifest
         if hu.ndim != 3:
             raise EngineError(f"expected a (z, y, x) volume, got shape {hu.shape}")
-        try:
-            with self.device, self.stream:
-                volume = self.upload(hu)
-                preprocess_gpu(cp, volume, m)
-                labels = sliding_window_segment(
-                    volume,
-                    self.predict,
-                    patch_size=m.patch_size,
-                    overlap=m.overlap,
-                    num_classes=m.num_classes,
-                    batch_size=self.batch_size,
-                    output_kind=m.output_kind,
-                )
-                result: npt.NDArray[np.uint8] = labels.astype(cp.uint8, copy=False).get(
-                    stream=self.stream
-                )
-                self.stream.synchronize()
-        except cp.cuda.memory.OutOfMemoryError as exc:
-            raise EngineError(f"out of GPU memory segmenting a {hu.shape} volume: {exc}") from exc
+        with (
+            out_of_gpu_memory(cp.cuda.memory.OutOfMemoryError, f"segmenting a {hu.shape} volume"),
+            self.device,
+            self.stream,
+        ):
+            volume = self.upload(hu)
+            preprocess_gpu(cp, volume, m)
+            labels = segment_with_manifest(volume, self.predict, m, batch_size=self.batch_size)
+            result: npt.NDArray[np.uint8] = labels.astype(cp.uint8, copy=False).get(
+                stream=self.stream
+            )
+            self.stream.synchronize()
         self._save_runtime_cache()
         return result
 
@@ -482,11 +475,12 @@ class TensorRTEngine:
         if runner is None:
             raise EngineError("tensorrt engine used before load()")
         cp = runner._cp
-        try:
-            with runner.device, runner.stream:
-                yield
-        except cp.cuda.memory.OutOfMemoryError as exc:
-            raise EngineError(f"out of GPU memory running a trained model: {exc}") from exc
+        with (
+            out_of_gpu_memory(cp.cuda.memory.OutOfMemoryError, "running a trained model"),
+            runner.device,
+            runner.stream,
+        ):
+            yield
 
     def close(self) -> None:
         """Free the execution contexts, device buffers and streams."""

@@ -8,12 +8,9 @@ checks). With TensorRT-RTX it builds ahead of time without a GPU, so it runs in 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -388,18 +385,6 @@ def _serialize(flavour: Flavour, manifest: ModelManifest, key: EngineKey, timing
     return bytes(plan)
 
 
-@contextlib.contextmanager
-def _build_lock(cache: EngineCache, key: EngineKey) -> Iterator[None]:
-    """Serialise builds of one key across processes (the second then finds a cache hit)."""
-    cache.root.mkdir(parents=True, exist_ok=True)
-    with (cache.root / f".{key.stem}.lock").open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def engine_key(
     manifest: ModelManifest, flavour: Flavour, *, precision: str, target: str
 ) -> EngineKey:
@@ -468,7 +453,7 @@ def build_engine(
         target=resolve_target(lib, target),
     )
     cache = EngineCache(Path(cache_dir))
-    with _build_lock(cache, key):
+    with cache.lock(key):
         data, problem = cache.lookup(key)
         if data is not None:
             return CachedEngine(
@@ -497,36 +482,10 @@ def build_engine(
         path = cache.store(
             key, plan, build_seconds=build_seconds, onnx_path=str(manifest.onnx_path)
         )
-        _prune_superseded(cache, key)
+        cache.prune_superseded(key)
     seconds = time.perf_counter() - started
     logger.info("built %s (%.1f MB) in %.1f s", path.name, len(plan) / 1e6, build_seconds)
     return CachedEngine(path=path, hit=False, seconds=seconds, size_bytes=len(plan), key=key)
-
-
-def _prune_superseded(cache: EngineCache, key: EngineKey) -> None:
-    """Remove engines of the same model and configuration built from an older ONNX file."""
-    for record in cache.entries(verify=False):
-        k = record.key
-        same_config = (
-            k.model_name,
-            k.flavour,
-            k.trt_version,
-            k.target,
-            k.precision,
-            k.batch,
-            k.patch_size,
-        ) == (
-            key.model_name,
-            key.flavour,
-            key.trt_version,
-            key.target,
-            key.precision,
-            key.batch,
-            key.patch_size,
-        )
-        if same_config and k.model_sha256 != key.model_sha256:
-            logger.info("removing superseded engine %s", record.path.name)
-            cache.discard(k)
 
 
 def list_engines(cache_dir: str | Path) -> list[EngineRecord]:

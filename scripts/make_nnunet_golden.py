@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tests.fixtures.nnunet import plans_json
+
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 
 INTENSITY = {"mean": 60.0, "std": 310.0, "percentile_00_5": -980.0, "percentile_99_5": 1350.0}
@@ -97,60 +99,16 @@ def predictor(case: Case) -> Any:
 
 def plans(case: Case) -> dict[str, Any]:
     """A minimal ``plans.json`` for ``case`` (3d_fullres, CTNormalization, default resampling)."""
-    backward = [0, 0, 0]
-    for i, t in enumerate(case.transpose):
-        backward[t] = i
-    return {
-        "dataset_name": "Dataset999_Golden",
-        "plans_name": "nnUNetPlans",
-        "original_median_spacing_after_transp": list(case.target),
-        "original_median_shape_after_transp": list(case.shape),
-        "image_reader_writer": "SimpleITKIO",
-        "transpose_forward": list(case.transpose),
-        "transpose_backward": backward,
-        "configurations": {
-            "3d_fullres": {
-                "data_identifier": "nnUNetPlans_3d_fullres",
-                "preprocessor_name": "DefaultPreprocessor",
-                "batch_size": 2,
-                "patch_size": [16, 16, 16],
-                "median_image_size_in_voxels": list(case.shape),
-                "spacing": list(case.target),
-                "normalization_schemes": ["CTNormalization"],
-                "use_mask_for_norm": [False],
-                "resampling_fn_data": "resample_data_or_seg_to_shape",
-                "resampling_fn_seg": "resample_data_or_seg_to_shape",
-                "resampling_fn_data_kwargs": {
-                    "is_seg": False,
-                    "order": 3,
-                    "order_z": 0,
-                    "force_separate_z": None,
-                },
-                "resampling_fn_seg_kwargs": {
-                    "is_seg": True,
-                    "order": 1,
-                    "order_z": 0,
-                    "force_separate_z": None,
-                },
-                "resampling_fn_probabilities": "resample_data_or_seg_to_shape",
-                "resampling_fn_probabilities_kwargs": {
-                    "is_seg": False,
-                    "order": 1,
-                    "order_z": 0,
-                    "force_separate_z": None,
-                },
-                "architecture": {
-                    "network_class_name": "x",
-                    "arch_kwargs": {},
-                    "_kw_requires_import": [],
-                },
-                "batch_dice": True,
-            }
-        },
-        "experiment_planner_used": "ExperimentPlanner",
-        "label_manager": "LabelManager",
-        "foreground_intensity_properties_per_channel": {"0": dict(INTENSITY)},
-    }
+    return plans_json(
+        dataset_name="Dataset999_Golden",
+        spacing=case.target,
+        shape=case.shape,
+        transpose=case.transpose,
+        patch=(16, 16, 16),
+        architecture={"network_class_name": "x", "arch_kwargs": {}, "_kw_requires_import": []},
+        batch_dice=True,
+        intensity=INTENSITY,
+    )
 
 
 DATASET_JSON = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -50,6 +52,24 @@ def require_data(path: Path) -> Path:
     return path
 
 
+def nnunet_mark(*modules: str) -> pytest.MarkDecorator:
+    """A ``skipif`` mark for the tests against nnU-Net's own code: they skip when ``nnunetv2``
+    is not installed or one of ``modules`` does not import (the golden-file tests cover it)."""
+    missing: str | None = None
+    if importlib.util.find_spec("nnunetv2") is None:
+        missing = "nnunetv2 is not installed"
+    else:
+        try:
+            for module in modules:
+                importlib.import_module(module)
+        except Exception as exc:  # any import failure of the optional oracle means "skip"
+            missing = f"nnunetv2 is installed but does not import: {exc!r}"
+    return pytest.mark.skipif(
+        missing is not None,
+        reason=f"{missing} (pip install -e .[nnunet]); the golden-file tests cover it",
+    )
+
+
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns a truthy value (for peers we do not control)."""
     deadline = time.monotonic() + timeout
@@ -72,6 +92,18 @@ class NodeProcess(NodeRunner):
         out = self.cli("jobs", "--json", "--limit", "100")
         assert out.returncode == 0, out.stderr
         return dict(json.loads(out.stdout))
+
+
+def wait_for_the_job(node: Any, timeout: float, what: str) -> dict[str, Any]:
+    """The node's one job once it has ended; the test fails unless it is ``done``."""
+
+    def finished() -> Any:
+        jobs = node.jobs()["jobs"]
+        return jobs if jobs and jobs[0]["state"] in ("done", "failed") else None
+
+    [job] = wait_for(finished, timeout, what)
+    assert job["state"] == "done", job
+    return dict(job)
 
 
 @pytest.fixture

@@ -29,16 +29,15 @@ from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL, ConfigError, from_dict
 from segnode.node.errors import ResultError
 from segnode.node.ingest.volume import Volume, assemble_from_datasets
-from segnode.node.pipeline.worker import Worker, result_paths
+from segnode.node.pipeline.worker import result_paths
 from segnode.node.results.statistics import (
     SegmentStatistics,
     segment_statistics,
     statistics_from_sums,
 )
 from segnode.storage.ledger import Ledger
-from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
-from tests.test_worker import ingest
+from tests.test_worker import ingest, run_job, worker_on
 
 MANIFEST = load_manifest(DEFAULT_MODEL)
 
@@ -219,13 +218,10 @@ def ort() -> OrtEngine:
 
 
 def _run_job(tmp_path: Path, engine: Any, **results: str) -> tuple[int, Ledger]:
-    cfg = replace(from_dict({"results": results} if results else {}), data_dir=tmp_path)
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    worker = Worker(cfg, ledger, engine, MANIFEST)
+    config = {"results": results} if results else None
+    worker, ledger, spool = worker_on(tmp_path, engine, MANIFEST, config)
     files = write_synthetic_series(tmp_path / "in", rows=96, columns=96, slices=10, seed=41)
-    uid = ingest(ledger, Spool(tmp_path / "spool"), files)
-    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
-    assert jid is not None and worker.run_once()
+    jid, _ = run_job(worker, ledger, ingest(ledger, spool, files))
     worker.stop()
     view = ledger.job(jid)
     assert view is not None and view.state == "done", view

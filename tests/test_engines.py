@@ -19,6 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from segnode.engines import EngineError, create_engine, load_manifest
+from segnode.engines.base import out_of_gpu_memory
 from segnode.engines.models import default_manifest_path
 from segnode.engines.models.build_tissue import LABELS, PATCH_SIZE, write_model
 from segnode.engines.ort_backend import OrtEngine, preprocess
@@ -659,3 +660,26 @@ def test_tissue_model_on_real_abdomen(tissue_engine: OrtEngine) -> None:
     assert fractions[SOFT] > 0.1, fractions  # liver, muscle
     assert fractions[BONE] > 0.005, fractions  # spine, ribs
     assert (labels[:, 480:, :] == BACKGROUND).mean() > 0.9, "the table is not body"
+
+
+def test_out_of_gpu_memory_becomes_an_engine_error() -> None:
+    """The GPU engines' out-of-memory errors (torch's, CuPy's) become EngineError naming what
+    ran out; other errors pass unchanged."""
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    expected = r"^out of GPU memory loading unet: 2 GiB more$"
+    with (
+        pytest.raises(EngineError, match=expected) as info,
+        out_of_gpu_memory(OutOfMemoryError, "loading unet"),
+    ):
+        raise OutOfMemoryError("2 GiB more")
+    assert isinstance(info.value.__cause__, OutOfMemoryError)
+    with (
+        pytest.raises(ValueError, match="not memory"),
+        out_of_gpu_memory(OutOfMemoryError, "loading unet"),
+    ):
+        raise ValueError("not memory")
+    with out_of_gpu_memory(OutOfMemoryError, "loading unet"):
+        pass

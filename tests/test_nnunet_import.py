@@ -37,6 +37,7 @@ from segnode.engines.importers.nnunet_plans import (
     resolve_configuration,
 )
 from segnode.engines.manifest import load_manifest
+from tests.fixtures.nnunet import plans_json as nnunet_plans_json
 
 REPO = Path(__file__).resolve().parent.parent
 INTENSITY = {
@@ -80,77 +81,38 @@ def plans_json(
 ) -> dict[str, Any]:
     """A plans.json as nnU-Net's ExperimentPlanner writes it, for a tiny PlainConvUNet."""
     n = len(features)
-    backward = [0, 0, 0]
-    for i, t in enumerate(transpose):
-        backward[t] = i
-    return {
-        "dataset_name": "Dataset901_Tiny",
-        "plans_name": "nnUNetPlans",
-        "original_median_spacing_after_transp": list(spacing),
-        "original_median_shape_after_transp": [40, 64, 64],
-        "image_reader_writer": "SimpleITKIO",
-        "transpose_forward": list(transpose),
-        "transpose_backward": backward,
-        "configurations": {
-            "3d_fullres": {
-                "data_identifier": "nnUNetPlans_3d_fullres",
-                "preprocessor_name": "DefaultPreprocessor",
-                "batch_size": 2,
-                "patch_size": list(patch),
-                "median_image_size_in_voxels": [40, 64, 64],
-                "spacing": list(spacing),
-                "normalization_schemes": [normalization],
-                "use_mask_for_norm": [False],
-                "resampling_fn_data": "resample_data_or_seg_to_shape",
-                "resampling_fn_seg": "resample_data_or_seg_to_shape",
-                "resampling_fn_data_kwargs": {
-                    "is_seg": False,
-                    "order": 3,
-                    "order_z": 0,
-                    "force_separate_z": None,
-                },
-                "resampling_fn_seg_kwargs": {
-                    "is_seg": True,
-                    "order": 1,
-                    "order_z": 0,
-                    "force_separate_z": None,
-                },
-                "resampling_fn_probabilities": "resample_data_or_seg_to_shape",
-                "resampling_fn_probabilities_kwargs": {
-                    "is_seg": False,
-                    "order": 1,
-                    "order_z": 0,
-                    "force_separate_z": None,
-                },
-                "architecture": {
-                    "network_class_name": "dynamic_network_architectures.architectures.unet."
-                    "PlainConvUNet",
-                    "arch_kwargs": {
-                        "n_stages": n,
-                        "features_per_stage": list(features),
-                        "conv_op": "torch.nn.modules.conv.Conv3d",
-                        "kernel_sizes": [[3, 3, 3]] * n,
-                        "strides": [[1, 1, 1]] + [[2, 2, 2]] * (n - 1),
-                        "n_conv_per_stage": [2] * n,
-                        "n_conv_per_stage_decoder": [2] * (n - 1),
-                        "conv_bias": True,
-                        "norm_op": "torch.nn.modules.instancenorm.InstanceNorm3d",
-                        "norm_op_kwargs": {"eps": 1e-05, "affine": True},
-                        "dropout_op": None,
-                        "dropout_op_kwargs": None,
-                        "nonlin": "torch.nn.LeakyReLU",
-                        "nonlin_kwargs": {"inplace": True},
-                    },
-                    "_kw_requires_import": ["conv_op", "norm_op", "dropout_op", "nonlin"],
-                },
-                "batch_dice": False,
-            },
-            "3d_fullres_bs4": {"inherits_from": "3d_fullres", "batch_size": 4},
+    architecture = {
+        "network_class_name": "dynamic_network_architectures.architectures.unet.PlainConvUNet",
+        "arch_kwargs": {
+            "n_stages": n,
+            "features_per_stage": list(features),
+            "conv_op": "torch.nn.modules.conv.Conv3d",
+            "kernel_sizes": [[3, 3, 3]] * n,
+            "strides": [[1, 1, 1]] + [[2, 2, 2]] * (n - 1),
+            "n_conv_per_stage": [2] * n,
+            "n_conv_per_stage_decoder": [2] * (n - 1),
+            "conv_bias": True,
+            "norm_op": "torch.nn.modules.instancenorm.InstanceNorm3d",
+            "norm_op_kwargs": {"eps": 1e-05, "affine": True},
+            "dropout_op": None,
+            "dropout_op_kwargs": None,
+            "nonlin": "torch.nn.LeakyReLU",
+            "nonlin_kwargs": {"inplace": True},
         },
-        "experiment_planner_used": "ExperimentPlanner",
-        "label_manager": "LabelManager",
-        "foreground_intensity_properties_per_channel": {"0": dict(INTENSITY)},
+        "_kw_requires_import": ["conv_op", "norm_op", "dropout_op", "nonlin"],
     }
+    return nnunet_plans_json(
+        dataset_name="Dataset901_Tiny",
+        spacing=spacing,
+        shape=(40, 64, 64),
+        transpose=transpose,
+        patch=patch,
+        architecture=architecture,
+        batch_dice=False,
+        intensity=INTENSITY,
+        normalization=normalization,
+        more_configurations={"3d_fullres_bs4": {"inherits_from": "3d_fullres", "batch_size": 4}},
+    )
 
 
 def dataset_json(labels: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:

@@ -99,43 +99,21 @@ def test_node_seg_agrees_with_nnunet_predictor(
     """``segnode serve`` with the imported model: a feet-first series sent over DICOM gives a
     SEG whose labels, read back by highdicom per source instance, agree with nnUNetPredictor
     at Dice >= 0.99 for every label."""
-    import highdicom as hd
-    from pydicom import dcmread
-
     from scripts.harness import send_files
     from segnode.node.pipeline.worker import result_paths
-    from tests.conftest import wait_for
+    from tests.conftest import wait_for_the_job
+    from tests.fixtures.seg_readback import seg_labels
 
     case = CASES["native_ffs"]
     files = write_dicom_case(case, tmp_path / "in", seed=12)
     node = make_node(model={"manifest": str(MODEL)})
     assert send_files(files, node.port).complete
 
-    def finished() -> Any:
-        jobs = node.jobs()["jobs"]
-        return jobs if jobs and jobs[0]["state"] in ("done", "failed") else None
-
-    [job] = wait_for(finished, 180, "the trained model's job")
-    assert job["state"] == "done", job
+    job = wait_for_the_job(node, 180, "the trained model's job")
     seg_path, _ = sorted(result_paths(node.data_dir, int(job["id"])))
-    seg = hd.seg.segread(seg_path)
     # Source instances in the order of the golden array: ascending along the slice normal.
     normal = np.cross(case.grid.orientation[:3], case.grid.orientation[3:])
-    sources = sorted(
-        (dcmread(f, stop_before_pixels=True) for f in files),
-        key=lambda d: float(np.dot(normal, [float(v) for v in d.ImagePositionPatient])),
-    )
-    numbers = np.asarray(
-        seg.get_pixels_by_source_instance(
-            source_sop_instance_uids=[str(d.SOPInstanceUID) for d in sources],
-            combine_segments=True,
-            assert_missing_frames_are_empty=True,
-        )
-    )
-    lut = np.zeros(256, dtype=np.uint8)
-    for item in seg.SegmentSequence:
-        lut[int(item.SegmentNumber)] = LABELS[str(item.SegmentLabel).lower()]
-    labels = lut[numbers]
+    labels = seg_labels(seg_path, files, lambda name: LABELS[name.lower()], normal)
     want = golden["native_ffs__nnunet"]
     scores = {k: dice(labels, want, v) for k, v in LABELS.items() if v}
     assert min(scores.values()) >= 0.99, scores

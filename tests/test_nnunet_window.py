@@ -14,7 +14,6 @@ Two sources of truth:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -46,6 +45,7 @@ from segnode.engines.nnunet_window import (
 )
 from segnode.engines.preprocess import Geometry
 from segnode.engines.preprocess.pipeline import run_model
+from tests.conftest import nnunet_mark
 
 try:
     import torch
@@ -62,23 +62,10 @@ HALF_ATOL = 1e-3
 float32 result is up to 0.1 away from it; see the module docstring)."""
 
 
-def _nnunet_missing() -> str | None:
-    """Why nnU-Net's inference modules cannot be imported, or ``None`` when they can."""
-    if importlib.util.find_spec("nnunetv2") is None:
-        return "nnunetv2 is not installed"
-    try:
-        import acvl_utils.cropping_and_padding.padding  # noqa: F401
-        import nnunetv2.inference.predict_from_raw_data  # noqa: F401
-        import nnunetv2.inference.sliding_window_prediction  # noqa: F401
-    except Exception as exc:  # any import failure of the optional oracle means "skip"
-        return f"nnunetv2 is installed but does not import: {exc!r}"
-    return None
-
-
-NNUNET_MISSING = _nnunet_missing()
-needs_nnunet = pytest.mark.skipif(
-    NNUNET_MISSING is not None,
-    reason=f"{NNUNET_MISSING} (pip install -e .[nnunet]); the golden-file tests cover it",
+needs_nnunet = nnunet_mark(
+    "acvl_utils.cropping_and_padding.padding",
+    "nnunetv2.inference.predict_from_raw_data",
+    "nnunetv2.inference.sliding_window_prediction",
 )
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 

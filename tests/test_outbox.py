@@ -34,14 +34,16 @@ from segnode.storage.spool import write_atomic
 from tests.conftest import LOOPBACK, ROOT, wait_for
 
 
-def result_file(path: Path, sop_class: str, sop_uid: str, study: str) -> Path:
-    """A minimal dataset of ``sop_class`` written as a Part 10 file."""
+def result_file(path: Path, sop_class: str, sop_uid: str, study: str, **attributes: object) -> Path:
+    """A minimal dataset of ``sop_class`` (and ``attributes``) written as a Part 10 file."""
     ds = Dataset()
     ds.SOPClassUID = sop_class
     ds.SOPInstanceUID = sop_uid
     ds.StudyInstanceUID = study
     ds.SeriesInstanceUID = generate_uid()
     ds.Modality = "SEG" if sop_class == SegmentationStorage else "SR"
+    for keyword, value in attributes.items():
+        setattr(ds, keyword, value)
     ds.file_meta = FileMetaDataset()
     ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
     ds.file_meta.MediaStorageSOPClassUID = sop_class

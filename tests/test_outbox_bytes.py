@@ -26,8 +26,7 @@ from typing import Any
 import pynetdicom.association
 import pytest
 from pydicom import dcmread
-from pydicom.dataset import Dataset, FileMetaDataset
-from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, generate_uid
+from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 from pynetdicom import AE, evt
 from pynetdicom import _config as pynetdicom_config
 from pynetdicom.pdu import P_DATA_TF
@@ -171,20 +170,17 @@ def wire() -> Iterator[WireSCP]:
 
 def big_seg(path: Path, sop_uid: str, study: str, size: int) -> None:
     """A SEG-class Part 10 file with ``size`` bytes of pixel data (many PDUs)."""
-    ds = Dataset()
-    ds.SOPClassUID = SegmentationStorage
-    ds.SOPInstanceUID = sop_uid
-    ds.StudyInstanceUID = study
-    ds.SeriesInstanceUID = generate_uid()
-    ds.Modality = "SEG"
-    ds.Rows, ds.Columns, ds.NumberOfFrames = 512, 512, size // (512 * 64)
-    ds.BitsAllocated = 1
-    ds.PixelData = os.urandom(size)
-    ds.file_meta = FileMetaDataset()
-    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds.file_meta.MediaStorageSOPClassUID = SegmentationStorage
-    ds.file_meta.MediaStorageSOPInstanceUID = sop_uid
-    ds.save_as(path, enforce_file_format=True)
+    result_file(
+        path,
+        SegmentationStorage,
+        sop_uid,
+        study,
+        Rows=512,
+        Columns=512,
+        NumberOfFrames=size // (512 * 64),
+        BitsAllocated=1,
+        PixelData=os.urandom(size),
+    )
 
 
 def result_paths(ledger: Ledger, job_id: int) -> list[Path]:

@@ -12,7 +12,6 @@ Two sources of truth:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -32,26 +31,14 @@ from segnode.engines.manifest import ModelManifest, load_manifest
 from segnode.engines.preprocess import CTNormalization, Geometry
 from segnode.engines.preprocess.pipeline import run_model
 from segnode.engines.preprocess.resampling import compute_new_shape, resample, separate_z_axis
+from tests.conftest import nnunet_mark
 
 DATA = Path(__file__).parent / "data"
 
 
-def _nnunet_missing() -> str | None:
-    """Why nnU-Net's modules used here cannot be imported, or ``None`` when they can."""
-    if importlib.util.find_spec("nnunetv2") is None:
-        return "nnunetv2 is not installed"
-    try:
-        import nnunetv2.inference.export_prediction  # noqa: F401
-        import nnunetv2.preprocessing.preprocessors.default_preprocessor  # noqa: F401
-    except Exception as exc:  # any import failure of the optional oracle means "skip"
-        return f"nnunetv2 is installed but does not import: {exc!r}"
-    return None
-
-
-NNUNET_MISSING = _nnunet_missing()
-needs_nnunet = pytest.mark.skipif(
-    NNUNET_MISSING is not None,
-    reason=f"{NNUNET_MISSING} (pip install -e .[nnunet]); the golden-file tests cover it",
+needs_nnunet = nnunet_mark(
+    "nnunetv2.inference.export_prediction",
+    "nnunetv2.preprocessing.preprocessors.default_preprocessor",
 )
 
 AXIAL = Geometry(

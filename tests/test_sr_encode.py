@@ -24,7 +24,6 @@ import pydicom
 import pytest
 from pydicom.sr.codedict import codes
 
-from bench.sr_encode_bench import bincount_statistics
 from segnode.engines.manifest import LabelSpec, ModelManifest
 from segnode.node.ingest.volume import Volume, assemble_from_datasets, assemble_volume
 from segnode.node.pipeline.worker import encode
@@ -46,6 +45,7 @@ from segnode.node.results.statistics import (
     label_counts,
 )
 from tests.conftest import PHANTOM, require_data, require_tool
+from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
 from tests.test_results import MANIFEST, SOURCE_WARNINGS, UIDS
 

@@ -552,26 +552,9 @@ def test_engine_build_builds_every_fold_with_its_own_key(
 
 def _reread(seg_path: Path, files: list[Path]) -> npt.NDArray[np.uint8]:
     """The SEG's labels per source instance through highdicom, in label values."""
-    import highdicom as hd
-    from pydicom import dcmread
+    from tests.fixtures.seg_readback import seg_labels
 
-    seg = hd.seg.segread(seg_path)
-    sources = sorted(
-        (dcmread(f, stop_before_pixels=True) for f in files),
-        key=lambda d: float(d.ImagePositionPatient[2]),
-    )
-    numbers = np.asarray(
-        seg.get_pixels_by_source_instance(
-            source_sop_instance_uids=[str(d.SOPInstanceUID) for d in sources],
-            combine_segments=True,
-            assert_missing_frames_are_empty=True,
-        )
-    )
-    lut = np.zeros(256, dtype=np.uint8)
-    for item in seg.SegmentSequence:  # segment number -> the label it was named after
-        value = {"Soft tissue": 1, "Bone": 2, "Body": 3}[str(item.SegmentLabel)]
-        lut[int(item.SegmentNumber)] = value
-    return lut[numbers]
+    return seg_labels(seg_path, files, {"Soft tissue": 1, "Bone": 2, "Body": 3}.__getitem__)
 
 
 def _direct(manifest: ModelManifest, files: list[Path]) -> npt.NDArray[np.uint8]:
@@ -590,17 +573,11 @@ def test_worker_runs_a_trained_model_and_fails_a_tilted_series_with_the_reason(
     why; the next series is segmented on the source grid, its SEG and SR written."""
     from pydicom import dcmread
 
-    from segnode.node.config import from_dict
-    from segnode.node.pipeline.worker import Worker, result_paths
-    from segnode.storage.ledger import Ledger
-    from segnode.storage.spool import Spool
+    from segnode.node.pipeline.worker import result_paths
     from tests.fixtures.synthetic import write_synthetic_series
-    from tests.test_worker import ingest
+    from tests.test_worker import ingest, worker_on
 
-    cfg = replace(from_dict({}), data_dir=tmp_path)
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    spool = Spool(tmp_path / "spool")
-    worker = Worker(cfg, ledger, ort_engine, manifest)
+    worker, ledger, spool = worker_on(tmp_path, ort_engine, manifest)
     t = math.radians(15.0)
     tilted = write_synthetic_series(
         tmp_path / "tilted",
@@ -636,7 +613,7 @@ def test_node_segments_a_series_with_a_trained_model(
     directly with segment_trained."""
     from scripts.harness import send_files
     from segnode.node.pipeline.worker import result_paths
-    from tests.conftest import wait_for
+    from tests.conftest import wait_for_the_job
     from tests.fixtures.synthetic import write_synthetic_series
 
     node = make_node(model={"manifest": str(manifest.fold_paths[0].parent / "bands.json")})
@@ -644,12 +621,7 @@ def test_node_segments_a_series_with_a_trained_model(
     sent = send_files(files, node.port)
     assert sent.complete, sent
 
-    def finished() -> Any:
-        jobs = node.jobs()["jobs"]
-        return jobs if jobs and jobs[0]["state"] in ("done", "failed") else None
-
-    [job] = wait_for(finished, 90, "the trained model's job")
-    assert job["state"] == "done", job
+    job = wait_for_the_job(node, 90, "the trained model's job")
     seg_path, _ = sorted(result_paths(node.data_dir, int(job["id"])))
     assert np.array_equal(_reread(seg_path, files), _direct(manifest, files))
 
@@ -688,12 +660,9 @@ def test_torch_cache_keeps_one_artefact_per_fold(manifest: ModelManifest, tmp_pa
 def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> None:
     """A composite's job: the SEG holds the merged labels (segments named after the
     composite's labels), equal to segment_trained's merge."""
-    from segnode.node.config import from_dict
-    from segnode.node.pipeline.worker import Worker, result_paths
-    from segnode.storage.ledger import Ledger
-    from segnode.storage.spool import Spool
+    from segnode.node.pipeline.worker import result_paths
     from tests.fixtures.synthetic import write_synthetic_series
-    from tests.test_worker import ingest
+    from tests.test_worker import ingest, run_job, worker_on
 
     parts = [
         {"manifest": "part_b/part_b.json", "labels": {"1": 3}},
@@ -702,15 +671,10 @@ def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> N
     composite = load_manifest(write_composite(composite_dir, parts))
     engine = OrtEngine(threads=2)
     engine.load(composite)
-    cfg = replace(from_dict({}), data_dir=tmp_path)
-    ledger = Ledger(tmp_path / "ledger.sqlite")
-    worker = Worker(cfg, ledger, engine, composite)
+    worker, ledger, spool = worker_on(tmp_path, engine, composite)
     files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=20, seed=8)
-    uid = ingest(ledger, Spool(tmp_path / "spool"), files)
-    job = ledger.create_job(uid, trigger="test", model="default", engine="onnxruntime")
-    assert job is not None and worker.run_once()
-    view = ledger.job(job)
-    assert view is not None and view.state == "done", view.reason if view else None
+    job, view = run_job(worker, ledger, ingest(ledger, spool, files), model="default")
+    assert view.state == "done", view.reason
     seg_path, _ = sorted(result_paths(tmp_path, job))
     want = _direct(composite, files)
     assert set(np.unique(want).tolist()) == {0, 2, 3}  # bone over body; soft tissue dropped

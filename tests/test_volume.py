@@ -3,8 +3,11 @@ volumes."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import highdicom as hd
 import numpy as np
@@ -22,10 +25,11 @@ from pydicom.uid import (
     generate_uid,
 )
 
-from segnode.node.ingest.volume import Volume, VolumeError, assemble_from_datasets, assemble_volume
+from segnode.node.ingest.volume import VolumeError, assemble_from_datasets, assemble_volume
 from tests.conftest import LIVER, PHANTOM, require_data
 from tests.fixtures.synthetic import (
     AXIAL,
+    OBLIQUE,
     SAGITTAL,
     jpeg_lossless_sv1,
     phantom_hu,
@@ -35,14 +39,6 @@ from tests.fixtures.synthetic import (
 )
 
 ROWS, COLUMNS, SLICES = 32, 40, 6
-OBLIQUE = (
-    float(np.cos(np.radians(30))),
-    float(np.sin(np.radians(30))),
-    0.0,
-    0.0,
-    0.0,
-    -1.0,
-)
 
 
 def small(**kwargs: object) -> list[Dataset]:
@@ -50,6 +46,13 @@ def small(**kwargs: object) -> list[Dataset]:
     args: dict[str, object] = {"rows": ROWS, "columns": COLUMNS, "slices": SLICES}
     args.update(kwargs)
     return synthetic_datasets(**args)  # type: ignore[arg-type]
+
+
+def enhanced(tmp_path: Path, **kwargs: Any) -> Path:
+    """The small phantom (32 x 40 x 6) as one Enhanced CT file."""
+    return write_enhanced_ct(
+        tmp_path / "enhanced.dcm", rows=ROWS, columns=COLUMNS, slices=SLICES, **kwargs
+    )
 
 
 def reread(ds: Dataset) -> Dataset:
@@ -179,14 +182,7 @@ def test_datasets_are_not_modified() -> None:
 @pytest.mark.parametrize("per_frame_rescale", [False, True], ids=["shared", "per-frame"])
 def test_enhanced_ct(tmp_path: Path, per_frame_rescale: bool) -> None:
     order = [3, 1, 0, 5, 4, 2]
-    path = write_enhanced_ct(
-        tmp_path / "enhanced.dcm",
-        rows=ROWS,
-        columns=COLUMNS,
-        slices=SLICES,
-        frame_order=order,
-        per_frame_rescale=per_frame_rescale,
-    )
+    path = enhanced(tmp_path, frame_order=order, per_frame_rescale=per_frame_rescale)
     volume = assemble_volume([path])
     np.testing.assert_array_equal(volume.hu, phantom_hu(ROWS, COLUMNS, SLICES))
     assert volume.is_multiframe
@@ -198,13 +194,7 @@ def test_enhanced_ct(tmp_path: Path, per_frame_rescale: bool) -> None:
 
 
 def test_enhanced_ct_compressed(tmp_path: Path) -> None:
-    path = write_enhanced_ct(
-        tmp_path / "enhanced.dcm",
-        rows=ROWS,
-        columns=COLUMNS,
-        slices=SLICES,
-        transfer_syntax=RLELossless,
-    )
+    path = enhanced(tmp_path, transfer_syntax=RLELossless)
     np.testing.assert_array_equal(assemble_volume([path]).hu, phantom_hu(ROWS, COLUMNS, SLICES))
 
 
@@ -246,18 +236,7 @@ def test_real_liver_three_slices() -> None:
 def test_volume_validates_itself() -> None:
     volume = assemble_from_datasets(small())
     with pytest.raises(ValueError, match="float32"):
-        Volume(
-            hu=volume.hu.astype(np.float64),
-            origin=volume.origin,
-            row_direction=volume.row_direction,
-            column_direction=volume.column_direction,
-            normal=volume.normal,
-            spacing=volume.spacing,
-            sources=volume.sources,
-            frame_of_reference_uid=volume.frame_of_reference_uid,
-            study_instance_uid=volume.study_instance_uid,
-            series_instance_uid=volume.series_instance_uid,
-        )
+        dataclasses.replace(volume, hu=volume.hu.astype(np.float64))
 
 
 # ------------------------------------------------------------------------ failures
@@ -334,10 +313,45 @@ def test_gantry_tilt() -> None:
         assemble_from_datasets(datasets)
 
 
-def test_missing_pixel_data() -> None:
+def _claim_jpeg_ls(datasets: list[Dataset]) -> None:
+    datasets[0].file_meta.TransferSyntaxUID = JPEGLSLossless  # claims JPEG-LS, holds raw bytes
+
+
+_ONE_BAD_ATTRIBUTE = {
+    "missing_pixel_data": (lambda d: delattr(d[1], "PixelData"), "no Pixel Data"),
+    "duplicate_positions": (
+        lambda d: setattr(d[3], "ImagePositionPatient", list(d[2].ImagePositionPatient)),
+        "duplicate slice position: instance 3 .* and instance 4",
+    ),
+    "mismatched_frame_of_reference": (
+        lambda d: setattr(d[1], "FrameOfReferenceUID", generate_uid()),
+        "2 different Frames of Reference",
+    ),
+    "mixed_series": (
+        lambda d: setattr(d[1], "SeriesInstanceUID", generate_uid()),
+        "2 different series",
+    ),
+    "mixed_pixel_spacing": (
+        lambda d: setattr(d[5], "PixelSpacing", [0.8, 0.8]),
+        "mixed pixel spacing: instance 6",
+    ),
+    "missing_position": (
+        lambda d: delattr(d[0], "ImagePositionPatient"),
+        "instance 1 .* lacks ImagePositionPatient",
+    ),
+    "undecodable_pixel_data": (
+        _claim_jpeg_ls,
+        "cannot decode pixel data in transfer syntax JPEG-LS",
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The number of bytes of compressed pixel data")
+@pytest.mark.parametrize(("damage", "match"), _ONE_BAD_ATTRIBUTE.values(), ids=_ONE_BAD_ATTRIBUTE)
+def test_one_bad_attribute_is_refused(damage: Callable[[list[Dataset]], None], match: str) -> None:
     datasets = small()
-    del datasets[1].PixelData
-    with pytest.raises(VolumeError, match="no Pixel Data"):
+    damage(datasets)
+    with pytest.raises(VolumeError, match=match):
         assemble_from_datasets(datasets)
 
 
@@ -346,55 +360,12 @@ def test_non_ct_modality() -> None:
         assemble_from_datasets(small(modality="MR"))
 
 
-def test_duplicate_positions() -> None:
-    datasets = small()
-    datasets[3].ImagePositionPatient = list(datasets[2].ImagePositionPatient)
-    with pytest.raises(VolumeError, match="duplicate slice position: instance 3 .* and instance 4"):
-        assemble_from_datasets(datasets)
-
-
-def test_mismatched_frame_of_reference() -> None:
-    datasets = small()
-    datasets[1].FrameOfReferenceUID = generate_uid()
-    with pytest.raises(VolumeError, match="2 different Frames of Reference"):
-        assemble_from_datasets(datasets)
-
-
-def test_mixed_series() -> None:
-    datasets = small()
-    datasets[1].SeriesInstanceUID = generate_uid()
-    with pytest.raises(VolumeError, match="2 different series"):
-        assemble_from_datasets(datasets)
-
-
 def test_mixed_sizes() -> None:
     datasets = small()
     other = small(rows=16, columns=COLUMNS)
     datasets[2].Rows = 16
     datasets[2].PixelData = other[2].PixelData
     with pytest.raises(VolumeError, match=r"mixed sizes: instance 3 \(.*\) is 16x40"):
-        assemble_from_datasets(datasets)
-
-
-def test_mixed_pixel_spacing() -> None:
-    datasets = small()
-    datasets[5].PixelSpacing = [0.8, 0.8]
-    with pytest.raises(VolumeError, match="mixed pixel spacing: instance 6"):
-        assemble_from_datasets(datasets)
-
-
-def test_missing_position() -> None:
-    datasets = small()
-    del datasets[0].ImagePositionPatient
-    with pytest.raises(VolumeError, match="instance 1 .* lacks ImagePositionPatient"):
-        assemble_from_datasets(datasets)
-
-
-@pytest.mark.filterwarnings("ignore:The number of bytes of compressed pixel data")
-def test_undecodable_pixel_data() -> None:
-    datasets = small()
-    datasets[0].file_meta.TransferSyntaxUID = JPEGLSLossless  # claims JPEG-LS, holds raw bytes
-    with pytest.raises(VolumeError, match="cannot decode pixel data in transfer syntax JPEG-LS"):
         assemble_from_datasets(datasets)
 
 
@@ -407,7 +378,7 @@ def test_not_dicom(tmp_path: Path) -> None:
 
 
 def test_multiframe_mixed_with_single_frames(tmp_path: Path) -> None:
-    path = write_enhanced_ct(tmp_path / "e.dcm", rows=ROWS, columns=COLUMNS, slices=SLICES)
+    path = enhanced(tmp_path)
     with pytest.raises(VolumeError, match="of which 1 are multi-frame"):
         assemble_from_datasets([pydicom.dcmread(path), *small()])
 

@@ -73,6 +73,21 @@ def web_node(
     return node, Http(f"http://{LOOPBACK}:{port}")
 
 
+def web_node_pacs_down(make_node: Any, tmp_path: Path) -> tuple[CountingSCP, NodeProcess, Http]:
+    """A :func:`web_node` whose one destination is a PACS that is down (not yet started): a
+    job fails after 2 s (``dispatch.max_age_s``); retries are fast."""
+    scp = CountingSCP(free_port())
+    dispatch = {
+        "destinations": [scp.peer],
+        "max_age_s": 2,
+        "retry_initial_s": 0.1,
+        "retry_max_s": 0.5,
+        "breaker_failures": 100,
+    }
+    node, http = web_node(make_node, tmp_path, dispatch=dispatch)
+    return scp, node, http
+
+
 def send_series(port: int, base: Path, seed: int, **kwargs: Any) -> str:
     """Send a synthetic series; return its Series Instance UID."""
     files = write_synthetic_series(
@@ -174,18 +189,7 @@ def test_status_probes_and_preview(make_node: Any, tmp_path: Path) -> None:
 
 
 def test_actions_need_the_token_and_retry_requeues(make_node: Any, tmp_path: Path) -> None:
-    scp = CountingSCP(free_port())  # a PACS that is down until the retry
-    node, http = web_node(
-        make_node,
-        tmp_path,
-        dispatch={
-            "destinations": [scp.peer],
-            "max_age_s": 2,
-            "retry_initial_s": 0.1,
-            "retry_max_s": 0.5,
-            "breaker_failures": 100,
-        },
-    )
+    scp, node, http = web_node_pacs_down(make_node, tmp_path)  # PACS down until the retry
     send_series(node.port, tmp_path, 44)
     wait_for(lambda: job_states(http) == {1: "failed"}, 60, "the job failed (PACS down)")
     job = http.json("/api/v1/jobs/1")

@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from scripts.harness import CountingSCP
 from tests.conftest import free_port, wait_for
-from tests.test_web import TOKEN, job_states, send_series, web_node
+from tests.test_web import TOKEN, job_states, send_series, web_node_pacs_down
 
 
 def _require(what: str, found: object) -> None:
@@ -59,18 +58,8 @@ def test_console_shows_jobs_timeline_preview_and_retries(
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
-    scp = CountingSCP(free_port())  # the PACS is down: the first job's delivery fails
-    node, http = web_node(
-        make_node,
-        tmp_path,
-        dispatch={
-            "destinations": [scp.peer],
-            "max_age_s": 2,
-            "retry_initial_s": 0.1,
-            "retry_max_s": 0.5,
-            "breaker_failures": 100,
-        },
-    )
+    # the PACS is down: the first job's delivery fails
+    scp, node, http = web_node_pacs_down(make_node, tmp_path)
     send_series(node.port, tmp_path, 51, rows=128, columns=128, slices=16)
     wait_for(lambda: job_states(http) == {1: "failed"}, 60, "job 1 failed (PACS down)")
     wait_for(lambda: http.json("/api/v1/jobs/1")["preview"], 60, "the preview of job 1")

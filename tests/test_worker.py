@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from pydicom import dcmread
 
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest import ModelManifest, load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL, from_dict
 from segnode.node.pipeline.worker import Worker, result_paths
 from segnode.node.results.build import ResultError
-from segnode.storage.ledger import InstanceRecord, Ledger
+from segnode.storage.ledger import InstanceRecord, JobView, Ledger
 from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
 
@@ -45,24 +46,34 @@ def ingest(ledger: Ledger, spool: Spool, files: list[Path]) -> str:
     return str(dcmread(files[0]).SeriesInstanceUID)
 
 
-def make(tmp_path: Path, engine: OrtEngine) -> tuple[Worker, Ledger, Spool]:
-    cfg = replace(from_dict({}), data_dir=tmp_path)
+def worker_on(
+    tmp_path: Path, engine: Any, manifest: ModelManifest, config: dict[str, Any] | None = None
+) -> tuple[Worker, Ledger, Spool]:
+    """A worker of ``config`` (defaults otherwise) with its ledger and spool in ``tmp_path``."""
+    cfg = replace(from_dict(config or {}), data_dir=tmp_path)
     ledger = Ledger(tmp_path / "ledger.sqlite")
-    return (
-        Worker(cfg, ledger, engine, load_manifest(DEFAULT_MODEL)),
-        ledger,
-        Spool(tmp_path / "spool"),
-    )
+    return Worker(cfg, ledger, engine, manifest), ledger, Spool(tmp_path / "spool")
+
+
+def make(tmp_path: Path, engine: OrtEngine) -> tuple[Worker, Ledger, Spool]:
+    return worker_on(tmp_path, engine, load_manifest(DEFAULT_MODEL))
+
+
+def run_job(worker: Worker, ledger: Ledger, uid: str, model: str = "tissue") -> tuple[int, JobView]:
+    """Queue a job for the series ``uid`` and run it; return its id and its ledger view."""
+    jid = ledger.create_job(uid, trigger="test", model=model, engine="onnxruntime")
+    assert jid is not None and worker.run_once()
+    view = ledger.job(jid)
+    assert view is not None
+    return jid, view
 
 
 def test_job_encodes_seg_and_sr_with_ledger_uids(tmp_path: Path, engine: OrtEngine) -> None:
     worker, ledger, spool = make(tmp_path, engine)
     files = write_synthetic_series(tmp_path / "in", rows=96, columns=96, slices=10, seed=31)
     uid = ingest(ledger, spool, files)
-    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
-    assert jid is not None and worker.run_once()
-    view = ledger.job(jid)
-    assert view is not None and view.state == "done"  # no destinations configured
+    jid, view = run_job(worker, ledger, uid)
+    assert view.state == "done"  # no destinations configured
     assert all(view.stages[k] is not None for k in ("volume", "inference", "encoded"))
     seg, sr = (dcmread(p) for p in result_paths(tmp_path, jid))
     assert {str(seg.SOPInstanceUID), str(sr.SOPInstanceUID)} == {view.seg_sop_uid, view.sr_sop_uid}
@@ -81,10 +92,8 @@ def test_no_segment_ends_done_with_reason(tmp_path: Path, engine: OrtEngine) -> 
         ds.save_as(f, enforce_file_format=True)
         files.append(f)
     uid = ingest(ledger, spool, files)
-    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
-    assert jid is not None and worker.run_once()
-    view = ledger.job(jid)
-    assert view is not None and view.state == "done"
+    jid, view = run_job(worker, ledger, uid)
+    assert view.state == "done"
     assert "nothing to send" in (view.reason or "")
     assert result_paths(tmp_path, jid) == []
 
@@ -94,10 +103,8 @@ def test_missing_spool_file_fails_with_reason(tmp_path: Path, engine: OrtEngine)
     files = write_synthetic_series(tmp_path / "in", rows=32, columns=32, slices=4, seed=33)
     uid = ingest(ledger, spool, files)
     ledger.instance_paths(uid)[1].unlink()
-    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
-    assert jid is not None and worker.run_once()
-    view = ledger.job(jid)
-    assert view is not None and view.state == "failed" and "missing" in (view.reason or "")
+    jid, view = run_job(worker, ledger, uid)
+    assert view.state == "failed" and "missing" in (view.reason or "")
 
 
 def _reread_labels(seg_path: Path, source_files: list[Path]) -> np.ndarray:
@@ -134,9 +141,7 @@ def test_worker_results_reread_by_highdicom_and_reencode_identically(
     worker = Worker(cfg, ledger, engine, load_manifest(DEFAULT_MODEL))
     spool = Spool(tmp_path / "spool")
     files = write_synthetic_series(tmp_path / "in", rows=96, columns=96, slices=12, seed=33)
-    uid = ingest(ledger, spool, files)
-    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
-    assert jid is not None and worker.run_once()
+    jid, _ = run_job(worker, ledger, ingest(ledger, spool, files))
     seg_path, sr_path = sorted(result_paths(tmp_path, jid))  # seg-..., sr-...
     first = (seg_path.read_bytes(), sr_path.read_bytes())
     seg = dcmread(seg_path)
@@ -190,8 +195,7 @@ def test_prebuilt_volume_goes_back_to_the_pool_after_its_job(
         for i, path in enumerate(ledger.instance_paths(uid)):
             asm.submit(Arrival(uid, f"sop{i}", path, "TEST", 0))
         assert asm.wait_idle()
-        jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
-        assert jid is not None and worker.run_once()
+        run_job(worker, ledger, uid)
         assert asm.taken == 1  # the job used the prebuilt volume
         # the two 64-slice slabs went back while gathering, the 70-slice volume after the job
         assert asm.pool.idle_bytes == (64 + 64 + 70) * 32 * 32 * 4
@@ -213,10 +217,8 @@ def test_seg_that_fails_its_check_leaves_no_file(
     worker, ledger, spool = make(tmp_path, engine)
     files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=6, seed=34)
     uid = ingest(ledger, spool, files)
-    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
-    assert jid is not None and worker.run_once()
-    view = ledger.job(jid)
-    assert view is not None and view.state == "failed"
+    jid, view = run_job(worker, ledger, uid)
+    assert view.state == "failed"
     assert "does not reproduce the label map" in (view.reason or "")
     folder = tmp_path / "results" / str(jid)
     assert not folder.exists() or list(folder.iterdir()) == []

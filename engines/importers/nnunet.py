@@ -15,13 +15,14 @@ reports success.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -185,21 +186,21 @@ def import_nnunet(
     chosen = orientation or default_orientation(source.plans, source.dataset)
 
     # the manifest's pure checks first: a plan the contract cannot express fails before export
-    onnx_names = [f"fold_{f}.onnx" for f, _ in source.checkpoints]
-    manifest_dict(
+    manifest_for = functools.partial(
+        manifest_dict,
         source.plans,
         source.dataset,
         source.configuration,
         name=name,
         version=version,
-        folds=onnx_names,
+        folds=[f"fold_{f}.onnx" for f, _ in source.checkpoints],
         labels=labels,
-        mirror_axes=None,
         orientation=chosen,
         overlap=overlap,
         resampling=resampling,
         spacing=spacing,
     )
+    manifest_for(mirror_axes=None)
 
     # everything is written to a staging folder beside OUT and moved in at the end, the
     # manifest last: a failed import leaves OUT as it was
@@ -207,10 +208,9 @@ def import_nnunet(
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.import-"))
     try:
         report = _export_all(
-            source, staging, out_dir, name, labels, generic, chosen, manifest_filename,
-            version=version, checkpoint=checkpoint, codes_source=codes_source if codes else None,
-            orientation_default=orientation is None, overlap=overlap, mirror=mirror,
-            resampling=resampling, spacing=spacing, profile=profile,
+            source, staging, out_dir, name, manifest_for, generic, chosen, manifest_filename,
+            checkpoint=checkpoint, codes_source=codes_source if codes else None,
+            orientation_default=orientation is None, mirror=mirror, profile=profile,
         )  # fmt: skip
         _publish(staging, out_dir, report.manifest_path.name)
     finally:
@@ -223,23 +223,20 @@ def _export_all(
     staging: Path,
     out_dir: Path,
     name: str,
-    labels: list[dict[str, Any]],
+    manifest_for: Callable[..., dict[str, Any]],
     generic: list[str],
     chosen: str,
     manifest_filename: str | None,
     *,
-    version: str,
     checkpoint: str,
     codes_source: str | None,
     orientation_default: bool,
-    overlap: float,
     mirror: bool,
-    resampling: dict[str, Any] | None,
-    spacing: Sequence[float] | None,
     profile: str | None,
 ) -> ImportReport:
-    """Export every fold into ``staging`` and write the manifest, copies and ``import.json``
-    there; the report names the final paths in ``out_dir``."""
+    """Export every fold into ``staging`` and write the manifest (``manifest_for`` given the
+    mirror axes), copies and ``import.json`` there; the report names the final paths in
+    ``out_dir``."""
     from segnode.engines.importers import export
 
     folder = source.path
@@ -282,20 +279,7 @@ def _export_all(
         )
         del network, ckpt
 
-    manifest = manifest_dict(
-        source.plans,
-        source.dataset,
-        source.configuration,
-        name=name,
-        version=version,
-        folds=onnx_names,
-        labels=labels,
-        mirror_axes=mirror_axes if mirror else None,
-        orientation=chosen,
-        overlap=overlap,
-        resampling=resampling,
-        spacing=spacing,
-    )
+    manifest = manifest_for(mirror_axes=mirror_axes if mirror else None)
     manifest_name = manifest_filename or f"{name}.json"
     for copied in ("plans.json", "dataset.json"):
         shutil.copyfile(folder / copied, staging / copied)

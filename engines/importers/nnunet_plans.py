@@ -103,6 +103,17 @@ def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
                 f"{path.parent}: not a complete nnU-Net model folder: {path.name} is missing"
             )
         return None
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``.
+
+    Raises
+    ------
+    ModelImportError
+        If the file cannot be read, is not JSON or holds no object.
+    """
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

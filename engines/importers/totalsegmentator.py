@@ -15,7 +15,6 @@ manifest ``<name>.json`` over them (:mod:`segnode.engines.manifest`, "composite"
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from segnode.engines.importers.nnunet import ImportReport, import_nnunet, write_
 from segnode.engines.importers.nnunet_plans import (
     merge_label_spaces,
     output_layout,
+    read_json_object,
     resolve_configuration,
 )
 
@@ -139,8 +139,8 @@ def import_totalsegmentator(
     # every dataset is found and its labels read before the first (slow) export
     part_names: list[tuple[str, list[tuple[int, str]]]] = []
     for task_id, folder in folders:
-        dataset = _json(folder / "dataset.json")
-        plans = _json(folder / "plans.json")
+        dataset = read_json_object(folder / "dataset.json")
+        plans = read_json_object(folder / "plans.json")
         spacing = resolve_configuration(plans, "3d_fullres").get("spacing")
         if spacing is None or any(abs(float(s) - profile.spacing) > 1e-6 for s in spacing):
             raise ModelImportError(
@@ -191,16 +191,6 @@ def import_totalsegmentator(
     return reports, composite, path, notes
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelImportError(f"{path}: cannot read: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ModelImportError(f"{path}: expected a JSON object")
-    return value
-
-
 def check_composite_json(path: Path) -> None:
     """The composite's structure, checked on the JSON: every part manifest exists, its map
     covers exactly the part's labels, and the merged labels are 1..N, each reached.
@@ -210,7 +200,7 @@ def check_composite_json(path: Path) -> None:
     ModelImportError
         Naming the part and the key.
     """
-    raw = _json(path)
+    raw = read_json_object(path)
     labels = raw.get("labels")
     if not isinstance(labels, list) or [e.get("value") for e in labels] != list(
         range(1, len(labels) + 1)
@@ -219,7 +209,7 @@ def check_composite_json(path: Path) -> None:
     reached: set[int] = set()
     for i, part in enumerate(raw.get("parts") or []):
         part_path = path.parent / part["manifest"]
-        part_raw = _json(part_path)
+        part_raw = read_json_object(part_path)
         values = {str(e["value"]) for e in part_raw["labels"]}
         if set(part["labels"]) != values:
             raise ModelImportError(

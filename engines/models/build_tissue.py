@@ -118,41 +118,20 @@ SCT_TISSUE = ["85756007", "SCT", "Tissue"]
 SCT_ANATOMICAL_STRUCTURE = ["91723000", "SCT", "Anatomical Structure"]
 
 LABELS: list[dict[str, Any]] = [
-    {
-        "value": 1,
-        "name": "Body",
-        "category": SCT_ANATOMICAL_STRUCTURE,
-        "type": ["38266002", "SCT", "Entire body"],
-        "color": [241, 214, 145],
-    },
-    {
-        "value": 2,
-        "name": "Lung and airway",
-        "category": SCT_ANATOMICAL_STRUCTURE,
-        "type": ["39607008", "SCT", "Lung"],
-        "color": [102, 180, 255],
-    },
-    {
-        "value": 3,
-        "name": "Adipose tissue",
-        "category": SCT_TISSUE,
-        "type": ["55603005", "SCT", "Fat"],
-        "color": [230, 220, 70],
-    },
-    {
-        "value": 4,
-        "name": "Soft tissue",
-        "category": SCT_TISSUE,
-        "type": ["87784001", "SCT", "Soft tissue"],
-        "color": [192, 104, 88],
-    },
-    {
-        "value": 5,
-        "name": "Bone",
-        "category": SCT_TISSUE,
-        "type": ["3138006", "SCT", "Bone"],
-        "color": [250, 250, 225],
-    },
+    {"value": value, "name": name, "category": category, "type": type_, "color": color}
+    for value, name, category, type_, color in (
+        (1, "Body", SCT_ANATOMICAL_STRUCTURE, ["38266002", "SCT", "Entire body"], [241, 214, 145]),
+        (
+            2,
+            "Lung and airway",
+            SCT_ANATOMICAL_STRUCTURE,
+            ["39607008", "SCT", "Lung"],
+            [102, 180, 255],
+        ),
+        (3, "Adipose tissue", SCT_TISSUE, ["55603005", "SCT", "Fat"], [230, 220, 70]),
+        (4, "Soft tissue", SCT_TISSUE, ["87784001", "SCT", "Soft tissue"], [192, 104, 88]),
+        (5, "Bone", SCT_TISSUE, ["3138006", "SCT", "Bone"], [250, 250, 225]),
+    )
 ]
 """Output classes with codes from DICOM PS3.16: categories from CID 7150, body and lung types
 from CID 7151, fat, soft tissue and bone (tissue, 3138006) types from CID 7166."""
