@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydicom import dcmread
 from pydicom.errors import InvalidDicomError
@@ -45,7 +45,6 @@ from segnode.node.dicom.ul import (
     StoreRequest,
     StoreResult,
 )
-from segnode.node.ingest.series import CompletionTracker
 from segnode.node.ingest.streaming import Arrival
 from segnode.node.ingest.volume import CT_CLASSES
 from segnode.storage.ledger import InstanceRecord, Ledger
@@ -70,6 +69,23 @@ DEFAULT_MAX_PDU = NodeConfig.max_pdu
 REFILL_DELAY_S = 0.5
 
 
+class SeriesEvents(Protocol):
+    """What the SCP tells series completion (:class:`~segnode.node.ingest.series.CompletionLoop`).
+
+    Called from association and ``store-admit`` threads; must not block. ``touched`` is
+    called before the instance's response, so it precedes the association's ``closed``.
+    """
+
+    def opened(self, assoc_id: int, calling_ae: str = "") -> None:
+        """An association was accepted."""
+
+    def touched(self, assoc_id: int, series_uid: str) -> None:
+        """An association delivered (or re-sent) an instance of ``series_uid``."""
+
+    def closed(self, assoc_id: int, *, released: bool) -> None:
+        """An association ended (released normally, or aborted/dropped)."""
+
+
 @dataclass(frozen=True)
 class _Admitted:
     """A CT instance to keep: its ledger row is committed and its SOP Instance UID claimed."""
@@ -89,7 +105,8 @@ class StoreSCP:
     ledger, spool
         Durable state.
     tracker
-        Series-completion tracker notified of every instance and association end.
+        Told of every association start and end and of each series an association delivers
+        (:class:`~segnode.node.ingest.series.CompletionLoop`: it only queues them).
     on_stored
         Called after each stored instance (for metrics and streaming hooks); may be None.
     """
@@ -99,7 +116,7 @@ class StoreSCP:
         config: Config,
         ledger: Ledger,
         spool: Spool,
-        tracker: CompletionTracker,
+        tracker: SeriesEvents,
         on_stored: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
@@ -312,9 +329,7 @@ class StoreSCP:
         if staging is not None:
             staging.abandon()
         self._refill.set()
-        done = self.tracker.closed(info.id, released=released)
-        if released:
-            log.info("association released; %d series complete", len(done))
+        self.tracker.closed(info.id, released=released)
 
     # -- C-STORE ---------------------------------------------------------------------------
 

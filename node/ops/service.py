@@ -18,7 +18,7 @@ from segnode.node.config import Config
 from segnode.node.errors import SegnodeError
 from segnode.node.ingest.scp import StoreSCP, record_from_file
 from segnode.node.ingest.senders import SenderBook, load_patterns, save_pattern
-from segnode.node.ingest.series import CompletionTracker
+from segnode.node.ingest.series import CompletionLoop
 from segnode.node.ingest.streaming import Arrival, StreamingAssembler
 from segnode.node.ops.metrics import Metrics
 from segnode.node.ops.notify import Notifier
@@ -91,15 +91,19 @@ class Node:
         self.senders = SenderBook(
             load_patterns(self.ledger), save=lambda p: save_pattern(self.ledger, p)
         )
-        self.tracker = CompletionTracker(
+        # The one owner of series-completion state: its thread runs _series_complete and
+        # the quiet-period scan.
+        self.completion = CompletionLoop(
             self._series_complete,
             complete_on_release=config.series.complete_on_release,
             policy=lambda ae: config.series.policy_for(ae).completion,
             senders=self.senders,
             hints=lambda uid: self.streaming.hints(uid),
             on_hold=self.ledger.record_hold,
+            quiet=self._quiet_series,
+            quiet_every_s=self._tick,
         )
-        self.scp = StoreSCP(config, self.ledger, self.spool, self.tracker)
+        self.scp = StoreSCP(config, self.ledger, self.spool, self.completion)
         self.worker = Worker(config, self.ledger, engine, self.manifest, self.pool)
         self.dispatcher = Dispatcher(config, self.ledger)
         # Fast path: decode while receiving, geometric completeness, no timer between stages.
@@ -108,7 +112,7 @@ class Node:
             workers=sc.workers,
             max_bytes=sc.max_memory_mb * 2**20,
             min_slices=config.series.min_slices,
-            on_geometry=self.tracker.geometry_complete,
+            on_geometry=self.completion.geometry_complete,
             decode_pixels=sc.enabled,
             warm_bytes=sc.warm_mb * 2**20,
         )
@@ -191,12 +195,21 @@ class Node:
             if self.metrics is not None:
                 self.metrics.series_complete(trigger)
 
-    def check_quiet(self) -> None:
-        """Fallback: complete pending series that have been quiet for the configured period."""
+    @property
+    def _tick(self) -> float:
+        """Seconds between two quiet-period scans (and main-loop rounds)."""
+        return min(1.0, max(0.05, self.config.series.quiet_period_s / 4))
+
+    def _quiet_series(self) -> list[str]:
+        """Pending series nothing was received for during the quiet period (the completion
+        thread completes those no open association is delivering)."""
         quiet = timedelta(seconds=self.config.series.quiet_period_s)
-        for uid in self.ledger.pending_series(quiet_before=utcnow() - quiet):
-            if not self.tracker.busy(uid):
-                self._series_complete(uid, "quiet-period")
+        return self.ledger.pending_series(quiet_before=utcnow() - quiet)
+
+    def check_quiet(self) -> None:
+        """Run the quiet-period scan now (on the completion thread; it also runs there every
+        few tenths of a second on its own)."""
+        self.completion.scan_quiet()
 
     def _record_lost_rows(self) -> None:
         """Record spool files whose instance row a power cut lost (those rows are committed
@@ -238,6 +251,7 @@ class Node:
             log.info("removed %d unacknowledged staged file(s) left by a restart", staged)
         self._record_lost_rows()
         self.scp.fill_staging_pool()
+        self.completion.start()
         self.streaming.start()
         if self.metrics is not None:
             mc = self.config.metrics
@@ -317,15 +331,12 @@ class Node:
         )
 
     def run_forever(self) -> None:
-        """Main loop: quiet-period scan, status and watchdog, until :meth:`request_stop`."""
-        tick = min(1.0, max(0.05, self.config.series.quiet_period_s / 4))
+        """Main loop: retention, status and watchdog, until :meth:`request_stop` (the
+        quiet-period scan runs on the completion thread)."""
+        tick = self._tick
         wd = self.notifier.watchdog_interval()
         last_status = 0.0
         while not self._stop.wait(tick if wd is None else min(tick, wd)):
-            try:
-                self.check_quiet()
-            except Exception:
-                log.exception("quiet-period scan failed")
             self.retention.maybe_run()
             if wd is not None and self.healthy():
                 self.notifier.send("WATCHDOG=1")
@@ -337,12 +348,14 @@ class Node:
             raise SegnodeError(self.engine_failure)
 
     def healthy(self) -> bool:
-        """Whether the listener, worker and outbox threads are alive (gates WATCHDOG=1).
+        """Whether the listener, completion, worker and outbox threads are alive (gates
+        WATCHDOG=1).
 
         A dead thread stops the pings, so systemd's ``WatchdogSec=`` restarts the node.
         """
         worker = self.worker._thread
         alive = worker is not None and worker.is_alive() and self.dispatcher.is_alive()
+        alive = alive and self.completion.alive
         return alive and self.scp.server is not None and self.scp.server.alive
 
     def request_stop(self, *_: Any) -> None:
@@ -365,7 +378,7 @@ class Node:
         if self.web is not None:
             self.web.stop()
         self.scp.stop()
-        self.tracker.stop()
+        self.completion.stop()  # what the last associations' ends complete, then the thread
         self.worker.stop()
         self.dispatcher.stop()
         self.streaming.stop()
