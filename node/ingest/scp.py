@@ -118,7 +118,16 @@ class StoreSCP:
         Told of every association start and end and of each series an association delivers
         (:class:`~segnode.node.ingest.series.CompletionLoop`: it only queues them).
     on_stored
-        Called after each stored instance (for metrics and streaming hooks); may be None.
+        Called with the series UID after each stored instance; may be None.
+    on_instance
+        Called with every stored (durable, recorded) CT instance, after its response:
+        streaming assembly and metrics; may be None.
+    busy_elsewhere
+        True while other work runs that a staging-pool refill must not slow down (the
+        service passes "a job is running"); never when None.
+
+    The ``on_*`` hooks run on the association's thread as follow-ups of the C-STORE
+    response (:class:`~segnode.node.dicom.ul.StoreOutcome`).
     """
 
     def __init__(
@@ -128,14 +137,17 @@ class StoreSCP:
         spool: Spool,
         tracker: SeriesEvents,
         on_stored: Callable[[str], None] | None = None,
+        *,
+        on_instance: Callable[[Arrival], None] | None = None,
+        busy_elsewhere: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
         self.spool = spool
         self.tracker = tracker
         self.on_stored = on_stored
-        #: Called with every stored (durable, recorded) CT instance: streaming assembly.
-        self.on_instance: Callable[[Arrival], None] | None = None
+        self.on_instance = on_instance
+        self.busy_elsewhere: Callable[[], bool] = busy_elsewhere or (lambda: False)
         nc = config.node
         max_pdu = nc.max_pdu or DEFAULT_MAX_PDU
         if not nc.max_pdu:
@@ -173,9 +185,6 @@ class StoreSCP:
         self._ready: dict[int, StagingFile] = {}
         self._claims: set[str] = set()
         self._claims_lock = threading.Lock()
-        #: True while other work runs that a staging-pool refill must not slow down (the
-        #: service sets it to "a job is running").
-        self.busy_elsewhere: Callable[[], bool] = lambda: False
         # Staging-pool refill, only while the node is quiet (see _refill_loop).
         self._refill = threading.Event()
         self._stopping = False

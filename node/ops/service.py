@@ -1,4 +1,10 @@
-"""The running node: SCP, completion, worker and outbox wired together around the ledger."""
+"""The running node: SCP, completion, worker and outbox wired together around the ledger.
+
+Every collaborator is given to its constructor (the SCP its completion events and hooks, the
+worker its prebuilt volumes and ``on_encoded``); series complete on the completion thread
+(:class:`~segnode.node.ingest.series.CompletionLoop`), which also runs the quiet-period scan,
+so the main loop only does retention and systemd's STATUS and WATCHDOG.
+"""
 
 from __future__ import annotations
 
@@ -103,9 +109,6 @@ class Node:
             quiet=self._quiet_series,
             quiet_every_s=self._tick,
         )
-        self.scp = StoreSCP(config, self.ledger, self.spool, self.completion)
-        self.worker = Worker(config, self.ledger, engine, self.manifest, self.pool)
-        self.dispatcher = Dispatcher(config, self.ledger)
         # Fast path: decode while receiving, geometric completeness, no timer between stages.
         sc = config.streaming
         self.streaming = StreamingAssembler(
@@ -116,16 +119,29 @@ class Node:
             decode_pixels=sc.enabled,
             warm_bytes=sc.warm_mb * 2**20,
         )
-        self.scp.on_instance = self._instance_stored
-        self.scp.busy_elsewhere = lambda: self.worker.current_job is not None
-        self.worker.volumes = self.streaming  # (geometry-only when disabled: take() is None)
-        self.worker.on_encoded = lambda _job_id: self.dispatcher.wake.set()
+        self.scp = StoreSCP(
+            config,
+            self.ledger,
+            self.spool,
+            self.completion,
+            on_instance=self._instance_stored,
+            busy_elsewhere=lambda: self.worker.current_job is not None,
+        )
+        self.worker = Worker(
+            config,
+            self.ledger,
+            engine,
+            self.manifest,
+            self.pool,
+            volumes=self.streaming,  # (geometry-only when disabled: take() is None)
+            on_encoded=self._encoded,
+        )
+        self.dispatcher = Dispatcher(config, self.ledger)
         self.web: WebConsole | None = None  # [web]: the console and the result previews
         if config.web.enabled:
             from segnode.node.web.console import WebConsole  # needs the web extra
 
             self.web = WebConsole(self)
-            self.worker.on_encoded = self.web.chain(self.worker.on_encoded)
         self.metrics: Metrics | None = None
         if config.metrics.enabled:
             self.metrics = Metrics(
@@ -145,6 +161,12 @@ class Node:
         self.streaming.submit(arrival)
         if self.metrics is not None:
             self.metrics.instance_stored(arrival.size)
+
+    def _encoded(self, job_id: int) -> None:
+        """Worker hook, a job's results are encoded: wake the outbox, queue the preview."""
+        self.dispatcher.wake.set()
+        if self.web is not None:
+            self.web.encoded(job_id)
 
     def _series_complete(self, series_uid: str, trigger: str) -> None:
         """A series is complete: apply the routing rules; queue one job per model, or record
