@@ -557,13 +557,18 @@ class CompletionLoop:
         try:
             for uid in self._quiet():
                 if not self._busy(uid):
-                    self._complete(uid, QUIET)
+                    # A hold is left as it is (as when the scan ran on the main loop): its
+                    # end finds the series taken and creates nothing.
+                    self._deliver(uid, QUIET)
         except Exception:
             log.exception("quiet-period scan failed")
 
     def _complete(self, series_uid: str, trigger: str) -> None:
         self._holds.pop(series_uid, None)
         self._told.pop(series_uid, None)
+        self._deliver(series_uid, trigger)
+
+    def _deliver(self, series_uid: str, trigger: str) -> None:
         try:
             self._on_complete(series_uid, trigger)
         except Exception:  # a job-creation failure must not end the completion thread
