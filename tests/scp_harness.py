@@ -14,7 +14,7 @@ from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[at
 
 from segnode.node.config import DEFAULT_MODEL, from_dict
 from segnode.node.ingest.scp import StoreSCP
-from segnode.node.ingest.series import CompletionTracker
+from segnode.node.ingest.series import CompletionLoop
 from segnode.storage.ledger import Ledger
 from segnode.storage.spool import POOL_FILE_BYTES, Spool
 from tests.conftest import LOOPBACK
@@ -38,7 +38,7 @@ class SCPHarness:
             tmp / "spool", self.config.node.staging_pool_mb * 2**20 // POOL_FILE_BYTES
         )
         self.completed: list[tuple[str, str]] = []
-        self.tracker = CompletionTracker(lambda s, t: self.completed.append((s, t)))
+        self.tracker = CompletionLoop(lambda s, t: self.completed.append((s, t)))
         self.scp = StoreSCP(self.config, self.ledger, self.spool, self.tracker)
         self.scp.start()
 
@@ -65,8 +65,9 @@ class SCPHarness:
         return settle_rejection(assoc)
 
     def close(self) -> None:
-        """Stop listening, close the ledger."""
+        """Stop listening and completing, close the ledger."""
         self.scp.stop()
+        self.tracker.stop()
         self.ledger.close()
 
 

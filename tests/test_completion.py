@@ -11,16 +11,23 @@ import pytest
 from segnode.node.config import from_dict
 from segnode.node.errors import ConfigError
 from segnode.node.ingest.senders import SenderBook, SenderPattern
-from segnode.node.ingest.series import GEOMETRY, RELEASE, SENDER_GAP, CompletionTracker, SeriesHints
+from segnode.node.ingest.series import (
+    GEOMETRY,
+    QUIET,
+    RELEASE,
+    SENDER_GAP,
+    CompletionLoop,
+    SeriesHints,
+)
 
 Done = list[tuple[str, str]]
 
 
 def tracker(
     policies: dict[str, str], complete_on_release: bool = True
-) -> tuple[CompletionTracker, Done]:
+) -> tuple[CompletionLoop, Done]:
     done: Done = []
-    t = CompletionTracker(
+    t = CompletionLoop(
         lambda s, trig: done.append((s, trig)),
         policy=lambda ae: policies.get(ae, "auto"),
         complete_on_release=complete_on_release,
@@ -35,7 +42,9 @@ def test_release_counts_only_for_release_policies() -> None:
         for _ in range(3):  # a whole (small) series on one association
             t.touched(n, f"s-{ae}")
         t.closed(n, released=True)
+    t.flush()
     assert done == [("s-REL", RELEASE), ("s-ANY", RELEASE)]
+    t.stop()
 
 
 def test_geometry_counts_only_for_geometry_policies() -> None:
@@ -46,27 +55,41 @@ def test_geometry_counts_only_for_geometry_policies() -> None:
         False,
         True,
     ]
+    t.flush()
     assert done == [("s-SPLIT", GEOMETRY), ("s-ANY", GEOMETRY)]
+    t.stop()
 
 
 def test_complete_on_release_false_disables_release_everywhere() -> None:
     t, done = tracker({"REL": "release"}, complete_on_release=False)
     t.opened(1, "REL")
     t.touched(1, "s")
-    assert t.closed(1, released=True) == []
+    t.closed(1, released=True)
+    t.flush()
+    assert done == []
     assert t.geometry_complete("s", "ANY")
+    t.flush()
     assert done == [("s", GEOMETRY)]
+    t.stop()
 
 
 def test_a_failing_callback_does_not_escape() -> None:
-    def boom(_s: str, _t: str) -> None:
+    calls: list[str] = []
+
+    def boom(s: str, _t: str) -> None:
+        calls.append(s)
         raise RuntimeError("ledger down")
 
-    t = CompletionTracker(boom)
-    t.opened(1, "X")
-    for _ in range(3):
-        t.touched(1, "s")
-    assert t.closed(1, released=True) == ["s"]
+    t = CompletionLoop(boom)
+    for n, uid in ((1, "s"), (2, "t")):
+        t.opened(n, "X")
+        for _ in range(3):
+            t.touched(n, uid)
+        t.closed(n, released=True)
+    t.flush()
+    assert calls == ["s", "t"]  # the thread survived the first failure
+    assert t.alive
+    t.stop()
 
 
 def test_sender_config(tmp_path: Path) -> None:
@@ -128,20 +151,26 @@ class Recorder:
         self.held.append((series, reason))
 
 
-def _assoc(t: CompletionTracker, n: int, ae: str, series: str, instances: int) -> list[str]:
+def _assoc(
+    t: CompletionLoop, r: Recorder, n: int, ae: str, series: str, instances: int
+) -> list[str]:
+    """One association of ``instances`` instances; the series its release completed."""
+    before = len(r.done)
     t.opened(n, ae)
     for _ in range(instances):
         t.touched(n, series)
-    return t.closed(n, released=True)
+    t.closed(n, released=True)
+    t.flush()
+    return [s for s, trig, _ in r.done[before:] if trig == RELEASE]
 
 
 def test_one_instance_per_association_completes_once_after_the_senders_gap() -> None:
     r = Recorder()
     book = SenderBook()
-    t = CompletionTracker(r.complete, senders=book, on_hold=r.hold)
+    t = CompletionLoop(r.complete, senders=book, on_hold=r.hold)
     try:
         for n in range(20):
-            assert _assoc(t, n, "STORESCU", "s", 1) == []  # never at a release
+            assert _assoc(t, r, n, "STORESCU", "s", 1) == []  # never at a release
             time.sleep(0.02)
         last = time.monotonic()
         assert r.event.wait(5)
@@ -160,11 +189,11 @@ def test_one_instance_per_association_completes_once_after_the_senders_gap() -> 
 
 def test_whole_series_senders_keep_completing_at_the_release() -> None:
     r = Recorder()
-    t = CompletionTracker(r.complete)
+    t = CompletionLoop(r.complete)
     try:
         t0 = time.monotonic()
-        assert _assoc(t, 1, "CT1", "a", 40) == ["a"]
-        assert _assoc(t, 2, "CT1", "b", 12) == ["b"]
+        assert _assoc(t, r, 1, "CT1", "a", 40) == ["a"]
+        assert _assoc(t, r, 2, "CT1", "b", 12) == ["b"]
         assert [(s, trig) for s, trig, _ in r.done] == [("a", RELEASE), ("b", RELEASE)]
         assert r.done[-1][2] - t0 < 0.1
         assert not t.senders.get("CT1").splits_series
@@ -177,9 +206,9 @@ def test_a_learnt_splitter_is_held_even_for_a_larger_association() -> None:
     an association of 10 instances, which alone would look like a whole series."""
     r = Recorder()
     known = SenderPattern("ROUTER", associations=30, instances=300, recent="nccc", gap_s=0.2)
-    t = CompletionTracker(r.complete, senders=SenderBook([known]))
+    t = CompletionLoop(r.complete, senders=SenderBook([known]))
     try:
-        assert _assoc(t, 1, "ROUTER", "s", 10) == []
+        assert _assoc(t, r, 1, "ROUTER", "s", 10) == []
         assert t.held() and known.wait_s() == 0.8
         assert r.event.wait(3)
         assert [(s, trig) for s, trig, _ in r.done] == [("s", SENDER_GAP)]
@@ -195,11 +224,11 @@ def test_headers_decide_where_they_can() -> None:
         "hole": SeriesHints(received=4, missing_numbers=1),
     }
     known = SenderPattern("PI", associations=5, instances=5, recent="cccc", gap_s=0.01)
-    t = CompletionTracker(r.complete, senders=SenderBook([known]), hints=hints.get, on_hold=r.hold)
+    t = CompletionLoop(r.complete, senders=SenderBook([known]), hints=hints.get, on_hold=r.hold)
     try:
-        assert _assoc(t, 1, "PI", "full", 1) == ["full"]  # all there: no wait at all
-        assert _assoc(t, 2, "PI", "short", 1) == []
-        assert _assoc(t, 3, "PI", "hole", 1) == []
+        assert _assoc(t, r, 1, "PI", "full", 1) == ["full"]  # all there: no wait at all
+        assert _assoc(t, r, 2, "PI", "short", 1) == []
+        assert _assoc(t, r, 3, "PI", "hole", 1) == []
         time.sleep(1.2)  # the gap passes: the headers say more will come; the quiet period
         assert [s for s, _, _ in r.done] == ["full"]
         reasons = dict(r.held[-2:])
@@ -213,16 +242,18 @@ def test_interleaved_senders_each_by_their_own_pattern() -> None:
     """Two scanners at once: one instance per association from PI on "p", whole series from
     CT on "c"; "c" completes at its release, "p" once after its last association."""
     r = Recorder()
-    t = CompletionTracker(r.complete)
+    t = CompletionLoop(r.complete)
     try:
         for n in range(10):
-            _assoc(t, 100 + n, "PI", "p", 1)
+            _assoc(t, r, 100 + n, "PI", "p", 1)
             if n == 5:
                 t.opened(1, "CT")
                 for _ in range(30):
                     t.touched(1, "c")
             time.sleep(0.02)
-        assert t.closed(1, released=True) == ["c"]
+        t.closed(1, released=True)
+        t.flush()
+        assert [(s, trig) for s, trig, _ in r.done] == [("c", RELEASE)]
         assert r.event.wait(5)
         time.sleep(0.8)
         assert [(s, trig) for s, trig, _ in r.done] == [("c", RELEASE), ("p", SENDER_GAP)]
@@ -232,9 +263,9 @@ def test_interleaved_senders_each_by_their_own_pattern() -> None:
 
 def test_a_new_association_during_the_wait_cancels_it() -> None:
     r = Recorder()
-    t = CompletionTracker(r.complete)
+    t = CompletionLoop(r.complete)
     try:
-        assert _assoc(t, 1, "X", "s", 1) == []  # held 1 s (unknown sender, one instance)
+        assert _assoc(t, r, 1, "X", "s", 1) == []  # held 1 s (unknown sender, one instance)
         time.sleep(0.5)
         t.opened(2, "X")
         t.touched(2, "s")  # more of the series: the first wait is moot
@@ -249,12 +280,12 @@ def test_a_new_association_during_the_wait_cancels_it() -> None:
 
 def test_one_late_instance_does_not_make_a_whole_series_sender_wait() -> None:
     r = Recorder()
-    t = CompletionTracker(r.complete)
+    t = CompletionLoop(r.complete)
     try:
-        assert _assoc(t, 1, "CT1", "a", 40) == ["a"]
-        assert _assoc(t, 2, "CT1", "a", 1) == []  # a late instance: held (one instance)
+        assert _assoc(t, r, 1, "CT1", "a", 40) == ["a"]
+        assert _assoc(t, r, 2, "CT1", "a", 1) == []  # a late instance: held (one instance)
         assert not t.senders.get("CT1").splits_series
-        assert _assoc(t, 3, "CT1", "b", 40) == ["b"]  # the next series: at its release
+        assert _assoc(t, r, 3, "CT1", "b", 40) == ["b"]  # the next series: at its release
     finally:
         t.stop()
 
@@ -285,3 +316,191 @@ def test_cli_exits_quietly_when_its_output_is_closed(tmp_path: Path) -> None:
             os.close(write)
         assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
         assert out.returncode == 1
+
+
+# -- one completion thread fed by events ------------------------------------------------------
+
+
+def test_on_complete_runs_on_the_completion_thread_whatever_fires_it() -> None:
+    """Release, geometry, a hold's timer and the quiet-period scan all complete on
+    ``segnode-completion``, never on the thread that posted the signal."""
+    threads: dict[str, str] = {}
+    pending = {"quiet"}
+    got = threading.Event()
+
+    def complete(series: str, trigger: str) -> None:
+        threads[trigger] = threading.current_thread().name
+        pending.discard(series)
+        if len(threads) == 4:
+            got.set()
+
+    t = CompletionLoop(complete, quiet=lambda: sorted(pending), quiet_every_s=0.05)
+    try:
+
+        def scanner() -> None:  # an association thread, then a decode thread
+            t.opened(1, "CT")
+            for _ in range(3):
+                t.touched(1, "released")
+            t.closed(1, released=True)
+            t.opened(2, "CT")
+            t.touched(2, "held")  # one instance: held for the sender's gap
+            t.closed(2, released=True)
+            assert t.geometry_complete("geometric", "CT")
+
+        poster = threading.Thread(target=scanner, name="assoc:test")
+        poster.start()
+        poster.join()
+        assert got.wait(5), threads
+        assert threads == {
+            RELEASE: "segnode-completion",
+            SENDER_GAP: "segnode-completion",
+            GEOMETRY: "segnode-completion",
+            QUIET: "segnode-completion",
+        }
+    finally:
+        t.stop()
+
+
+def test_a_touched_is_never_reordered_after_its_associations_closed() -> None:
+    """The ``touched`` comes from a ``store-admit`` thread, the ``closed`` from the
+    association's own thread once the response went: the loop sees them in that order, so
+    every association's release completes its series (a reordered ``touched`` would leave a
+    phantom open association and nothing complete)."""
+    r = Recorder()
+    t = CompletionLoop(r.complete)
+    n_assocs, per = 40, 5
+
+    def association(n: int) -> None:
+        t.opened(n, f"AE{n % 3}")
+        for _ in range(per):
+            admit = threading.Thread(target=t.touched, args=(n, f"s{n}"), name="store-admit")
+            admit.start()
+            admit.join()  # the handler waits for its helper before answering
+        t.closed(n, released=True)
+
+    try:
+        threads = [threading.Thread(target=association, args=(n,)) for n in range(n_assocs)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        t.flush()
+        assert sorted(s for s, _, _ in r.done) == sorted(f"s{n}" for n in range(n_assocs))
+        assert {trig for _, trig, _ in r.done} == {RELEASE}
+        assert t.held() == {}
+    finally:
+        t.stop()
+
+
+def test_stop_handles_what_was_posted_then_joins_the_thread() -> None:
+    r = Recorder()
+    t = CompletionLoop(r.complete)
+    t.opened(1, "CT")
+    for _ in range(3):
+        t.touched(1, "s")
+    t.closed(1, released=True)
+    t.stop()  # no flush: stop itself handles the release posted before it
+    assert [(s, trig) for s, trig, _ in r.done] == [("s", RELEASE)]
+    assert not t.alive
+    assert "segnode-completion" not in [th.name for th in threading.enumerate()]
+    t.opened(2, "CT")  # after stop: dropped (the quiet period takes such series at restart)
+    for _ in range(3):
+        t.touched(2, "late")
+    t.closed(2, released=True)
+    assert t.held() == {} and len(r.done) == 1
+    t.stop()  # twice is harmless
+
+
+def test_a_hold_pending_at_stop_is_left_to_the_quiet_period() -> None:
+    r = Recorder()
+    t = CompletionLoop(r.complete)
+    _assoc(t, r, 1, "X", "s", 1)
+    assert set(t.held()) == {"s"}
+    t.stop()
+    time.sleep(1.2)  # past the 1 s wait: no timer fires after stop
+    assert r.done == []
+
+
+def test_the_quiet_scan_runs_on_the_loop_and_skips_series_still_being_delivered() -> None:
+    """The scan asks "is an open association delivering it?" on the thread that owns the
+    answer; a series whose association was aborted is taken by the next scan."""
+    r = Recorder()
+    pending = {"open", "idle"}
+
+    def complete(series: str, trigger: str) -> None:
+        pending.discard(series)
+        r.complete(series, trigger)
+
+    t = CompletionLoop(complete, quiet=lambda: sorted(pending), quiet_every_s=3600)
+    try:
+        t.opened(1, "CT")
+        t.touched(1, "open")
+        t.scan_quiet()
+        t.flush()
+        assert [(s, trig) for s, trig, _ in r.done] == [("idle", QUIET)]
+        t.closed(1, released=False)  # aborted: nothing at the end itself
+        t.flush()
+        assert len(r.done) == 1
+        t.scan_quiet()
+        t.flush()
+        assert [(s, trig) for s, trig, _ in r.done] == [("idle", QUIET), ("open", QUIET)]
+    finally:
+        t.stop()
+
+
+def test_the_quiet_scan_also_runs_on_its_own_period() -> None:
+    r = Recorder()
+    pending = {"s"}
+    t = CompletionLoop(
+        r.complete,
+        quiet=lambda: sorted(pending - {s for s, _, _ in r.done}),
+        quiet_every_s=0.05,
+    )
+    try:
+        t.start()
+        assert r.event.wait(3)
+        assert [(s, trig) for s, trig, _ in r.done] == [("s", QUIET)]
+    finally:
+        t.stop()
+
+
+def test_a_failing_quiet_source_does_not_end_the_loop() -> None:
+    def broken() -> list[str]:
+        raise RuntimeError("ledger locked")
+
+    r = Recorder()
+    t = CompletionLoop(r.complete, quiet=broken, quiet_every_s=0.01)
+    try:
+        t.start()
+        time.sleep(0.1)  # a few failed scans
+        assert t.alive
+        assert t.geometry_complete("g", "CT")
+        assert r.event.wait(3)
+    finally:
+        t.stop()
+
+
+def test_geometric_completion_stays_a_fast_path_through_the_queue() -> None:
+    """A decode thread's ``geometry_complete`` reaches ``on_complete`` in about a
+    millisecond (the fast path's budget is ~5 ms from the last instance to the job)."""
+    arrived: dict[str, float] = {}
+    got = threading.Event()
+
+    def complete(series: str, _trigger: str) -> None:
+        arrived[series] = time.perf_counter()
+        got.set()
+
+    t = CompletionLoop(complete)
+    t.start()
+    waits: list[float] = []
+    try:
+        for i in range(20):
+            got.clear()
+            posted = time.perf_counter()
+            assert t.geometry_complete(f"s{i}", "CT")
+            assert got.wait(5)
+            waits.append(arrived[f"s{i}"] - posted)
+        waits.sort()
+        assert waits[len(waits) // 2] < 0.02, waits  # loose: the machine may be loaded
+    finally:
+        t.stop()

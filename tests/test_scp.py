@@ -26,10 +26,10 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 
 from segnode.node.config import from_dict
 from segnode.node.ingest.scp import StoreSCP
-from segnode.node.ingest.series import CompletionTracker
+from segnode.node.ingest.series import CompletionLoop
 from segnode.storage.ledger import Ledger
 from segnode.storage.spool import Spool
-from tests.conftest import LOOPBACK
+from tests.conftest import LOOPBACK, wait_for
 from tests.fixtures.synthetic import write_synthetic_series
 from tests.scp_harness import settle_rejection
 
@@ -50,7 +50,7 @@ class Harness:
         self.ledger = Ledger(tmp / "ledger.sqlite")
         self.spool = Spool(tmp / "spool")
         self.completed: list[tuple[str, str]] = []
-        self.tracker = CompletionTracker(lambda s, t: self.completed.append((s, t)))
+        self.tracker = CompletionLoop(lambda s, t: self.completed.append((s, t)))
         self.scp = StoreSCP(self.config, self.ledger, self.spool, self.tracker)
         self.scp.start()
 
@@ -64,8 +64,17 @@ class Harness:
         a = settle_rejection(ae.associate(LOOPBACK, self.scp.port, ae_title="SEGNODE"))
         return a
 
+    def settle(self, still_open: int = 0) -> None:
+        """Wait until only ``still_open`` associations are left and the completion thread
+        has handled the others' ends."""
+        server = self.scp.server
+        assert server is not None
+        wait_for(lambda: server.active_associations <= still_open, 10, "associations ended")
+        self.tracker.flush()
+
     def close(self) -> None:
         self.scp.stop()
+        self.tracker.stop()
         self.ledger.close()
 
 
@@ -102,6 +111,7 @@ def test_echo_and_store_series_completes_on_release(h: Harness, series: list[Pat
     uid = str(dcmread(series[0]).SeriesInstanceUID)
     assert h.completed == []  # not complete while the association is open
     a.release()  # type: ignore[attr-defined]
+    h.settle()
     assert h.completed == [(uid, "association-release")]
     paths = h.ledger.instance_paths(uid)
     assert len(paths) == len(series)
@@ -127,8 +137,10 @@ def test_split_over_two_associations(h: Harness, series: list[Path]) -> None:
     for p in series[3:]:
         assert send(b, p) == 0
     a.release()  # type: ignore[attr-defined]
+    h.settle(still_open=1)
     assert h.completed == []  # b is still sending the same series
     b.release()  # type: ignore[attr-defined]
+    h.settle()
     assert h.completed == [(uid, "association-release")]
 
 
@@ -136,6 +148,7 @@ def test_abort_does_not_complete(h: Harness, series: list[Path]) -> None:
     a = h.assoc()
     assert send(a, series[0]) == 0
     a.abort()  # type: ignore[attr-defined]
+    h.settle()
     assert h.completed == []
     assert h.ledger.pending_series() == [str(dcmread(series[0]).SeriesInstanceUID)]
 
@@ -151,6 +164,7 @@ def test_non_ct_accepted_and_ignored(h: Harness) -> None:
     assert send(a, ds) == 0
     a.release()  # type: ignore[attr-defined]
     assert h.ledger.counts()["instances"] == 0
+    h.settle()
     assert h.completed == []
     (row,) = h.ledger.ignored_series()
     assert "not CT" in row[2]

@@ -33,6 +33,9 @@ from segnode.node.dicom.header import parse_header
 from segnode.node.dicom.ul import (
     IMPLEMENTATION_CLASS_UID,
     IMPLEMENTATION_VERSION,
+    AssociationInfo,
+    StoreOutcome,
+    StoreRequest,
     _Association,
     decode_command,
     encode_command,
@@ -359,6 +362,50 @@ def test_streaming_hand_off_follows_the_response_and_cannot_break_it(
     for k, at in enumerate(handoffs, start=1):
         assert events[:at].count("send") >= 1 + k
     assert h.ledger.counts()["instances"] == len(ct)
+
+
+def test_store_outcome_follow_ups_run_after_the_response_preopen_first(
+    h: SCPHarness, ct: list[Path]
+) -> None:
+    """The handler returns its follow-ups in a :class:`StoreOutcome` (it mutates nothing
+    shared); the association's thread runs them once the response is sent, in order: the
+    next staging file first, then the hand-off; one that fails does not stop the next."""
+    events: list[str] = []
+    original_send = _Association._send
+
+    def send(self: _Association, data: bytes) -> None:
+        original_send(self, data)
+        events.append("send")
+
+    def preopen(_info: AssociationInfo) -> None:
+        events.append("preopen")
+        raise RuntimeError("spool gone")
+
+    h.scp._preopen = preopen  # type: ignore[method-assign]
+    h.scp._stored = lambda _arrival: events.append("stored")  # type: ignore[method-assign]
+    _Association._send = send  # type: ignore[method-assign]
+    try:
+        a = h.assoc()
+        for p in ct[:2]:
+            assert store(a, p) == 0
+        a.release()
+    finally:
+        _Association._send = original_send  # type: ignore[method-assign]
+    # A-ASSOCIATE-AC, then per instance: its response, then its two follow-ups.
+    assert events[:7] == ["send", "send", "preopen", "stored", "send", "preopen", "stored"]
+    assert not hasattr(AssociationInfo("A", "B", "h", 1), "after_reply")
+
+
+def test_store_returns_a_typed_outcome(h: SCPHarness, ct: list[Path]) -> None:
+    info = AssociationInfo("MODALITY", "SEGNODE", LOOPBACK, 1)
+    ds = dcmread(ct[0])
+    request = StoreRequest(
+        str(ds.SOPClassUID), "not a uid", str(ExplicitVRLittleEndian), 1, 0, "", b""
+    )
+    refused = h.scp.store(info, request)
+    assert isinstance(refused, StoreOutcome)
+    assert (refused.status, refused.after) == (0xC211, ())
+    assert refused.comment == "invalid Affected SOP Instance UID"
 
 
 def test_staged_file_is_written_and_synced_in_one_call(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from segnode.node.dicom.ul import (
     Acceptor,
     AcceptorOptions,
     AssociationInfo,
+    StoreOutcome,
     StoreRequest,
     _Association,
     pdata_pdus,
@@ -91,9 +92,9 @@ class Recorder:
     def accepted(self, info: AssociationInfo) -> None:
         self.calls.append(("accepted", info.calling_ae))
 
-    def store(self, info: AssociationInfo, request: StoreRequest) -> int:
+    def store(self, info: AssociationInfo, request: StoreRequest) -> StoreOutcome:
         self.calls.append(("store", request.sop_instance_uid))
-        return 0
+        return StoreOutcome(0)
 
     def closed(self, info: AssociationInfo, released: bool) -> None:
         self.calls.append(("closed", released))

@@ -253,11 +253,11 @@ def test_stop_aborts_an_idle_association_at_once(tmp_path: Path) -> None:
 CHILD = textwrap.dedent(
     """
     import resource, sys, time
-    from segnode.node.dicom.ul import Acceptor, AcceptorOptions
+    from segnode.node.dicom.ul import Acceptor, AcceptorOptions, StoreOutcome
     class H:
         def requested(self, info): return None
         def accepted(self, info): pass
-        def store(self, info, request): return 0
+        def store(self, info, request): return StoreOutcome(0)
         def closed(self, info, released): pass
     acc = Acceptor(AcceptorOptions("SEGNODE", {"1.2.840.10008.1.1": ["1.2.840.10008.1.2"]}), H())
     acc.start(("127.0.0.1", 0))

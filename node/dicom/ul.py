@@ -28,6 +28,10 @@ action Table 9-10 names for it in the current ``Sta``. Where the work happens:
   the time its bytes take at ``min_rate`` (a peer that trickles cannot hold the association).
 * DIMSE requests must match their presentation context: the Affected SOP Class UID must be the
   context's abstract syntax (0x0122 SOP Class Not Supported otherwise; nothing is stored).
+* The C-STORE handler returns a :class:`StoreOutcome`: the status, its Error Comment and the
+  follow-ups (work that must come after the instance but must not delay its response); the
+  association's thread sends the response, then runs the follow-ups in order. Handlers share
+  nothing with the acceptor but what they return.
 * :meth:`Acceptor.stop` stops accepting, aborts idle associations at once, lets messages in
   flight finish for ``grace`` seconds and aborts the rest.
 """
@@ -145,10 +149,6 @@ class AssociationInfo:
     contexts: dict[int, tuple[str, str]] = field(default_factory=dict)
     #: The peer's maximum PDU length (0 = unlimited).
     max_send_pdu: int = 0
-    #: Work a handler queued for after the current response is sent (run in order by the
-    #: association's thread, then cleared): what must follow a stored instance but must not
-    #: delay its response.
-    after_reply: list[Callable[[], object]] = field(default_factory=list)
     #: A number no other association of this process has had (``id()`` of a finished
     #: association's object can come back for a new one).
     id: int = field(default_factory=lambda: next(_ASSOCIATION_IDS))
@@ -167,13 +167,26 @@ class StoreRequest:
     dataset: bytes | memoryview
 
 
-#: A C-STORE outcome: a status, or a status with an Error Comment (0000,0902).
-StoreResult = int | tuple[int, str]
+#: Work that must follow a C-STORE but must not delay its response.
+FollowUp = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class StoreOutcome:
+    """What a C-STORE handler returns: the response's status, its Error Comment (0000,0902),
+    sent with a status other than success, and the follow-ups that the association's thread
+    runs, in order, once the response is sent (an exception in one is logged and the next
+    one still runs)."""
+
+    status: int
+    comment: str = ""
+    after: tuple[FollowUp, ...] = ()
 
 
 class Handlers(Protocol):
     """The service user: called from the association's thread (``requested`` from the
-    acceptor's selector thread: it must not block)."""
+    acceptor's selector thread: it must not block). The Acceptor is given one at
+    construction."""
 
     def requested(self, info: AssociationInfo) -> tuple[int, int, int] | None:
         """Return (result, source, diagnostic) to reject the association, None to go on."""
@@ -181,8 +194,9 @@ class Handlers(Protocol):
     def accepted(self, info: AssociationInfo) -> None:
         """The association was accepted."""
 
-    def store(self, info: AssociationInfo, request: StoreRequest) -> StoreResult:
-        """Handle one C-STORE; the status is sent back when this returns."""
+    def store(self, info: AssociationInfo, request: StoreRequest) -> StoreOutcome:
+        """Handle one C-STORE; the status is sent back when this returns, then the
+        outcome's follow-ups run."""
 
     def closed(self, info: AssociationInfo, released: bool) -> None:
         """The association ended: released normally, or aborted/dropped (released=False)."""
@@ -1324,6 +1338,7 @@ class _Association:
             (0x0800, _us(NO_DATASET)),
         ]
         status, comment = UNRECOGNISED_OPERATION, "only C-STORE and C-ECHO are supported"
+        after: tuple[FollowUp, ...] = ()
         if field_ in (C_STORE_RQ, C_ECHO_RQ) and sop_class != abstract:
             # PS3.7 §9.3.1.1 / §9.1.5: the request's SOP class is the context's abstract syntax.
             log.warning(
@@ -1348,8 +1363,8 @@ class _Association:
                 move_originator_ae=_text(command.get(0x1030)),
                 dataset=dataset,
             )
-            result = self.handlers.store(self.info, request)
-            status, comment = result if isinstance(result, tuple) else (result, "")
+            outcome = self.handlers.store(self.info, request)
+            status, comment, after = outcome.status, outcome.comment, outcome.after
             reply.append((0x1000, sop_uid.encode()))
         elif field_ == C_STORE_RQ:
             status, comment = 0xC210, "C-STORE-RQ without a dataset"
@@ -1361,13 +1376,13 @@ class _Association:
         try:
             self.fire(Event.EVT9, pdata_pdus(cx_id, encode_command(reply), self.info.max_send_pdu))
         finally:
-            self._after_reply()
+            self._after_reply(after)
 
-    def _after_reply(self) -> None:
-        actions, self.info.after_reply = self.info.after_reply, []
-        for action in actions:
+    @staticmethod
+    def _after_reply(after: tuple[FollowUp, ...]) -> None:
+        for follow_up in after:
             try:
-                action()
+                follow_up()
             except Exception:
                 log.exception("error after a C-STORE response")
 
@@ -1376,7 +1391,8 @@ __all__: list[str] = [
     "Acceptor",
     "AcceptorOptions",
     "AssociationInfo",
+    "FollowUp",
     "Handlers",
+    "StoreOutcome",
     "StoreRequest",
-    "StoreResult",
 ]

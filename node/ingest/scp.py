@@ -20,8 +20,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydicom import dcmread
 from pydicom.errors import InvalidDicomError
@@ -42,10 +43,10 @@ from segnode.node.dicom.ul import (
     Acceptor,
     AcceptorOptions,
     AssociationInfo,
+    FollowUp,
+    StoreOutcome,
     StoreRequest,
-    StoreResult,
 )
-from segnode.node.ingest.series import CompletionTracker
 from segnode.node.ingest.streaming import Arrival
 from segnode.node.ingest.volume import CT_CLASSES
 from segnode.storage.ledger import InstanceRecord, Ledger
@@ -69,6 +70,31 @@ DEFAULT_MAX_PDU = NodeConfig.max_pdu
 #: Seconds after an association ends before the staging pool is refilled.
 REFILL_DELAY_S = 0.5
 
+#: A status to answer, or a status with its Error Comment (0000,0902).
+_Status = int | tuple[int, str]
+
+
+def _outcome(status: _Status, after: tuple[FollowUp, ...] = ()) -> StoreOutcome:
+    code, comment = status if isinstance(status, tuple) else (status, "")
+    return StoreOutcome(code, comment, after)
+
+
+class SeriesEvents(Protocol):
+    """What the SCP tells series completion (:class:`~segnode.node.ingest.series.CompletionLoop`).
+
+    Called from association and ``store-admit`` threads; must not block. ``touched`` is
+    called before the instance's response, so it precedes the association's ``closed``.
+    """
+
+    def opened(self, assoc_id: int, calling_ae: str = "") -> None:
+        """An association was accepted."""
+
+    def touched(self, assoc_id: int, series_uid: str) -> None:
+        """An association delivered (or re-sent) an instance of ``series_uid``."""
+
+    def closed(self, assoc_id: int, *, released: bool) -> None:
+        """An association ended (released normally, or aborted/dropped)."""
+
 
 @dataclass(frozen=True)
 class _Admitted:
@@ -89,9 +115,19 @@ class StoreSCP:
     ledger, spool
         Durable state.
     tracker
-        Series-completion tracker notified of every instance and association end.
+        Told of every association start and end and of each series an association delivers
+        (:class:`~segnode.node.ingest.series.CompletionLoop`: it only queues them).
     on_stored
-        Called after each stored instance (for metrics and streaming hooks); may be None.
+        Called with the series UID after each stored instance; may be None.
+    on_instance
+        Called with every stored (durable, recorded) CT instance, after its response:
+        streaming assembly and metrics; may be None.
+    busy_elsewhere
+        True while other work runs that a staging-pool refill must not slow down (the
+        service passes "a job is running"); never when None.
+
+    The ``on_*`` hooks run on the association's thread as follow-ups of the C-STORE
+    response (:class:`~segnode.node.dicom.ul.StoreOutcome`).
     """
 
     def __init__(
@@ -99,16 +135,19 @@ class StoreSCP:
         config: Config,
         ledger: Ledger,
         spool: Spool,
-        tracker: CompletionTracker,
+        tracker: SeriesEvents,
         on_stored: Callable[[str], None] | None = None,
+        *,
+        on_instance: Callable[[Arrival], None] | None = None,
+        busy_elsewhere: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
         self.spool = spool
         self.tracker = tracker
         self.on_stored = on_stored
-        #: Called with every stored (durable, recorded) CT instance: streaming assembly.
-        self.on_instance: Callable[[Arrival], None] | None = None
+        self.on_instance = on_instance
+        self.busy_elsewhere: Callable[[], bool] = busy_elsewhere or (lambda: False)
         nc = config.node
         max_pdu = nc.max_pdu or DEFAULT_MAX_PDU
         if not nc.max_pdu:
@@ -146,9 +185,6 @@ class StoreSCP:
         self._ready: dict[int, StagingFile] = {}
         self._claims: set[str] = set()
         self._claims_lock = threading.Lock()
-        #: True while other work runs that a staging-pool refill must not slow down (the
-        #: service sets it to "a job is running").
-        self.busy_elsewhere: Callable[[], bool] = lambda: False
         # Staging-pool refill, only while the node is quiet (see _refill_loop).
         self._refill = threading.Event()
         self._stopping = False
@@ -312,42 +348,50 @@ class StoreSCP:
         if staging is not None:
             staging.abandon()
         self._refill.set()
-        done = self.tracker.closed(info.id, released=released)
-        if released:
-            log.info("association released; %d series complete", len(done))
+        self.tracker.closed(info.id, released=released)
 
     # -- C-STORE ---------------------------------------------------------------------------
 
-    def store(self, info: AssociationInfo, request: StoreRequest) -> StoreResult:
-        """Validate, write atomically, record, reply; never raise."""
+    def store(self, info: AssociationInfo, request: StoreRequest) -> StoreOutcome:
+        """Validate, write atomically, record, reply; never raise.
+
+        A CT instance's outcome carries its follow-ups, run after the response is sent: first
+        the association's next staging file is created (whatever the status: the sender is
+        already sending the next instance), then, for a stored instance, metrics and the
+        streaming decoder hear of it (:meth:`_stored`).
+        """
+        preopen: tuple[FollowUp, ...] = ()
         try:
-            return self._store(info, request)
+            sop_class = request.sop_class_uid
+            sop_uid = request.sop_instance_uid
+            if not valid_uid(sop_uid):
+                log.warning(
+                    "refused instance with invalid SOP Instance UID from %s", info.calling_ae
+                )
+                return _outcome((BAD_UID, "invalid Affected SOP Instance UID"))
+            meta = file_meta(sop_class, sop_uid, request.transfer_syntax, info.calling_ae)
+            incoming = len(meta) + len(request.dataset)
+            if sop_class in CT_CLASSES and self.disk.ok(incoming):
+                # The next instance's file is created while its sender is still sending it.
+                preopen = (partial(self._preopen, info),)
+                result = self._store_ct(info, request, meta, incoming)
+                if isinstance(result, Arrival):
+                    # Metrics and the streaming decoder hear of it once the response is on
+                    # its way: a decoding thread woken now would hold the GIL while this
+                    # thread wants to send.
+                    return StoreOutcome(SUCCESS, after=(*preopen, partial(self._stored, result)))
+                return _outcome(result, preopen)
+            # Nothing to write: another SOP class (accepted and ignored) or no room on disk.
+            status = self._admit(info, request, incoming, room=False)
+            assert not isinstance(status, _Admitted)  # (only with room)
+            return _outcome(status)
         except Exception:
             log.exception("unexpected error in C-STORE handler")
-            return OUT_OF_RESOURCES, "internal error; see the node log"
-
-    def _store(self, info: AssociationInfo, req: StoreRequest) -> StoreResult:
-        sop_class = req.sop_class_uid
-        sop_uid = req.sop_instance_uid
-        if not valid_uid(sop_uid):
-            log.warning("refused instance with invalid SOP Instance UID from %s", info.calling_ae)
-            return BAD_UID, "invalid Affected SOP Instance UID"
-        meta = file_meta(sop_class, sop_uid, req.transfer_syntax, info.calling_ae)
-        incoming = len(meta) + len(req.dataset)
-        if sop_class in CT_CLASSES and self.disk.ok(incoming):
-            try:
-                return self._store_ct(info, req, meta, incoming)
-            finally:
-                # The next instance's file is created while its sender is still sending it.
-                info.after_reply.insert(0, lambda: self._preopen(info))
-        # Nothing to write: another SOP class (accepted and ignored) or no room on disk.
-        outcome = self._admit(info, req, incoming, room=False)
-        assert not isinstance(outcome, _Admitted)  # (only with room)
-        return outcome
+            return _outcome((OUT_OF_RESOURCES, "internal error; see the node log"), preopen)
 
     def _store_ct(
         self, info: AssociationInfo, req: StoreRequest, meta: bytes, incoming: int
-    ) -> StoreResult:
+    ) -> _Status | Arrival:
         """A CT instance: its file is written and synced in this thread while a helper parses
         and checks its header and commits its ledger row (:meth:`_admit`); then the file gets
         its name, and 0x0000 goes back only when all of it is durable.
@@ -356,6 +400,8 @@ class StoreSCP:
         holds no GIL, so the helper's pure-Python work runs beside it. A crash after the row
         and before the rename leaves a row whose file is missing, never acknowledged:
         start-up removes it (:meth:`Ledger.drop_unstored_instances`).
+
+        Returns the status to answer, or the stored instance's :class:`Arrival` (success).
         """
         try:
             staging = self._ready.pop(info.id, None) or self.spool.open_staged()
@@ -406,14 +452,11 @@ class StoreSCP:
             pixels=None if span is None else req.dataset[span[0] : span[0] + span[1]],
             transfer_syntax=req.transfer_syntax,
         )
-        # Metrics and the streaming decoder hear of it once the response is on its way: a
-        # decoding thread woken now would hold the GIL while this thread wants to send.
-        info.after_reply.append(lambda: self._stored(arrival))
-        return SUCCESS
+        return arrival
 
     def _admit(
         self, info: AssociationInfo, req: StoreRequest, incoming: int, *, room: bool
-    ) -> StoreResult | _Admitted:
+    ) -> _Status | _Admitted:
         """Parse and check an instance and, for a CT instance to be kept, commit its ledger
         row under a claim on its SOP Instance UID (released by the caller once the file is
         durable or discarded). Returns the status to answer when nothing is to be kept."""
@@ -474,7 +517,7 @@ class StoreSCP:
         header: Header,
         incoming: int,
         room: bool,
-    ) -> StoreResult | _Admitted:
+    ) -> _Status | _Admitted:
         """Under the claim: refuse what must not be kept, else commit the instance's row."""
         sop_uid, series_uid = rec.sop_instance_uid, rec.series_instance_uid
         if not room or (over := self.budget.admits(series_uid, incoming)) is not None:
@@ -500,7 +543,7 @@ class StoreSCP:
             return OUT_OF_RESOURCES, "cannot record the instance"
         return _Admitted(rec, header, path)
 
-    def _duplicate(self, info: AssociationInfo, series_uid: str) -> StoreResult:
+    def _duplicate(self, info: AssociationInfo, series_uid: str) -> _Status:
         log.info("duplicate instance from %s acknowledged, not stored again", info.calling_ae)
         self.tracker.touched(info.id, series_uid)
         return SUCCESS

@@ -23,19 +23,42 @@ Which of signals 1 and 2 count is a per-sender policy (``[[series.senders]]``, P
 AE title): ``auto`` (both), ``release``, ``geometry`` (for modalities that split a series over
 several associations) or ``quiet`` (the timer only).
 
-The tracker holds only which open associations touched which series; everything durable
+**One owner, one thread.** :class:`CompletionLoop` owns the completion state (which open
+associations touched which series, the series held after a release, the remembered
+association ends) and is its only reader and writer: one thread, ``segnode-completion``, fed
+by a FIFO queue of small frozen events - :class:`Opened`, :class:`Touched` and
+:class:`Closed` from the SCP's threads, :class:`GeometryComplete` from the decode threads,
+:class:`QuietScan` - plus its own timeouts: the hold timers and the periodic quiet-period
+scan (so there is no lock and no timer thread). ``on_complete`` runs only on that thread,
+whichever signal fired. The callers never wait: each public method posts an event and
+returns. The one question the old design asked across threads, "is an open association
+still delivering this series?" (the quiet-period scan, on the main loop), is now asked by
+the scan itself on the completion thread: the loop is given ``quiet()`` (the ledger's quiet
+pending series) and runs the scan every ``quiet_every_s``. Queries for tests and status
+(:meth:`CompletionLoop.held`, :meth:`CompletionLoop.flush`) travel through the queue and are
+answered by the thread through a future.
+
+Ordering: one FIFO queue, so the events one thread posts are handled in the order it posted
+them, and an event posted after another one *happened* (a ``touched`` posted by the
+``store-admit`` thread before the instance's response, then the association's ``closed``
+posted by its thread) is handled after it: a ``touched`` always precedes the same
+association's ``closed``.
+
+The loop holds only which open associations touched which series; everything durable
 (instances, pending flags, jobs) is in the ledger, so losing this state in a crash loses
 nothing: the quiet-period rule picks the series up after restart.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +79,9 @@ PolicyFn = Callable[[str], str]
 HintsFn = Callable[[str], "SeriesHints | None"]
 #: ``on_hold(series_uid, reason)``: a release did not complete the series; why.
 OnHold = Callable[[str, str], None]
+#: ``quiet()``: the pending series nothing was received for during the quiet period.
+QuietFn = Callable[[], Iterable[str]]
+T = TypeVar("T")
 
 RELEASE = "association-release"
 #: A release whose series waited for the sender's usual gap (the sender splits series over
@@ -104,6 +130,65 @@ class SeriesHints:
         return None
 
 
+@dataclass(frozen=True)
+class Opened:
+    """An association was accepted (posted by its thread)."""
+
+    assoc_id: int
+    calling_ae: str
+    #: ``time.monotonic()`` when it was accepted (not when the loop got to the event).
+    at: float
+
+
+@dataclass(frozen=True)
+class Touched:
+    """An association delivered an instance of a series (posted by a ``store-admit`` thread
+    before the instance's response, hence before the same association's :class:`Closed`)."""
+
+    assoc_id: int
+    series_uid: str
+
+
+@dataclass(frozen=True)
+class Closed:
+    """An association ended: released normally, or aborted / dropped."""
+
+    assoc_id: int
+    released: bool
+    #: ``time.monotonic()`` when it ended.
+    at: float
+
+
+@dataclass(frozen=True)
+class GeometryComplete:
+    """The streaming decoder found the series' stack complete (posted by a decode thread)."""
+
+    series_uid: str
+    calling_ae: str
+
+
+@dataclass(frozen=True)
+class QuietScan:
+    """Run the quiet-period scan now (it also runs every ``quiet_every_s`` on its own)."""
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """Run ``fn`` on the completion thread and hand its result to ``future``."""
+
+    fn: Callable[[], object]
+    future: Future[object]
+
+
+@dataclass(frozen=True)
+class _Stop:
+    """The last event: the thread ends after handling everything posted before it."""
+
+
+#: What the completion thread is fed.
+Event = Opened | Touched | Closed | GeometryComplete | QuietScan | _Ask | _Stop
+
+
 @dataclass
 class _Association:
     calling_ae: str
@@ -115,9 +200,21 @@ class _Association:
     continues: dict[str, float] = field(default_factory=dict)
 
 
-class CompletionTracker:
-    """Which open associations touched which series, the per-sender policy, the learnt
-    sender patterns, and the series held after a release.
+class CompletionLoop:
+    """The one owner of series-completion state, on its own thread (``segnode-completion``).
+
+    Fed by events (:class:`Opened`, :class:`Touched`, :class:`Closed`,
+    :class:`GeometryComplete`, :class:`QuietScan`) on one FIFO queue; its own timeouts run
+    the hold timers and the periodic quiet-period scan. Which open associations touched
+    which series, the series held after a release and the remembered association ends are
+    read and written only on that thread: no lock. ``on_complete`` is called only there, so
+    completions never run concurrently and never on the thread that fired them.
+
+    The public methods other threads call (:meth:`opened`, :meth:`touched`, :meth:`closed`,
+    :meth:`geometry_complete`, :meth:`scan_quiet`) only post an event. A poster's events
+    are handled in the order it posted them: an association's ``touched`` (posted before its
+    response) always precedes its ``closed``. Questions that need the state (:meth:`held`,
+    :meth:`flush`) are asked through the queue and answered by the thread.
 
     A normal release completes the series the association delivered (when no other open
     association is still delivering them) unless the association may have carried only
@@ -128,22 +225,32 @@ class CompletionTracker:
     (``sender-gap``), unless its headers say instances are missing (Images in Acquisition
     not reached, a hole in the Instance Numbers): then the quiet period decides.
 
+    The thread starts with :meth:`start` or the first event posted; :meth:`stop` handles
+    what was posted before it and joins the thread. Events posted after :meth:`stop` are
+    dropped: their series are pending in the ledger and the quiet period completes them
+    after the next start.
+
     Parameters
     ----------
     on_complete
-        Called as ``on_complete(series_uid, trigger)`` outside the tracker's lock.
+        Called as ``on_complete(series_uid, trigger)`` on the completion thread.
     complete_on_release
         Whether a normal release completes series at all (config
         ``series.complete_on_release``; false removes the release signal for every sender).
     policy
         Completion mode of a calling AE title (``auto``, ``release``, ``geometry``,
-        ``quiet``); ``auto`` for every sender when None.
+        ``quiet``); ``auto`` for every sender when None. Called on any thread.
     senders
         The learnt sender patterns (in memory only when None).
     hints
         The series' extent from its headers (none when None).
     on_hold
         Told once per series when a release holds it, with the reason.
+    quiet
+        The pending series quiet for the quiet period (from the ledger); the scan completes
+        those no open association touched (``quiet-period``). No scan when None.
+    quiet_every_s
+        Seconds between two quiet-period scans.
     """
 
     def __init__(
@@ -155,6 +262,8 @@ class CompletionTracker:
         senders: SenderBook | None = None,
         hints: HintsFn | None = None,
         on_hold: OnHold | None = None,
+        quiet: QuietFn | None = None,
+        quiet_every_s: float = 1.0,
     ) -> None:
         self._on_complete = on_complete
         self._release = complete_on_release
@@ -162,60 +271,149 @@ class CompletionTracker:
         self.senders = senders or SenderBook()
         self._hints = hints
         self._on_hold = on_hold
-        self._lock = threading.Lock()
+        self._quiet = quiet
+        self._quiet_every = quiet_every_s
+        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._stopping = False
+        # -- owned by the completion thread ----------------------------------------------
         self._assocs: dict[int, _Association] = {}
         self._last_end: dict[str, tuple[str, float]] = {}
-        # Held series -> (due, token); a token that no longer matches is a stale timer.
-        self._holds: dict[str, tuple[float, int]] = {}
+        # Held series -> when their wait ends.
+        self._holds: dict[str, float] = {}
         # Series whose hold was reported (an ordered set, bounded like _last_end).
         self._told: dict[str, None] = {}
-        self._tokens = itertools.count()
-        self._timer_wake = threading.Condition(self._lock)
-        self._timer: threading.Thread | None = None
-        self._stopping = False
+        self._next_quiet = 0.0
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the completion thread (idempotent; posting an event starts it too)."""
+        with self._start_lock:
+            if self._thread is None and not self._stopping:
+                self._next_quiet = time.monotonic() + self._quiet_every
+                self._thread = threading.Thread(
+                    target=self._run, name="segnode-completion", daemon=True
+                )
+                self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the completion thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Handle every event posted so far, then end the thread (held series are left to
+        the quiet period after a restart)."""
+        with self._start_lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(_Stop())
+            thread.join(timeout)
+
+    def _post(self, event: Event) -> None:
+        if self._thread is None:
+            self.start()
+        if self._stopping:
+            log.debug("completion stopped; %s dropped", type(event).__name__)
+            return
+        self._queue.put(event)
+
+    def _run(self) -> None:
+        while True:
+            due = self._next_due()
+            try:
+                if due is None:
+                    event = self._queue.get()
+                else:
+                    event = self._queue.get(timeout=max(0.0, due - time.monotonic()))
+            except queue.Empty:
+                self._timeouts()
+                continue
+            if isinstance(event, _Stop):
+                return
+            try:
+                self._handle(event)
+            except Exception:  # one event's failure must not end completion
+                log.exception("completion event %s failed", type(event).__name__)
+            self._timeouts()
+
+    def _next_due(self) -> float | None:
+        nxt = min(self._holds.values(), default=None)
+        if self._quiet is not None:
+            nxt = self._next_quiet if nxt is None else min(nxt, self._next_quiet)
+        return nxt
+
+    def _timeouts(self) -> None:
+        """Run what is due: ended hold waits, the periodic quiet-period scan."""
+        now = time.monotonic()
+        try:
+            due = [uid for uid, at in self._holds.items() if at <= now]
+            for uid in due:
+                del self._holds[uid]
+            for uid in due:
+                if not self._busy(uid):
+                    self._wait_ended(uid)
+        except Exception:
+            log.exception("ending a completion wait failed")
+        if self._quiet is not None and now >= self._next_quiet:
+            self._next_quiet = now + self._quiet_every
+            self._scan_quiet()
+
+    def _handle(self, event: Event) -> None:
+        if isinstance(event, Touched):
+            self._touched(event)
+        elif isinstance(event, Opened):
+            self._assocs[event.assoc_id] = _Association(event.calling_ae, event.at)
+        elif isinstance(event, Closed):
+            self._closed(event)
+        elif isinstance(event, GeometryComplete):
+            self._complete(event.series_uid, GEOMETRY)
+        elif isinstance(event, QuietScan):
+            self._scan_quiet()
+        elif isinstance(event, _Ask):
+            try:
+                event.future.set_result(event.fn())
+            except Exception as exc:  # the asker gets it
+                event.future.set_exception(exc)
+
+    def _ask(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
+        """``fn()`` run on the completion thread (directly when called there, or once the
+        thread has ended)."""
+        thread = self._thread
+        if thread is threading.current_thread():
+            return fn()
+        if self._stopping:  # nothing is handled any more: wait for the drain, then ask
+            if thread is not None:
+                thread.join(timeout)
+            return fn()
+        future: Future[object] = Future()
+        self._post(_Ask(fn, future))
+        return cast("T", future.result(timeout))
+
+    # -- what other threads call: each posts an event ------------------------------------
 
     def signals(self, calling_ae: str) -> frozenset[str]:
-        """The completion signals that count for ``calling_ae``."""
+        """The completion signals that count for ``calling_ae`` (configuration only: any
+        thread)."""
         out = MODE_SIGNALS.get(self._policy(calling_ae), MODE_SIGNALS["auto"])
         return out if self._release else out - {RELEASE}
 
     def opened(self, assoc_id: int, calling_ae: str = "") -> None:
         """An association was accepted."""
-        with self._lock:
-            self._assocs[assoc_id] = _Association(calling_ae.strip(), time.monotonic())
+        self._post(Opened(assoc_id, calling_ae.strip(), time.monotonic()))
 
     def touched(self, assoc_id: int, series_uid: str) -> None:
         """An association delivered an instance of ``series_uid``."""
-        with self._lock:
-            a = self._assocs.get(assoc_id)
-            if a is None:
-                a = self._assocs[assoc_id] = _Association("", time.monotonic())
-            n = a.series.get(series_uid, 0)
-            if n == 0:
-                prev = self._last_end.get(series_uid)
-                if prev is not None and prev[0] == a.calling_ae:
-                    gap = a.opened_at - prev[1]
-                    if gap <= CONTINUE_WINDOW_S:
-                        a.continues[series_uid] = max(0.0, gap)
-            a.series[series_uid] = n + 1
-            self._holds.pop(series_uid, None)  # more came: a wait for it is moot
+        self._post(Touched(assoc_id, series_uid))
 
-    def busy(self, series_uid: str) -> bool:
-        """Whether an open association has delivered instances of ``series_uid``."""
-        with self._lock:
-            return self._busy(series_uid)
-
-    def _busy(self, series_uid: str) -> bool:
-        return any(series_uid in a.series for a in self._assocs.values())
-
-    def held(self) -> dict[str, float]:
-        """Series held after a release -> seconds until their wait ends."""
-        now = time.monotonic()
-        with self._lock:
-            return {s: max(0.0, due - now) for s, (due, _) in self._holds.items()}
-
-    def closed(self, assoc_id: int, *, released: bool) -> list[str]:
-        """An association ended; return (and report) the series it completed now.
+    def closed(self, assoc_id: int, *, released: bool) -> None:
+        """An association ended; the series it completes are completed on the completion
+        thread.
 
         Parameters
         ----------
@@ -224,20 +422,72 @@ class CompletionTracker:
             release completes series (an aborted transfer waits for the quiet period), and
             only for senders whose policy counts the release.
         """
-        now = time.monotonic()
-        with self._lock:
-            a = self._assocs.pop(assoc_id, None)
-            if a is None or not a.series:
-                return []
-            for uid in a.series:
-                self._last_end.pop(uid, None)
-                self._last_end[uid] = (a.calling_ae, now)
-            while len(self._last_end) > MAX_REMEMBERED:
-                del self._last_end[next(iter(self._last_end))]
-            still_busy = {uid for uid in a.series if self._busy(uid)}
+        self._post(Closed(assoc_id, released, time.monotonic()))
+
+    def geometry_complete(self, series_uid: str, calling_ae: str) -> bool:
+        """The series is geometrically complete: complete it (on the completion thread) if
+        the sender's policy counts geometry; return whether it does."""
+        if GEOMETRY not in self.signals(calling_ae):
+            return False
+        self._post(GeometryComplete(series_uid, calling_ae))
+        return True
+
+    def scan_quiet(self) -> None:
+        """Run the quiet-period scan now rather than at its next period."""
+        self._post(QuietScan())
+
+    def held(self) -> dict[str, float]:
+        """Series held after a release -> seconds until their wait ends."""
+
+        def now_held() -> dict[str, float]:
+            now = time.monotonic()
+            return {s: max(0.0, due - now) for s, due in self._holds.items()}
+
+        return self._ask(now_held)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Return once every event posted before this call has been handled."""
+        self._ask(lambda: None, timeout)
+
+    # -- the handlers (completion thread only) ---------------------------------------------
+
+    def _touched(self, event: Touched) -> None:
+        a = self._assocs.get(event.assoc_id)
+        if a is None:
+            a = self._assocs[event.assoc_id] = _Association("", time.monotonic())
+        uid = event.series_uid
+        n = a.series.get(uid, 0)
+        if n == 0:
+            prev = self._last_end.get(uid)
+            if prev is not None and prev[0] == a.calling_ae:
+                gap = a.opened_at - prev[1]
+                if gap <= CONTINUE_WINDOW_S:
+                    a.continues[uid] = max(0.0, gap)
+        a.series[uid] = n + 1
+        self._holds.pop(uid, None)  # more came: a wait for it is moot
+
+    def _busy(self, series_uid: str) -> bool:
+        """Whether an open association has delivered instances of ``series_uid``."""
+        return any(series_uid in a.series for a in self._assocs.values())
+
+    def _closed(self, event: Closed) -> None:
+        done = self._close(event)
+        if event.released:
+            log.info("association released; %d series complete", len(done))
+
+    def _close(self, event: Closed) -> list[str]:
+        a = self._assocs.pop(event.assoc_id, None)
+        if a is None or not a.series:
+            return []
+        for uid in a.series:
+            self._last_end.pop(uid, None)
+            self._last_end[uid] = (a.calling_ae, event.at)
+        while len(self._last_end) > MAX_REMEMBERED:
+            del self._last_end[next(iter(self._last_end))]
+        still_busy = {uid for uid in a.series if self._busy(uid)}
         gap = max(a.continues.values()) if a.continues else None
         pattern = self.senders.learn(a.calling_ae, sum(a.series.values()), bool(a.continues), gap)
-        if not released or RELEASE not in self.signals(a.calling_ae):
+        if not event.released or RELEASE not in self.signals(a.calling_ae):
             self.senders.persist(a.calling_ae)
             return []
         done: list[str] = []
@@ -272,46 +522,17 @@ class CompletionTracker:
         return None
 
     def _hold(self, uid: str, wait: float, reason: str) -> None:
-        with self._lock:
-            if self._stopping:
-                return
-            token = next(self._tokens)
-            self._holds[uid] = (time.monotonic() + wait, token)
-            tell = uid not in self._told
-            self._told[uid] = None
-            while len(self._told) > MAX_REMEMBERED:
-                del self._told[next(iter(self._told))]
-            if self._timer is None:
-                self._timer = threading.Thread(
-                    target=self._timer_loop, name="completion-holds", daemon=True
-                )
-                self._timer.start()
-            self._timer_wake.notify()
+        self._holds[uid] = time.monotonic() + wait
+        tell = uid not in self._told
+        self._told[uid] = None
+        while len(self._told) > MAX_REMEMBERED:
+            del self._told[next(iter(self._told))]
         log.info("series held: %s", reason)
         if tell and self._on_hold is not None:
             try:
                 self._on_hold(uid, reason)
             except Exception:
                 log.exception("recording a held series failed")
-
-    def _timer_loop(self) -> None:
-        with self._lock:
-            while not self._stopping:
-                now = time.monotonic()
-                due = [uid for uid, (at, _) in self._holds.items() if at <= now]
-                if not due:
-                    nxt = min((at for at, _ in self._holds.values()), default=None)
-                    self._timer_wake.wait(None if nxt is None else nxt - now)
-                    continue
-                for uid in due:
-                    del self._holds[uid]
-                ready = [uid for uid in due if not self._busy(uid)]
-                self._lock.release()
-                try:
-                    for uid in ready:
-                        self._wait_ended(uid)
-                finally:
-                    self._lock.acquire()
 
     def _wait_ended(self, uid: str) -> None:
         """A held series' wait passed with no new instance: complete it, unless its headers
@@ -328,28 +549,29 @@ class CompletionTracker:
             return
         self._complete(uid, SENDER_GAP)
 
-    def stop(self) -> None:
-        """End the hold timer (pending holds are left to the quiet period after a restart)."""
-        with self._lock:
-            self._stopping = True
-            self._timer_wake.notify()
-        if self._timer is not None:
-            self._timer.join(5)
-
-    def geometry_complete(self, series_uid: str, calling_ae: str) -> bool:
-        """The series is geometrically complete; complete it if the sender's policy agrees."""
-        if GEOMETRY not in self.signals(calling_ae):
-            return False
-        self._complete(series_uid, GEOMETRY)
-        return True
+    def _scan_quiet(self) -> None:
+        """Complete the pending series quiet for the period that no open association
+        touched."""
+        if self._quiet is None:
+            return
+        try:
+            for uid in self._quiet():
+                if not self._busy(uid):
+                    # A hold is left as it is (as when the scan ran on the main loop): its
+                    # end finds the series taken and creates nothing.
+                    self._deliver(uid, QUIET)
+        except Exception:
+            log.exception("quiet-period scan failed")
 
     def _complete(self, series_uid: str, trigger: str) -> None:
-        with self._lock:
-            self._holds.pop(series_uid, None)
-            self._told.pop(series_uid, None)
+        self._holds.pop(series_uid, None)
+        self._told.pop(series_uid, None)
+        self._deliver(series_uid, trigger)
+
+    def _deliver(self, series_uid: str, trigger: str) -> None:
         try:
             self._on_complete(series_uid, trigger)
-        except Exception:  # a job-creation failure must not kill the calling thread
+        except Exception:  # a job-creation failure must not end the completion thread
             log.exception("completing series failed")
 
 

@@ -1,4 +1,10 @@
-"""The running node: SCP, completion, worker and outbox wired together around the ledger."""
+"""The running node: SCP, completion, worker and outbox wired together around the ledger.
+
+Every collaborator is given to its constructor (the SCP its completion events and hooks, the
+worker its prebuilt volumes and ``on_encoded``); series complete on the completion thread
+(:class:`~segnode.node.ingest.series.CompletionLoop`), which also runs the quiet-period scan,
+so the main loop only does retention and systemd's STATUS and WATCHDOG.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from segnode.node.config import Config
 from segnode.node.errors import SegnodeError
 from segnode.node.ingest.scp import StoreSCP, record_from_file
 from segnode.node.ingest.senders import SenderBook, load_patterns, save_pattern
-from segnode.node.ingest.series import CompletionTracker
+from segnode.node.ingest.series import CompletionLoop
 from segnode.node.ingest.streaming import Arrival, StreamingAssembler
 from segnode.node.ops.metrics import Metrics
 from segnode.node.ops.notify import Notifier
@@ -91,37 +97,51 @@ class Node:
         self.senders = SenderBook(
             load_patterns(self.ledger), save=lambda p: save_pattern(self.ledger, p)
         )
-        self.tracker = CompletionTracker(
+        # The one owner of series-completion state: its thread runs _series_complete and
+        # the quiet-period scan.
+        self.completion = CompletionLoop(
             self._series_complete,
             complete_on_release=config.series.complete_on_release,
             policy=lambda ae: config.series.policy_for(ae).completion,
             senders=self.senders,
             hints=lambda uid: self.streaming.hints(uid),
             on_hold=self.ledger.record_hold,
+            quiet=self._quiet_series,
+            quiet_every_s=self._tick,
         )
-        self.scp = StoreSCP(config, self.ledger, self.spool, self.tracker)
-        self.worker = Worker(config, self.ledger, engine, self.manifest, self.pool)
-        self.dispatcher = Dispatcher(config, self.ledger)
         # Fast path: decode while receiving, geometric completeness, no timer between stages.
         sc = config.streaming
         self.streaming = StreamingAssembler(
             workers=sc.workers,
             max_bytes=sc.max_memory_mb * 2**20,
             min_slices=config.series.min_slices,
-            on_geometry=self.tracker.geometry_complete,
+            on_geometry=self.completion.geometry_complete,
             decode_pixels=sc.enabled,
             warm_bytes=sc.warm_mb * 2**20,
         )
-        self.scp.on_instance = self._instance_stored
-        self.scp.busy_elsewhere = lambda: self.worker.current_job is not None
-        self.worker.volumes = self.streaming  # (geometry-only when disabled: take() is None)
-        self.worker.on_encoded = lambda _job_id: self.dispatcher.wake.set()
+        self.scp = StoreSCP(
+            config,
+            self.ledger,
+            self.spool,
+            self.completion,
+            on_instance=self._instance_stored,
+            busy_elsewhere=lambda: self.worker.current_job is not None,
+        )
+        self.worker = Worker(
+            config,
+            self.ledger,
+            engine,
+            self.manifest,
+            self.pool,
+            volumes=self.streaming,  # (geometry-only when disabled: take() is None)
+            on_encoded=self._encoded,
+        )
+        self.dispatcher = Dispatcher(config, self.ledger)
         self.web: WebConsole | None = None  # [web]: the console and the result previews
         if config.web.enabled:
             from segnode.node.web.console import WebConsole  # needs the web extra
 
             self.web = WebConsole(self)
-            self.worker.on_encoded = self.web.chain(self.worker.on_encoded)
         self.metrics: Metrics | None = None
         if config.metrics.enabled:
             self.metrics = Metrics(
@@ -141,6 +161,12 @@ class Node:
         self.streaming.submit(arrival)
         if self.metrics is not None:
             self.metrics.instance_stored(arrival.size)
+
+    def _encoded(self, job_id: int) -> None:
+        """Worker hook, a job's results are encoded: wake the outbox, queue the preview."""
+        self.dispatcher.wake.set()
+        if self.web is not None:
+            self.web.encoded(job_id)
 
     def _series_complete(self, series_uid: str, trigger: str) -> None:
         """A series is complete: apply the routing rules; queue one job per model, or record
@@ -191,12 +217,21 @@ class Node:
             if self.metrics is not None:
                 self.metrics.series_complete(trigger)
 
-    def check_quiet(self) -> None:
-        """Fallback: complete pending series that have been quiet for the configured period."""
+    @property
+    def _tick(self) -> float:
+        """Seconds between two quiet-period scans (and main-loop rounds)."""
+        return min(1.0, max(0.05, self.config.series.quiet_period_s / 4))
+
+    def _quiet_series(self) -> list[str]:
+        """Pending series nothing was received for during the quiet period (the completion
+        thread completes those no open association is delivering)."""
         quiet = timedelta(seconds=self.config.series.quiet_period_s)
-        for uid in self.ledger.pending_series(quiet_before=utcnow() - quiet):
-            if not self.tracker.busy(uid):
-                self._series_complete(uid, "quiet-period")
+        return self.ledger.pending_series(quiet_before=utcnow() - quiet)
+
+    def check_quiet(self) -> None:
+        """Run the quiet-period scan now (on the completion thread; it also runs there every
+        few tenths of a second on its own)."""
+        self.completion.scan_quiet()
 
     def _record_lost_rows(self) -> None:
         """Record spool files whose instance row a power cut lost (those rows are committed
@@ -238,6 +273,7 @@ class Node:
             log.info("removed %d unacknowledged staged file(s) left by a restart", staged)
         self._record_lost_rows()
         self.scp.fill_staging_pool()
+        self.completion.start()
         self.streaming.start()
         if self.metrics is not None:
             mc = self.config.metrics
@@ -317,15 +353,12 @@ class Node:
         )
 
     def run_forever(self) -> None:
-        """Main loop: quiet-period scan, status and watchdog, until :meth:`request_stop`."""
-        tick = min(1.0, max(0.05, self.config.series.quiet_period_s / 4))
+        """Main loop: retention, status and watchdog, until :meth:`request_stop` (the
+        quiet-period scan runs on the completion thread)."""
+        tick = self._tick
         wd = self.notifier.watchdog_interval()
         last_status = 0.0
         while not self._stop.wait(tick if wd is None else min(tick, wd)):
-            try:
-                self.check_quiet()
-            except Exception:
-                log.exception("quiet-period scan failed")
             self.retention.maybe_run()
             if wd is not None and self.healthy():
                 self.notifier.send("WATCHDOG=1")
@@ -337,12 +370,14 @@ class Node:
             raise SegnodeError(self.engine_failure)
 
     def healthy(self) -> bool:
-        """Whether the listener, worker and outbox threads are alive (gates WATCHDOG=1).
+        """Whether the listener, completion, worker and outbox threads are alive (gates
+        WATCHDOG=1).
 
         A dead thread stops the pings, so systemd's ``WatchdogSec=`` restarts the node.
         """
         worker = self.worker._thread
         alive = worker is not None and worker.is_alive() and self.dispatcher.is_alive()
+        alive = alive and self.completion.alive
         return alive and self.scp.server is not None and self.scp.server.alive
 
     def request_stop(self, *_: Any) -> None:
@@ -365,7 +400,7 @@ class Node:
         if self.web is not None:
             self.web.stop()
         self.scp.stop()
-        self.tracker.stop()
+        self.completion.stop()  # what the last associations' ends complete, then the thread
         self.worker.stop()
         self.dispatcher.stop()
         self.streaming.stop()

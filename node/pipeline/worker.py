@@ -37,12 +37,13 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from io import BytesIO
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -56,7 +57,6 @@ from segnode.node import __version__
 from segnode.node.config import Config
 from segnode.node.dicom.rejection import KOS_SOP_CLASS, build_rejection_note
 from segnode.node.errors import JobError
-from segnode.node.ingest.streaming import StreamingAssembler
 from segnode.node.ingest.volume import (
     CT_IMAGE_STORAGE,
     Volume,
@@ -98,6 +98,17 @@ def encode(ds: Dataset) -> bytes:
     return buf.getvalue()
 
 
+class Volumes(Protocol):
+    """Where the worker gets volumes prebuilt while their series arrived
+    (:class:`~segnode.node.ingest.streaming.StreamingAssembler`)."""
+
+    def take(self, series_uid: str, paths: Sequence[Path], timeout: float = 60.0) -> Volume | None:
+        """The prebuilt volume of exactly ``paths``, or None (assemble from the spool)."""
+
+    def recycle(self, volume: Volume) -> None:
+        """Take back the memory of a volume whose job is done."""
+
+
 class Worker:
     """Runs jobs from the ledger, one at a time, each on its model's engine.
 
@@ -110,6 +121,12 @@ class Worker:
     pool
         Engines of every configured model (the default one included); built from ``config``
         with ``engine`` preloaded when None. Other models load on their first job.
+    volumes
+        Prebuilt volumes (:class:`~segnode.node.ingest.streaming.StreamingAssembler`); every
+        job is assembled from the spool when None.
+    on_encoded
+        Called (on the worker thread) with the job id once its results are encoded (wakes
+        the outbox, queues the web preview).
     """
 
     def __init__(
@@ -119,6 +136,9 @@ class Worker:
         engine: Engine,
         manifest: ModelManifest,
         pool: EnginePool | None = None,
+        *,
+        volumes: Volumes | None = None,
+        on_encoded: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -151,11 +171,8 @@ class Worker:
         self._thread: threading.Thread | None = None
         self.current_job: int | None = None
         self.last_result: str = "none yet"
-        #: Prebuilt volumes (segnode.node.ingest.streaming); None assembles every job from the
-        # spool.
-        self.volumes: StreamingAssembler | None = None
-        #: Called with the job id once its results are encoded (wakes the outbox).
-        self.on_encoded: Callable[[int], None] | None = None
+        self.volumes = volumes
+        self.on_encoded = on_encoded
 
     def start(self) -> None:
         """Start the worker thread; the helper thread prepares a tiny result once, so that

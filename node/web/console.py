@@ -4,7 +4,6 @@ with the node (:class:`segnode.node.ops.service.Node`)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from segnode.node.errors import ConfigError, SegnodeError
@@ -73,16 +72,11 @@ class WebConsole:
                 f"web.listen {cfg.host}:{cfg.port}: cannot listen: {exc.strerror or exc}"
             ) from exc
 
-    def chain(self, on_encoded: Callable[[int], None] | None) -> Callable[[int], None]:
-        """``Worker.on_encoded`` that calls ``on_encoded`` first, then queues the preview."""
-
-        def encoded(job_id: int) -> None:
-            if on_encoded is not None:
-                on_encoded(job_id)
-            if self.previewer is not None:
-                self.previewer.submit(job_id)
-
-        return encoded
+    def encoded(self, job_id: int) -> None:
+        """A job's results are encoded (the node's ``Worker.on_encoded``, after the outbox
+        is woken): queue its preview."""
+        if self.previewer is not None:
+            self.previewer.submit(job_id)
 
     def start(self) -> None:
         """Start the previewer and the server (bound already)."""
