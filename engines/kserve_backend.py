@@ -319,7 +319,7 @@ class KServeEngine:
         on = f"on {self.url}"
         kw = self._timeout_kw()
         ready = self._call(
-            f"kserve server at {self.url} is not reachable",
+            f"model {remote} not ready {on}",
             lambda c: c.is_model_ready(remote, **kw),
         )
         if not ready:
