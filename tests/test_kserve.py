@@ -325,3 +325,40 @@ def test_a_job_fails_while_the_server_is_down_and_a_retry_succeeds(
         assert len(result_paths(node.data_dir, int(job["id"]))) == 2  # SEG and SR
     finally:
         server.stop()
+
+
+# -- version-2 (trained) models ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_trained_model_runs_one_remote_model_per_fold(tmp_path: Path, protocol: str) -> None:
+    """A version-2 manifest: ``export-triton`` writes ``bands_fold0`` and ``bands_fold1``, the
+    server hosts those files, and ``segment_trained`` through the remote folds gives the
+    labels of the local ONNX Runtime engine."""
+    from segnode.engines.kserve_backend import KServeEngine
+    from segnode.engines.ort_backend import OrtEngine
+    from segnode.engines.trained import segment_trained
+    from segnode.engines.triton_export import export_triton
+    from tests.test_trained_runtime import geometry, phantom, write_trained
+
+    manifest = load_manifest(write_trained(tmp_path / "bands"))
+    exported = export_triton(manifest, tmp_path / "repo")
+    assert [m.name for m in exported] == ["bands_fold0", "bands_fold1"]
+    models = {m.name: m.folder / "1" / "model.onnx" for m in exported}
+    server = KServeServer(models, tmp_path / "server.log").start()
+    try:
+        hu = phantom()
+        where = geometry("head-first", hu.shape)
+        local = OrtEngine(threads=1)
+        local.load(manifest)
+        want = segment_trained(local, manifest, hu, where)
+        local.close()
+        remote = KServeEngine(url=server.url(protocol), protocol=protocol)
+        remote.load(manifest)
+        assert remote.remote_models == ["bands_fold0", "bands_fold1"]
+        with pytest.raises(EngineError, match="trained"):
+            remote.segment(hu)
+        assert np.array_equal(segment_trained(remote, manifest, hu, where), want)
+        remote.close()
+    finally:
+        server.stop()
