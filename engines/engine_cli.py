@@ -1,4 +1,5 @@
-"""``segnode engine build|list``: build engines ahead of time and list the cache.
+"""``segnode engine build|list|export-triton``: build engines ahead of time, list the cache,
+write a Triton model repository.
 
 The node's CLI registers the sub-commands with :func:`add_engine_parser` and dispatches to
 :func:`run_engine_command` with its data folder and default model::
@@ -8,6 +9,7 @@ The node's CLI registers the sub-commands with :func:`add_engine_parser` and dis
     segnode engine build --engine torch [--model ...] [--precision fp16|fp32]
                          [--device cuda:0]
     segnode engine list
+    segnode engine export-triton [--model NAME_OR_PATH] [--name REMOTE] DIR
 
 On a machine without a GPU ``auto`` builds with TensorRT-RTX ahead of time (a portable engine
 for compute capability 8.0 and later); with full TensorRT and a GPU it builds for that GPU.
@@ -15,7 +17,9 @@ for compute capability 8.0 and later); with full TensorRT and a GPU it builds fo
 does at its first start (same options, same key: :mod:`segnode.engines.torch_cache`), so that the
 node starts by loading the artefact; it needs the GPU the node will use. A version-2 (trained)
 model gets one engine or artefact per fold file, every part's for a composite, each with its
-own cache key (the fold file's SHA-256).
+own cache key (the fold file's SHA-256). ``export-triton`` writes ``DIR/<name>/config.pbtxt``
+and ``DIR/<name>/1/model.onnx`` for Triton (one model per fold file of a version-2 model), the
+repository the node's ``kserve`` engine then uses (:mod:`segnode.engines.triton_export`).
 """
 
 from __future__ import annotations
@@ -62,6 +66,19 @@ def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     build.add_argument("--device", default="cuda", help="torch only: the CUDA device")
     actions.add_parser("list", help="list cached engines and check their checksums")
+    triton = actions.add_parser(
+        "export-triton", help="write a Triton model repository (config.pbtxt, model.onnx)"
+    )
+    triton.add_argument(
+        "--model",
+        default=None,
+        help="model name under engines/models, or a manifest .json / .onnx path "
+        "(default: the configured model)",
+    )
+    triton.add_argument(
+        "--name", default=None, help="the model's name on the server (default: the manifest's)"
+    )
+    triton.add_argument("directory", type=Path, help="the model repository (created if needed)")
     return engine  # type: ignore[no-any-return]
 
 
@@ -116,6 +133,8 @@ def run_engine_command(
     stream = out or sys.stdout
     cache_dir = Path(data_dir) / "engines"
     try:
+        if args.engine_command == "export-triton":
+            return _export_triton(args, resolve_model(args.model, default_model), stream)
         if args.engine_command == "build" and getattr(args, "engine", "tensorrt") == "torch":
             return _build_torch(args, resolve_model(args.model, default_model), cache_dir, stream)
         from segnode.engines.trt_backend import build_engine, list_engines
@@ -162,6 +181,16 @@ def run_engine_command(
         return 1
     print(f"segnode engine: unknown command {args.engine_command!r}", file=sys.stderr)
     return 2
+
+
+def _export_triton(args: argparse.Namespace, manifest: ModelManifest, stream: TextIO) -> int:
+    """Write the Triton repository and say what went where."""
+    from segnode.engines.triton_export import export_triton
+
+    for model in export_triton(manifest, args.directory, args.name):
+        batch = f"max_batch_size {model.max_batch_size}"
+        print(f"triton model {model.name}: {model.folder} ({batch})", file=stream)
+    return 0
 
 
 def _build_torch(

@@ -18,7 +18,18 @@ from segnode.node.errors import ConfigError
 DEFAULT_MODEL_NAME = "default"
 """The name of ``[model]`` among the configured models."""
 
-SPEC_KEYS = ("manifest", "engine", "threads", "precision", "compile", "eager_while_compiling")
+REMOTE_KEYS = ("url", "protocol", "remote_model", "timeout_s", "retries")
+"""The keys of a model table that only ``engine = "kserve"`` (a remote server) reads."""
+
+SPEC_KEYS = (
+    "manifest",
+    "engine",
+    "threads",
+    "precision",
+    "compile",
+    "eager_while_compiling",
+    *REMOTE_KEYS,
+)
 """The keys of a model table (``[model]`` adds ``load``)."""
 
 
@@ -34,6 +45,16 @@ class ModelSpec:
     compile: bool = False
     #: With ``compile``: serve jobs eagerly while the compiled model loads or builds.
     eager_while_compiling: bool = True
+    #: ``engine = "kserve"``: the inference server (``http://host:port``, ``grpc://host:port``).
+    url: str = ""
+    #: ``engine = "kserve"``: ``"http"`` or ``"grpc"`` (default: from the URL's scheme).
+    protocol: str = "http"
+    #: ``engine = "kserve"``: the model's name on the server (default: the manifest's name).
+    remote_model: str = ""
+    #: ``engine = "kserve"``: connection and request timeout, seconds.
+    timeout_s: float = 60.0
+    #: ``engine = "kserve"``: how often a request that failed for a transient reason is re-sent.
+    retries: int = 3
 
 
 def parse_model_spec(
@@ -91,4 +112,48 @@ def parse_model_spec(
     eager = table.get("eager_while_compiling", True)
     if not isinstance(eager, bool):
         raise ConfigError(f"{key}.eager_while_compiling: must be true or false, got {eager!r}")
-    return ModelSpec(name, manifest, engine, threads, precision, compile_, eager)
+    remote = _remote(table, key, engine)
+    return ModelSpec(name, manifest, engine, threads, precision, compile_, eager, **remote)
+
+
+def _remote(table: Mapping[str, Any], key: str, engine: str) -> dict[str, Any]:
+    """The remote server's keys (:data:`REMOTE_KEYS`) of a model table, checked."""
+    if engine != "kserve":
+        for k in REMOTE_KEYS:
+            if k in table:
+                raise ConfigError(f'{key}.{k}: only meaningful with engine = "kserve"')
+        return {}
+    url = table.get("url")
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(
+            f'{key}.url: engine = "kserve" needs the server, e.g. "http://127.0.0.1:8000" '
+            '(HTTP) or "grpc://127.0.0.1:8001" (gRPC)'
+        )
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme not in ("http", "https", "grpc", "grpcs"):
+        raise ConfigError(f"{key}.url: scheme must be http, https, grpc or grpcs, got {url!r}")
+    host, colon, port = (rest if sep else url).rstrip("/").rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{key}.url: must name a host and a port, got {url!r}")
+    default_protocol = "grpc" if scheme in ("grpc", "grpcs") else "http"
+    protocol = table.get("protocol", default_protocol)
+    if protocol not in ("http", "grpc"):
+        raise ConfigError(f"{key}.protocol: must be http or grpc, got {protocol!r}")
+    if sep and protocol != default_protocol:
+        raise ConfigError(f"{key}.protocol: {protocol} does not match the url {url!r}")
+    remote_model = table.get("remote_model", "")
+    if not isinstance(remote_model, str):
+        raise ConfigError(f"{key}.remote_model: must be a string, got {remote_model!r}")
+    timeout = table.get("timeout_s", 60.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
+        raise ConfigError(f"{key}.timeout_s: must be a number in (0, 3600], got {timeout!r}")
+    retries = table.get("retries", 3)
+    if not isinstance(retries, int) or isinstance(retries, bool) or not 0 <= retries <= 100:
+        raise ConfigError(f"{key}.retries: must be an integer in [0, 100], got {retries!r}")
+    return {
+        "url": url.strip(),
+        "protocol": protocol,
+        "remote_model": remote_model,
+        "timeout_s": float(timeout),
+        "retries": retries,
+    }

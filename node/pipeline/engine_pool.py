@@ -36,6 +36,15 @@ def engine_options(spec: ModelSpec, data_dir: Path) -> dict[str, Any]:
             "cache_dir": cache_dir,
             "eager_while_compiling": spec.eager_while_compiling,
         }
+    if spec.engine == "kserve":
+        return {
+            "url": spec.url,
+            "protocol": spec.protocol,
+            "model_name": spec.remote_model or None,
+            "timeout_s": spec.timeout_s,
+            "retries": spec.retries,
+            "precision": spec.precision,
+        }
     return {}
 
 
