@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -140,6 +140,23 @@ class TrainedEngine(Protocol):
     def device_scope(self) -> AbstractContextManager[None]:
         """Context for the whole preprocessing, window and export (device, stream,
         ``torch.inference_mode``)."""
+
+
+class HostArrays:
+    """The :class:`TrainedEngine` volume methods of a backend whose predictors take NumPy
+    arrays on the host (ONNX Runtime on the CPU, a remote server): no device, no copies."""
+
+    def to_device(self, hu: npt.NDArray[np.float32]) -> Any:
+        """The volume itself (the window runs on NumPy arrays)."""
+        return hu
+
+    def to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
+        """The label map as a uint8 NumPy array."""
+        return np.asarray(labels, dtype=np.uint8)
+
+    def device_scope(self) -> AbstractContextManager[None]:
+        """Nothing to enter: there is no device on this side."""
+        return nullcontext()
 
 
 Factory = Callable[..., Engine]

@@ -33,13 +33,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from segnode.engines.base import EngineError, PatchPredictor
+from segnode.engines.base import EngineError, HostArrays, PatchPredictor
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.ort_backend import preprocess
 from segnode.engines.sliding_window import OUTPUT_KINDS, segment_with_manifest
@@ -125,7 +124,7 @@ def _is_transient(exc: BaseException) -> bool:
     return callable(status) and str(status()) in _TRANSIENT_STATUS
 
 
-class KServeEngine:
+class KServeEngine(HostArrays):
     """Segment CT volumes on a remote KServe v2 / Triton inference server.
 
     Parameters
@@ -471,18 +470,6 @@ class KServeEngine:
     def window_batch(self) -> int:
         """Tiles per predictor call: one request."""
         return self._batch
-
-    def to_device(self, hu: npt.NDArray[np.float32]) -> Any:
-        """The volume itself (the window runs on NumPy arrays here)."""
-        return hu
-
-    def to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
-        """The label map as a uint8 NumPy array."""
-        return np.asarray(labels, dtype=np.uint8)
-
-    def device_scope(self) -> AbstractContextManager[None]:
-        """Nothing to enter: the device is on the other side of the network."""
-        return nullcontext()
 
     def close(self) -> None:
         """Close the clients (their connections) and forget the model."""

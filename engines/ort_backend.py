@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -31,7 +30,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
-from segnode.engines.base import EngineError, PatchPredictor
+from segnode.engines.base import EngineError, HostArrays, PatchPredictor
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.sliding_window import OUTPUT_KINDS, segment_with_manifest
 
@@ -44,7 +43,7 @@ _ORT_ERRORS: tuple[type[Exception], ...] = tuple(
 ) + (RuntimeError, ValueError, OSError)
 
 
-class OrtEngine:
+class OrtEngine(HostArrays):
     """Segment CT volumes with ONNX Runtime.
 
     Parameters
@@ -192,18 +191,6 @@ class OrtEngine:
     def window_batch(self) -> int:
         """Tiles per predictor call: one run of the session per patch thread."""
         return self._run_batch * self._workers
-
-    def to_device(self, hu: npt.NDArray[np.float32]) -> Any:
-        """The volume itself (ONNX Runtime runs on NumPy arrays)."""
-        return hu
-
-    def to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
-        """The label map as a uint8 NumPy array."""
-        return np.asarray(labels, dtype=np.uint8)
-
-    def device_scope(self) -> AbstractContextManager[None]:
-        """Nothing to enter on the CPU."""
-        return nullcontext()
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Return the uint8 label map of a ``(z, y, x)`` volume in Hounsfield units.

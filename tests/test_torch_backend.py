@@ -294,13 +294,17 @@ def _eager_then_compiled(manifest: ModelManifest, tmp_path: Path, device: str) -
     reference.load(manifest)
     expected = reference.segment(hu)
     reference.close()
-    engine = TorchEngine(
-        device=device,
-        precision=precision,
-        compile=True,
-        cache_dir=tmp_path / "engines",
-        eager_while_compiling=True,
-    )
+
+    def eager_first() -> TorchEngine:
+        return TorchEngine(
+            device=device,
+            precision=precision,
+            compile=True,
+            cache_dir=tmp_path / "engines",
+            eager_while_compiling=True,
+        )
+
+    engine = eager_first()
     engine.load(manifest)
     assert engine.load_info["compiled"] == ""  # ready before anything was compiled
     eager = engine.segment(hu)
@@ -315,13 +319,7 @@ def _eager_then_compiled(manifest: ModelManifest, tmp_path: Path, device: str) -
     engine.close()
     # A restart finds the artefact and loads it before it is ready (no eager phase: a
     # background compilation would slow the jobs that run meanwhile).
-    again = TorchEngine(
-        device=device,
-        precision=precision,
-        compile=True,
-        cache_dir=tmp_path / "engines",
-        eager_while_compiling=True,
-    )
+    again = eager_first()
     again.load(manifest)
     assert again.load_info["compiled"] == "inductor" and again.load_info["cache_hit"]
     assert again.compiled_ready.is_set()
