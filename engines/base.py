@@ -142,6 +142,26 @@ class TrainedEngine(Protocol):
         ``torch.inference_mode``)."""
 
 
+def host_volume(manifest: ModelManifest, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """``hu`` as the NumPy volume a version-1 model's ``segment`` runs on.
+
+    Raises
+    ------
+    EngineError
+        If the model is a version-2 one (it runs through ``segment_trained``) or the volume
+        is not a non-empty ``(z, y, x)`` array.
+    """
+    if manifest.is_trained:
+        raise EngineError(
+            f"model {manifest.name!r} is a trained (version-2) model: it runs with the "
+            "volume's geometry through segnode.engines.trained.segment_trained"
+        )
+    volume = np.asarray(hu)
+    if volume.ndim != 3 or min(volume.shape) < 1:
+        raise EngineError(f"expected a non-empty (z, y, x) volume, got shape {volume.shape}")
+    return volume
+
+
 class HostArrays:
     """The :class:`TrainedEngine` volume methods of a backend whose predictors take NumPy
     arrays on the host (ONNX Runtime on the CPU, a remote server): no device, no copies."""

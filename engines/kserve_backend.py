@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from segnode.engines.base import EngineError, HostArrays, PatchPredictor
+from segnode.engines.base import EngineError, HostArrays, PatchPredictor, host_volume
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.ort_backend import preprocess
 from segnode.engines.sliding_window import OUTPUT_KINDS, segment_with_manifest
@@ -418,14 +418,7 @@ class KServeEngine(HostArrays):
         manifest = self._manifest
         if manifest is None:
             raise EngineError("kserve: segment() called before load()")
-        if manifest.is_trained:
-            raise EngineError(
-                f"model {manifest.name!r} is a trained (version-2) model: it runs with the "
-                "volume's geometry through segnode.engines.trained.segment_trained"
-            )
-        volume = np.asarray(hu)
-        if volume.ndim != 3 or min(volume.shape) < 1:
-            raise EngineError(f"expected a non-empty (z, y, x) volume, got shape {volume.shape}")
+        volume = host_volume(manifest, hu)
         remote = self._remote[0]
 
         def run(chunk: npt.NDArray[Any]) -> Any:

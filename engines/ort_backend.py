@@ -30,7 +30,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
-from segnode.engines.base import EngineError, HostArrays, PatchPredictor
+from segnode.engines.base import EngineError, HostArrays, PatchPredictor, host_volume
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.sliding_window import OUTPUT_KINDS, segment_with_manifest
 
@@ -203,14 +203,7 @@ class OrtEngine(HostArrays):
         session, manifest = self._session, self._manifest
         if session is None or manifest is None:
             raise EngineError("onnxruntime: segment() called before load()")
-        if manifest.is_trained:
-            raise EngineError(
-                f"model {manifest.name!r} is a trained (version-2) model: it runs with the "
-                "volume's geometry through segnode.engines.trained.segment_trained"
-            )
-        volume = np.asarray(hu)
-        if volume.ndim != 3 or min(volume.shape) < 1:
-            raise EngineError(f"expected a non-empty (z, y, x) volume, got shape {volume.shape}")
+        volume = host_volume(manifest, hu)
         input_name, output_name = manifest.input_name, manifest.output_name
         run_batch, pool = self._run_batch, self._pool
 
