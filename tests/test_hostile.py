@@ -102,6 +102,19 @@ def steady_thread_count(pid: int, timeout: float = 20.0) -> int:
     return samples[-1]
 
 
+def steady_rss_mib(pid: int, timeout: float = 30.0) -> float:
+    """The RSS once it has moved less than 1 MiB over 1 s: the engine's background load
+    and first allocations are done, so a later rise belongs to what the test does."""
+    samples: list[float] = []
+
+    def steady() -> bool:
+        samples.append(rss_mib(pid))
+        return len(samples) >= 6 and max(samples[-6:]) - min(samples[-6:]) < 1.0
+
+    wait_for(steady, timeout, "a steady resident set size", interval=0.2)
+    return samples[-1]
+
+
 def announced_max_pdu(ac_body: bytes) -> int:
     """The Maximum Length Received the node announced in its A-ASSOCIATE-AC."""
     ac = A_ASSOCIATE_AC()
@@ -372,6 +385,9 @@ def test_idle_and_trickling_connections_do_not_block_legitimate_peers(
 def test_huge_pdata_pdu_is_aborted_at_once(make_node: Any) -> None:
     node: NodeProcess = make_node()
     pid = node_pid(node)
+    # The node listens before its engine has loaded: measure from a settled process.
+    steady_thread_count(pid)
+    steady_rss_mib(pid)
     s, announced = raw_association(node)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 256 * 1024)
     sndbuf = s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)

@@ -333,6 +333,9 @@ class Acceptor:
             build_context(abstract, syntaxes) for abstract, syntaxes in options.contexts.items()
         ]
         self._listener: socket.socket | None = None
+        # Read once at bind: the address stays answerable after stop() closed the socket
+        # (a status line written while the node stops).
+        self._address: tuple[str, int] | None = None
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -356,9 +359,8 @@ class Acceptor:
     @property
     def server_address(self) -> tuple[str, int]:
         """The bound ``(host, port)`` of the listening socket."""
-        assert self._listener is not None
-        host, port = self._listener.getsockname()[:2]
-        return str(host), int(port)
+        assert self._address is not None, "the acceptor was not started"
+        return self._address
 
     @property
     def active_associations(self) -> int:
@@ -380,6 +382,8 @@ class Acceptor:
         listener.bind(address)
         listener.listen(BACKLOG)
         listener.setblocking(False)
+        host, port = listener.getsockname()[:2]
+        self._address = (str(host), int(port))
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)

@@ -172,6 +172,7 @@ class StoreSCP:
             check_called_ae=nc.check_called_ae,
         )
         self.server: Acceptor | None = None
+        self._port: int | None = None  # kept after stop() for status lines
         self.tls_server: Acceptor | None = None
         self.access = AccessPolicy(nc)
         self.disk = DiskGuard(spool.root, nc.min_free_disk_mb)
@@ -207,6 +208,7 @@ class StoreSCP:
         ctx = tls.server_context(tc) if tc.enabled else None
         tls_only = ctx is not None and tc.port in (0, nc.port)
         self.server = self._listen(nc.port, ctx if tls_only else None)
+        self._port = self.server.server_address[1]
         if ctx is not None and not tls_only:
             self.tls_server = self._listen(tc.port, ctx)
         if self.spool.pool.target and not self._refiller.is_alive():
@@ -277,9 +279,10 @@ class StoreSCP:
 
     @property
     def port(self) -> int:
-        """The bound port (useful when config asked for port 0)."""
-        assert self.server is not None
-        return self.server.server_address[1]
+        """The bound port (useful when config asked for port 0); still answered after
+        :meth:`stop`."""
+        assert self._port is not None, "the SCP was not started"
+        return self._port
 
     @property
     def tls_port(self) -> int | None:
