@@ -334,14 +334,7 @@ class KServeEngine(HostArrays):
             )
         inputs = {t["name"]: t for t in meta.get("inputs", [])}
         outputs = {t["name"]: t for t in meta.get("outputs", [])}
-        if unit.input_name not in inputs:
-            raise EngineError(
-                f"model {remote} {on} has no input {unit.input_name!r} (has {sorted(inputs)})"
-            )
-        if unit.output_name not in outputs:
-            raise EngineError(
-                f"model {remote} {on} has no output {unit.output_name!r} (has {sorted(outputs)})"
-            )
+        unit.check_tensors(f"model {remote} {on}", inputs, outputs)
         datatype = inputs[unit.input_name].get("datatype")
         if datatype != self._wire:
             raise EngineError(

@@ -78,6 +78,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -306,6 +307,28 @@ class ModelManifest:
             if spec.value == value:
                 return spec
         raise KeyError(value)
+
+    def check_tensors(self, where: str, inputs: Collection[str], outputs: Collection[str]) -> None:
+        """Check that a model has this manifest's input and output tensors.
+
+        Parameters
+        ----------
+        where
+            The model as the message names it (``model 'tissue'``, ``model tissue on URL``).
+        inputs, outputs
+            The names of the model's input and output tensors.
+
+        Raises
+        ------
+        EngineError
+            If the model lacks either tensor; the message lists the names the model has.
+        """
+        for role, name, names in (
+            ("input", self.input_name, inputs),
+            ("output", self.output_name, outputs),
+        ):
+            if name not in names:
+                raise EngineError(f"{where}: no {role} named {name!r}; model has {sorted(names)}")
 
 
 def _code(raw: Any, where: str) -> Code:

@@ -279,14 +279,7 @@ def _check_signature(session: ort.InferenceSession, manifest: ModelManifest) -> 
     where = f"model {manifest.name!r}"
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name: o for o in session.get_outputs()}
-    if manifest.input_name not in inputs:
-        raise EngineError(
-            f"{where}: no input named {manifest.input_name!r}; model has {sorted(inputs)}"
-        )
-    if manifest.output_name not in outputs:
-        raise EngineError(
-            f"{where}: no output named {manifest.output_name!r}; model has {sorted(outputs)}"
-        )
+    manifest.check_tensors(where, inputs, outputs)
     in_shape = list(inputs[manifest.input_name].shape)
     out_shape = list(outputs[manifest.output_name].shape)
     want_in = [None, 1, *manifest.patch_size]

@@ -80,11 +80,7 @@ def triton_config(unit: ModelManifest, name: str) -> tuple[str, int]:
     initialisers = {i.name for i in graph.initializer}
     inputs = {v.name: v for v in graph.input if v.name not in initialisers}
     outputs = {v.name: v for v in graph.output}
-    if unit.input_name not in inputs or unit.output_name not in outputs:
-        raise EngineError(
-            f"{where}: the graph's input/output are {sorted(inputs)}/{sorted(outputs)}, "
-            f"the manifest says {unit.input_name!r}/{unit.output_name!r}"
-        )
+    unit.check_tensors(where, inputs, outputs)
     in_type, in_dims = _tensor(inputs[unit.input_name], where)
     out_type, out_dims = _tensor(outputs[unit.output_name], where)
     dynamic = bool(in_dims) and in_dims[0] == -1 and bool(out_dims) and out_dims[0] == -1
