@@ -142,20 +142,31 @@ class TrainedEngine(Protocol):
         ``torch.inference_mode``)."""
 
 
-def host_volume(manifest: ModelManifest, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    """``hu`` as the NumPy volume a version-1 model's ``segment`` runs on.
+def check_version_1(manifest: ModelManifest) -> None:
+    """Check that ``manifest`` is a version-1 model, one that :meth:`Engine.segment` runs.
 
     Raises
     ------
     EngineError
-        If the model is a version-2 one (it runs through ``segment_trained``) or the volume
-        is not a non-empty ``(z, y, x)`` array.
+        If the model is a version-2 one: it runs through ``segment_trained``.
     """
     if manifest.is_trained:
         raise EngineError(
             f"model {manifest.name!r} is a trained (version-2) model: it runs with the "
             "volume's geometry through segnode.engines.trained.segment_trained"
         )
+
+
+def host_volume(manifest: ModelManifest, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """``hu`` as the NumPy volume a version-1 model's ``segment`` runs on.
+
+    Raises
+    ------
+    EngineError
+        If the model is a version-2 one (:func:`check_version_1`) or the volume is not a
+        non-empty ``(z, y, x)`` array.
+    """
+    check_version_1(manifest)
     volume = np.asarray(hu)
     if volume.ndim != 3 or min(volume.shape) < 1:
         raise EngineError(f"expected a non-empty (z, y, x) volume, got shape {volume.shape}")

@@ -50,7 +50,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from segnode.engines.base import EngineError, LabelSums, PatchPredictor, out_of_gpu_memory
+from segnode.engines.base import (
+    EngineError,
+    LabelSums,
+    PatchPredictor,
+    check_version_1,
+    out_of_gpu_memory,
+)
 
 if TYPE_CHECKING:
     from segnode.engines.manifest import ModelManifest
@@ -793,11 +799,7 @@ class TorchEngine:
 
         if self.manifest is None:
             raise EngineError("torch engine used before load()")
-        if self.manifest.is_trained:
-            raise EngineError(
-                f"model {self.manifest.name} is a trained (version-2) model: it runs with the "
-                "volume's geometry through segnode.engines.trained.segment_trained"
-            )
+        check_version_1(self.manifest)
         if hu.ndim != 3:
             raise EngineError(f"expected a (z, y, x) volume, got shape {hu.shape}")
         self._adopt_compiled()

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from segnode.engines.base import EngineError, PatchPredictor, out_of_gpu_memory
+from segnode.engines.base import EngineError, PatchPredictor, check_version_1, out_of_gpu_memory
 from segnode.engines.engine_cache import CachedEngine, EngineCache, EngineRecord, atomic_write
 from segnode.engines.trt_build import (
     PORTABLE,
@@ -415,11 +415,7 @@ class TensorRTEngine:
         """Label map of ``hu`` (``(z, y, x)`` HU), computed on the GPU."""
         if self._runner is None or self.manifest is None:
             raise EngineError("tensorrt engine used before load()")
-        if self.manifest.is_trained:
-            raise EngineError(
-                f"model {self.manifest.name} is a trained (version-2) model: it runs with the "
-                "volume's geometry through segnode.engines.trained.segment_trained"
-            )
+        check_version_1(self.manifest)
         return self._runner.segment(hu)
 
     def fold_predictors(self) -> list[PatchPredictor]:
