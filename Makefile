@@ -21,10 +21,10 @@ run: venv
 # Debian tools the interop tests use (DCMTK, Orthanc, dicom3tools); installed when missing
 # and we are root, otherwise those tests say what is missing.
 tools:
-	@command -v storescu >/dev/null && command -v Orthanc >/dev/null && command -v dciodvfy >/dev/null && [ -e /usr/share/orthanc/plugins/libOrthancDicomWeb.so ] \
+	@command -v storescu >/dev/null && command -v Orthanc >/dev/null && command -v dciodvfy >/dev/null && [ -e /usr/share/orthanc/plugins/libOrthancDicomWeb.so ] && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	       apt-get install -y -qq dcmtk orthanc orthanc-dicomweb dicom3tools >/dev/null; \
-	     else echo "note: install dcmtk orthanc dicom3tools for the interop tests"; fi; }
+	       apt-get install -y -qq dcmtk orthanc orthanc-dicomweb dicom3tools postgresql >/dev/null; \
+	     else echo "note: install dcmtk orthanc dicom3tools postgresql for the interop tests"; fi; }
 
 lint: $(VENV)/.test-deps
 	$(BIN)/ruff check segnode/*.py node engines storage tests bench scripts

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ForeignKey, Index, String, UniqueConstraint
+from sqlalchemy import BigInteger, ForeignKey, Index, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-#: Bumped with each change of the tables' columns; :mod:`segnode.storage.migrations` upgrades older
-#: ledgers (version 2: ``deliveries.sending_at``).
+#: Bumped with each change of the tables' columns, with an Alembic revision of the same number
+#: (:mod:`segnode.storage.migrations`) that upgrades older ledgers (version 2:
+#: ``deliveries.sending_at``).
 SCHEMA_VERSION = 2
 
 
@@ -68,7 +69,7 @@ class Instance(Base):
     series_id: Mapped[int] = mapped_column(ForeignKey("series.id"), index=True)
     transfer_syntax_uid: Mapped[str] = mapped_column(String(64))
     path: Mapped[str] = mapped_column(String(1024))
-    size: Mapped[int]
+    size: Mapped[int] = mapped_column(BigInteger)
     calling_ae: Mapped[str] = mapped_column(String(16))
     received_at: Mapped[datetime]
 
@@ -180,7 +181,7 @@ class SpoolPurge(Base):
     series_id: Mapped[int] = mapped_column(ForeignKey("series.id"), unique=True)
     purged_at: Mapped[datetime]
     files: Mapped[int] = mapped_column(default=0)
-    size_bytes: Mapped[int] = mapped_column(default=0)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class Sender(Base):

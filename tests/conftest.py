@@ -45,6 +45,37 @@ def require_tool(name: str) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[Any]:
+    """A throwaway PostgreSQL cluster on loopback for the whole session
+    (tests/fixtures/postgres.py); skipped without Debian's ``postgresql`` and psycopg, unless
+    SEGNODE_REQUIRE_TOOLS is set."""
+    from tests.fixtures.postgres import PostgresCluster, postgres_bin
+
+    bindir = postgres_bin()
+    missing = None
+    if bindir is None:
+        missing = "PostgreSQL not installed (apt-get install postgresql)"
+    elif importlib.util.find_spec("psycopg") is None:
+        missing = "psycopg not installed (pip install -e '.[postgres]')"
+    if missing is not None:
+        if os.environ.get("SEGNODE_REQUIRE_TOOLS"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    assert bindir is not None
+    cluster = PostgresCluster(bindir)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def pg_url(postgres_cluster: Any) -> str:
+    """The URL of a new, empty PostgreSQL database on the session's cluster."""
+    return str(postgres_cluster.database())
+
+
 def require_data(path: Path) -> Path:
     """Skip when the shared scanner data is absent."""
     if not path.is_dir():

@@ -1,8 +1,10 @@
-"""The ledger on a real SQLite file: instances, job versions, priorities, recovery, outbox."""
+"""The ledger on a real SQLite file and on a real PostgreSQL database (every test that does not
+look at the file runs on both): instances, job versions, priorities, recovery, outbox."""
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from segnode.storage.ledger import (
     move_delivery,
     utcnow,
 )
+from segnode.storage.migrations import upgrade_database
 from segnode.storage.models import Delivery, Event, Job
 from segnode.storage.spool import Spool, SpoolError, valid_uid, write_atomic
 
@@ -33,12 +36,21 @@ def rec(sop: str, series: str = "1.2.3.1", study: str = "1.2.3", ae: str = "CT1"
     )
 
 
-@pytest.fixture
-def ledger(tmp_path: Path) -> Ledger:
-    return Ledger(tmp_path / "ledger.sqlite")
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
+    if request.param == "sqlite":
+        led = Ledger(tmp_path / "ledger.sqlite")
+    else:
+        url = request.getfixturevalue("pg_url")
+        upgrade_database(url)  # segnode db upgrade
+        led = Ledger(url=url)
+    yield led
+    led.close()
 
 
-def test_wal_and_permissions(ledger: Ledger) -> None:
+def test_wal_and_permissions(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    assert ledger.path is not None
     con = sqlite3.connect(ledger.path)
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert ledger.path.stat().st_mode & 0o777 == 0o600

@@ -250,7 +250,6 @@ def test_stop_aborts_an_idle_association_at_once(tmp_path: Path) -> None:
     assert took < 2.5
 
 
-
 def test_the_port_stays_answerable_after_stop(tmp_path: Path) -> None:
     """A status line written while the node stops (the engine finishing its load then)
     asks for the port after the listener is closed: it gets the bound port, not EBADF."""
@@ -259,6 +258,7 @@ def test_the_port_stays_answerable_after_stop(tmp_path: Path) -> None:
     assert port > 0
     h.close()
     assert h.scp.port == port
+
 
 CHILD = textwrap.dedent(
     """

@@ -135,6 +135,7 @@ _TOP_LEVEL_KEYS = {
     "metrics",
     "results",
     "web",
+    "ledger",
     "routing",
     "rules",
     "models",
@@ -186,6 +187,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> schema.Confi
         metrics=_metrics(_section(raw, "metrics", d.metrics)),
         results=_results(_section(raw, "results", d.results)),
         web=web,
+        ledger=_ledger(_section(raw, "ledger", d.ledger), path),
         routing=parse_routing(raw, path, peer_table),
     )
 
@@ -433,6 +435,26 @@ def _metrics(t: _Table) -> schema.MetricsConfig:
         host=t.text("host"),
         port=t.integer("port", 0, 65535),
     )
+
+
+def _ledger(t: _Table, path: PathFn) -> schema.LedgerConfig:
+    """``[ledger]``: empty, ``sqlite:///FILE`` (relative to the config file) or PostgreSQL."""
+    url = t.text("url").strip()
+    if not url:
+        return schema.LedgerConfig()
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme.startswith("sqlite"):
+        file = url.split(":///", 1)[1] if ":///" in url else ""
+        if not file:
+            raise ConfigError("ledger.url: a SQLite URL names a file: sqlite:///path/ledger.sqlite")
+        return schema.LedgerConfig(url=f"sqlite:///{path(file, t.key('url'))}")
+    if scheme not in ("postgresql", "postgresql+psycopg"):
+        raise ConfigError(
+            "ledger.url: must be empty (SQLite in the data directory), sqlite:///FILE or "
+            f"postgresql+psycopg://user@host[:port]/database, got {scheme or url!r}"
+        )
+    # psycopg 3 is the driver segnode is tested with (pip install segnode[postgres]).
+    return schema.LedgerConfig(url=url.replace("postgresql://", "postgresql+psycopg://", 1))
 
 
 def _retention(t: _Table) -> schema.RetentionConfig:

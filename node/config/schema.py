@@ -154,6 +154,18 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class LedgerConfig:
+    """``[ledger]``: where the job ledger lives (``docs/operations.md``).
+
+    ``url`` empty: the SQLite file ``ledger.sqlite`` in the data directory (the embedded
+    default). ``postgresql+psycopg://user@host/db``: a PostgreSQL database that several nodes
+    may share (its schema is made and upgraded by ``segnode db upgrade``).
+    """
+
+    url: str = ""
+
+
+@dataclass(frozen=True)
 class WebConfig:
     """``[web]``: the web console and HTTP API (off by default; ``docs/web.md``).
 
@@ -249,6 +261,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     results: ResultsConfig = field(default_factory=ResultsConfig)
     web: WebConfig = field(default_factory=WebConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
     routing: Routing = field(default_factory=Routing)
 
     def configured_destinations(self) -> list[Destination]:

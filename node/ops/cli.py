@@ -20,6 +20,7 @@ from segnode.node.config import Config, load_config
 from segnode.node.errors import ConfigError, SegnodeError
 from segnode.node.peers import parse_peer
 from segnode.node.web.facts import jobs_facts, ledger_status, send_seconds
+from segnode.storage.migrations import SchemaError
 
 log = logging.getLogger("segnode")
 
@@ -75,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cancel", help="cancel a queued or unsent job")
     _common(p)
     p.add_argument("job", type=int)
+
+    p = sub.add_parser("db", help="the ledger's schema: create or upgrade it, show it")
+    db = p.add_subparsers(dest="db_command", required=True)
+    p = db.add_parser(
+        "upgrade",
+        help="create the ledger or bring its schema to this segnode's (run once, from one node)",
+    )
+    _common(p)
+    p = db.add_parser("current", help="the ledger's schema revision and this segnode's")
+    _common(p)
 
     p = sub.add_parser("rules", help="routing rules")
     rules = p.add_subparsers(dest="rules_command", required=True)
@@ -149,6 +160,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SegnodeError(f"cannot listen on {cfg.node.host}:{cfg.node.port}: {exc}") from exc
     node.run_forever()
     return 0
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    """``segnode db upgrade`` / ``segnode db current``."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    from segnode.storage import migrations
+
+    cfg = _config(args)
+    url, where = ledger_url(cfg)
+    if args.db_command == "upgrade":
+        if url.startswith("sqlite"):
+            cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.umask(0o077)
+        found = migrations.upgrade_database(url)
+        if found.alembic == migrations.HEAD:
+            print(f"ledger {where}: schema {migrations.HEAD}, current; nothing to do")
+        else:
+            was = "empty" if found.empty else f"schema {found.alembic or found.version}"
+            print(f"ledger {where}: was {was}, now schema {migrations.HEAD}")
+        return 0
+    if url.startswith("sqlite") and not (cfg.data_dir / "ledger.sqlite").exists():
+        print(f"ledger {where}: none yet; this segnode: schema {migrations.HEAD}")
+        return 1
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        found = migrations.revision(engine)
+    finally:
+        engine.dispose()
+    has = "empty" if found.empty else f"schema {found.alembic or found.version}"
+    print(f"ledger {where}: {has}; this segnode: schema {migrations.HEAD}")
+    return 0 if found.alembic == migrations.HEAD else 1
+
+
+def ledger_url(cfg: Config) -> tuple[str, str]:
+    """The configured ledger's URL and how messages name it (no password)."""
+    from sqlalchemy import make_url
+
+    url = cfg.ledger.url or f"sqlite:///{(cfg.data_dir / 'ledger.sqlite').absolute()}"
+    return url, make_url(url).render_as_string(hide_password=True)
 
 
 def cmd_echo(args: argparse.Namespace) -> int:
@@ -394,6 +446,7 @@ COMMANDS = {
     "retry": cmd_retry,
     "cancel": cmd_cancel,
     "rules": cmd_rules,
+    "db": cmd_db,
 }
 
 
@@ -429,6 +482,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"segnode: configuration error: {exc}", file=sys.stderr)
         return 2
     except SegnodeError as exc:
+        print(f"segnode: {exc}", file=sys.stderr)
+        return 1
+    except SchemaError as exc:
         print(f"segnode: {exc}", file=sys.stderr)
         return 1
 

@@ -50,10 +50,15 @@ log = logging.getLogger(__name__)
 
 
 def open_state(config: Config) -> tuple[Ledger, Spool]:
-    """Open (creating with private permissions) the ledger and spool under the data dir."""
+    """Open (creating with private permissions) the ledger and spool under the data dir; the
+    ledger is ``[ledger] url`` when set (PostgreSQL: its schema must be current)."""
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     pool_files = config.node.staging_pool_mb * 2**20 // POOL_FILE_BYTES
-    return Ledger(config.data_dir / "ledger.sqlite"), Spool(config.data_dir / "spool", pool_files)
+    if config.ledger.url:
+        ledger = Ledger(url=config.ledger.url)
+    else:
+        ledger = Ledger(config.data_dir / "ledger.sqlite")
+    return ledger, Spool(config.data_dir / "spool", pool_files)
 
 
 class Node:

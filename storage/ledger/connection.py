@@ -1,15 +1,17 @@
-"""The ledger's connections: the SQLAlchemy engine and sessions, the raw sqlite3 hot-path
-connection, the pragmas and the write lock.
+"""The ledger's connections: the SQLAlchemy engine and sessions, the hot-path connection, the
+pragmas and the write lock, on SQLite (the embedded default) or PostgreSQL.
 
-Owns :class:`LedgerBase` (opening and upgrading the file with its modes, ``_tx`` / ``_read``
-sessions, the process-wide ``_write_lock``, the hot connection under ``_hot_lock`` with
-``synchronous=NORMAL``, ``_stamp`` for plain-SQL timestamps, ``close``), :func:`utcnow` and
-the pragmas every connection gets (WAL, ``synchronous=FULL``, foreign keys, busy timeout).
-Why the hot connection may skip the WAL fsync is told in the package docstring
-(:mod:`segnode.storage.ledger`).
+Owns :class:`LedgerBase` (opening the database, creating or upgrading an SQLite file and
+checking a PostgreSQL schema, ``_tx`` / ``_read`` sessions, the process-wide ``_write_lock``,
+the hot connection under ``_hot_lock``, ``_sql`` and ``_stamp`` for the plain-SQL hot path,
+``close``), :class:`HotConnection` (one plain DB-API connection, sqlite3 with
+``synchronous=NORMAL`` or psycopg, in autocommit mode with explicit transactions),
+:func:`utcnow` and the pragmas every SQLite connection gets (WAL, ``synchronous=FULL``,
+foreign keys, busy timeout). Why the SQLite hot connection may skip the WAL fsync is told in
+the package docstring (:mod:`segnode.storage.ledger`).
 
-Must not touch: any table's rows (beyond the schema-version row written at creation); the
-queries live in the modules of their concern, which all build on :class:`LedgerBase`.
+Must not touch: any table's rows; the queries live in the modules of their concern, which all
+build on :class:`LedgerBase`; the schema's versions are :mod:`segnode.storage.migrations`'.
 """
 
 from __future__ import annotations
@@ -18,18 +20,18 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import DateTime, create_engine, event
+from sqlalchemy import DateTime, create_engine, event, make_url
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from segnode.storage.migrations import upgrade
-from segnode.storage.models import SCHEMA_VERSION, Base, Meta
+from segnode.storage import migrations
+from segnode.storage.models import SCHEMA_VERSION
 
 # The logger keeps the name it had when the ledger was one module.
 log = logging.getLogger("segnode.storage.ledger")
@@ -41,74 +43,115 @@ def utcnow() -> datetime:
 
 
 class LedgerBase:
-    """The ledger's file and connections, shared by every part of
+    """The ledger's database and connections, shared by every part of
     :class:`~segnode.storage.ledger.Ledger`.
 
     Parameters
     ----------
     path
-        The database file; its folder is created with mode 0700.
+        The SQLite file; its folder is created with mode 0700. An older ledger is upgraded
+        in place when opened.
+    url
+        Instead of ``path``: a SQLAlchemy URL, ``postgresql+psycopg://user@host/db`` (whose
+        schema must be current: ``segnode db upgrade``) or ``sqlite:///FILE``.
+
+    Raises
+    ------
+    segnode.storage.migrations.SchemaError
+        If the schema is newer than this code or unknown to it, or (PostgreSQL) behind it.
     """
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.path = path
-        # Create the file 0600 before SQLite opens it: its -wal and -shm files take its mode.
-        os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-        os.chmod(path, 0o600)
-        self.engine: Engine = create_engine(
-            f"sqlite:///{path}",
-            connect_args={"check_same_thread": False, "timeout": 30},
-            pool_size=8,
-            max_overflow=16,
-        )
-        event.listen(self.engine, "connect", _sqlite_pragmas)
+    def __init__(self, path: Path | None = None, *, url: str | None = None) -> None:
+        if url and make_url(url).get_backend_name() == "sqlite":
+            path, url = Path(make_url(url).database or ""), None
+        self.path: Path | None = path
+        if url:
+            self.url = url
+            self.where = make_url(url).render_as_string(hide_password=True)
+            self.engine: Engine = create_engine(
+                url, pool_size=8, max_overflow=16, pool_pre_ping=True
+            )
+        else:
+            if path is None:
+                raise ValueError("a ledger needs a path or a URL")
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # Create the file 0600 before SQLite opens it: its -wal and -shm files take its mode.
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            os.chmod(path, 0o600)
+            self.url = f"sqlite:///{path}"
+            self.where = str(path)
+            self.engine = create_engine(
+                self.url,
+                connect_args={"check_same_thread": False, "timeout": 30},
+                pool_size=8,
+                max_overflow=16,
+            )
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self.dialect = self.engine.dialect.name
         self._session = sessionmaker(self.engine, expire_on_commit=False)
         self._write_lock = threading.RLock()
-        # The SCP's per-instance statements go through one plain sqlite3 connection (an
+        # The SCP's per-instance statements go through one plain DB-API connection (an
         # eighth of SQLAlchemy's per-statement cost); used under _hot_lock, after _write_lock
         # when writing.
-        self._hot: sqlite3.Connection | None = None
+        self._hot: HotConnection | None = None
         self._hot_lock = threading.Lock()
         self._datetime_bind: Any = None
-        # An older ledger is upgraded in place before anything reads it; a newer one stops
-        # here (segnode.storage.migrations.SchemaError).
-        found = upgrade(path)
-        if found is not None and found != SCHEMA_VERSION:
-            log.info("ledger %s upgraded from schema version %d to %d", path, found, SCHEMA_VERSION)
-        Base.metadata.create_all(self.engine)
-        os.chmod(path, 0o600)
-        with self._tx() as s:
-            if s.get(Meta, "schema_version") is None:
-                s.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
+        self._statements: dict[str, str] = {}
+        try:
+            if self.path is not None:
+                # The embedded ledger is created, or upgraded in place, when opened; a newer
+                # one stops here (SchemaError).
+                found = migrations.upgrade(self.engine, self.where)
+                if found.version is not None and found.version != SCHEMA_VERSION:
+                    log.info(
+                        "ledger %s upgraded from schema version %d to %d",
+                        self.where,
+                        found.version,
+                        SCHEMA_VERSION,
+                    )
+                os.chmod(self.path, 0o600)
+            else:
+                # A shared ledger changes only by `segnode db upgrade`, run once on purpose.
+                migrations.check(self.engine, self.where)
+        except BaseException:
+            self.engine.dispose()
+            raise
 
-    def _stamp(self, when: datetime) -> str:
+    def _stamp(self, when: datetime) -> str | datetime:
         """``when`` as the dialect stores DateTime columns (for the plain-SQL hot path)."""
+        if self.dialect != "sqlite":
+            return when  # psycopg sends a datetime as a timestamp
         if self._datetime_bind is None:
             impl = DateTime().dialect_impl(self.engine.dialect)
             self._datetime_bind = impl.bind_processor(self.engine.dialect)
         return str(self._datetime_bind(when) if self._datetime_bind else when.isoformat(" "))
 
+    def _sql(self, statement: str) -> str:
+        """A plain statement written with ``?`` placeholders, in the driver's paramstyle
+        (psycopg's ``%s``); for the hot connection and ``exec_driver_sql``."""
+        if self.dialect == "sqlite":
+            return statement
+        done = self._statements.get(statement)
+        if done is None:
+            done = self._statements[statement] = statement.replace("?", "%s")
+        return done
+
     def close(self) -> None:
-        """Dispose of the connection pool."""
+        """Close the hot connection and dispose of the connection pool."""
         with self._hot_lock:
             if self._hot is not None:
                 self._hot.close()
                 self._hot = None
         self.engine.dispose()
 
-    def _hot_connection(self) -> sqlite3.Connection:
+    def _hot_connection(self) -> HotConnection:
         """The hot-path connection (autocommit mode: transactions are explicit); call under
         ``_hot_lock``."""
         if self._hot is None:
-            conn = sqlite3.connect(
-                self.path, timeout=30, check_same_thread=False, isolation_level=None
-            )
-            _sqlite_pragmas(conn, None)
-            # Instance rows: no WAL fsync per commit (see the package docstring); the spool
-            # file is the durable record, and start-up re-records files without a row.
-            conn.execute("PRAGMA synchronous=NORMAL")
-            self._hot = conn
+            if self.path is not None:
+                self._hot = HotConnection.sqlite(self.path)
+            else:
+                self._hot = HotConnection.postgresql(self.url)
         return self._hot
 
     @contextmanager
@@ -120,6 +163,67 @@ class LedgerBase:
     def _read(self) -> Iterator[Session]:
         with self._session() as s:
             yield s
+
+
+class HotConnection:
+    """One plain DB-API connection in autocommit mode, for the statements run per instance.
+
+    Statements are given in the driver's paramstyle (:meth:`LedgerBase._sql`); transactions
+    are explicit (:meth:`begin`, :meth:`commit`, :meth:`rollback`). ``IntegrityError`` is the
+    driver's exception for a violated constraint (a duplicate SOP Instance UID).
+    """
+
+    def __init__(self, conn: Any, begin: str, integrity_error: type[Exception]) -> None:
+        self._conn = conn
+        self._begin = begin
+        self.IntegrityError = integrity_error
+
+    @classmethod
+    def sqlite(cls, path: Path) -> HotConnection:
+        """SQLite: ``BEGIN IMMEDIATE`` transactions, no WAL fsync per commit (see the
+        package docstring); the spool file is the durable record, and start-up re-records
+        files without a row."""
+        conn = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
+        _sqlite_pragmas(conn, None)
+        conn.execute("PRAGMA synchronous=NORMAL")
+        return cls(conn, "BEGIN IMMEDIATE", sqlite3.IntegrityError)
+
+    @classmethod
+    def postgresql(cls, url: str) -> HotConnection:
+        """PostgreSQL through psycopg; each commit is durable (the server's settings)."""
+        import psycopg  # the postgres extra; the engine of a postgresql URL already needs it
+
+        conninfo = make_url(url).set(drivername="postgresql").render_as_string(False)
+        conn = psycopg.connect(conninfo, autocommit=True)
+        return cls(conn, "BEGIN", psycopg.IntegrityError)
+
+    def execute(self, statement: str, params: Sequence[Any] = ()) -> Any:
+        """Run one statement; returns the driver's cursor (``fetchone``)."""
+        return self._conn.execute(statement, params)
+
+    def begin(self) -> None:
+        """Start a transaction."""
+        self._conn.execute(self._begin)
+
+    def commit(self) -> None:
+        """Commit the transaction."""
+        self._conn.execute("COMMIT")
+
+    def rollback(self) -> None:
+        """Roll the transaction back, if one is open."""
+        if self.in_transaction:
+            self._conn.execute("ROLLBACK")
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a transaction is open."""
+        if isinstance(self._conn, sqlite3.Connection):
+            return self._conn.in_transaction
+        return bool(self._conn.info.transaction_status != 0)  # psycopg: 0 is IDLE
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._conn.close()
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -52,7 +51,8 @@ class InstanceStore(LedgerBase):
         Asked for every received instance: one indexed lookup on the hot-path connection.
         """
         with self._hot_lock:
-            row = self._hot_connection().execute(_HAS_INSTANCE, (sop_instance_uid,)).fetchone()
+            hot = self._hot_connection()
+            row = hot.execute(self._sql(_HAS_INSTANCE), (sop_instance_uid,)).fetchone()
             return row is not None
 
     def is_own_result(self, sop_instance_uid: str, series_instance_uid: str) -> bool:
@@ -127,30 +127,31 @@ class InstanceStore(LedgerBase):
         )
         with self._write_lock:
             with self._hot_lock:
-                conn = self._hot_connection()
-                conn.execute("BEGIN IMMEDIATE")
+                hot = self._hot_connection()
+                hot.begin()
                 try:
-                    row = conn.execute(_SERIES_ID, (rec.series_instance_uid,)).fetchone()
+                    row = hot.execute(self._sql(_SERIES_ID), (rec.series_instance_uid,)).fetchone()
                     if row is not None:
-                        conn.execute(_INSERT_INSTANCE, (*values[:2], row[0], *values[3:]))
-                        conn.execute(_SERIES_RECEIVED, (stamp, stamp, row[0]))
-                        conn.execute("COMMIT")
+                        hot.execute(self._sql(_INSERT_INSTANCE), (*values[:2], row[0], *values[3:]))
+                        hot.execute(self._sql(_SERIES_RECEIVED), (stamp, stamp, row[0]))
+                        hot.commit()
                         return True
-                    conn.execute("ROLLBACK")
-                except sqlite3.IntegrityError:
-                    conn.execute("ROLLBACK")
+                    hot.rollback()
+                except hot.IntegrityError:
+                    hot.rollback()
                     return False
                 except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
+                    hot.rollback()
                     raise
             # The series' first instance: create the study and series rows.
             try:
                 with self.engine.begin() as sa:
                     with Session(bind=sa) as s:
                         series_id = self._series(s, rec, now).id
-                    sa.exec_driver_sql(_INSERT_INSTANCE, (*values[:2], series_id, *values[3:]))
-                    sa.exec_driver_sql(_SERIES_RECEIVED, (stamp, stamp, series_id))
+                    sa.exec_driver_sql(
+                        self._sql(_INSERT_INSTANCE), (*values[:2], series_id, *values[3:])
+                    )
+                    sa.exec_driver_sql(self._sql(_SERIES_RECEIVED), (stamp, stamp, series_id))
                     return True
             except IntegrityError:
                 # A duplicate SOP Instance UID, or the study/series row created meanwhile by
@@ -162,10 +163,10 @@ class InstanceStore(LedgerBase):
     def forget_instance(self, sop_instance_uid: str) -> None:
         """Remove an instance row that was never acknowledged (its file did not persist)."""
         with self._write_lock, self.engine.begin() as conn:
-            row = conn.exec_driver_sql(_INSTANCE_SERIES, (sop_instance_uid,)).first()
+            row = conn.exec_driver_sql(self._sql(_INSTANCE_SERIES), (sop_instance_uid,)).first()
             if row is not None:
-                conn.exec_driver_sql(_DELETE_INSTANCE, (row[0],))
-                conn.exec_driver_sql(_SERIES_FORGOT, (row[1],))
+                conn.exec_driver_sql(self._sql(_DELETE_INSTANCE), (row[0],))
+                conn.exec_driver_sql(self._sql(_SERIES_FORGOT), (row[1],))
 
     def drop_unstored_instances(self) -> int:
         """At start-up: remove rows of series still receiving whose spool file is missing.
@@ -210,8 +211,11 @@ class InstanceStore(LedgerBase):
             for i in range(0, len(names), 500):
                 chunk = names[i : i + 500]
                 marks = ", ".join("?" * len(chunk))
+                known_in = (
+                    f"SELECT sop_instance_uid FROM instances WHERE sop_instance_uid IN ({marks})"
+                )
                 rows = conn.exec_driver_sql(
-                    f"SELECT sop_instance_uid FROM instances WHERE sop_instance_uid IN ({marks})",
+                    self._sql(known_in),
                     tuple(chunk),
                 )
                 known.update(r[0] for r in rows)
@@ -268,7 +272,10 @@ _HAS_INSTANCE = "SELECT 1 FROM instances WHERE sop_instance_uid = ?"
 _SERIES_ID = "SELECT id FROM series WHERE series_instance_uid = ?"
 _INSTANCE_SERIES = "SELECT id, series_id FROM instances WHERE sop_instance_uid = ?"
 _DELETE_INSTANCE = "DELETE FROM instances WHERE id = ?"
-_SERIES_FORGOT = "UPDATE series SET instance_count = MAX(instance_count - 1, 0) WHERE id = ?"
+_SERIES_FORGOT = (
+    "UPDATE series SET instance_count = "
+    "CASE WHEN instance_count > 0 THEN instance_count - 1 ELSE 0 END WHERE id = ?"
+)
 _PENDING_INSTANCES = (
     "SELECT i.sop_instance_uid, i.path, i.size FROM instances i "
     "JOIN series s ON s.id = i.series_id WHERE s.pending_since IS NOT NULL"

@@ -81,7 +81,7 @@ class Outbox(LedgerBase):
         """
         stamp = self._stamp(utcnow())
         with self._write_lock, self._hot_lock:
-            self._hot_connection().execute(_DELIVERY_SENDING, (stamp, delivery_id))
+            self._hot_connection().execute(self._sql(_DELIVERY_SENDING), (stamp, delivery_id))
 
     def delivery_done(self, delivery_id: int, status: int | str) -> None:
         """Record a successful delivery and finish the job when all are sent.

@@ -1,0 +1,165 @@
+"""Schema version 1: the ledger's tables as segnode 0.1 made them.
+
+Revision ID: 0001
+Revises:
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import op
+
+from segnode.storage.migrations import set_version
+
+revision = "0001"
+down_revision = None
+
+
+def _id() -> sa.Column[Any]:
+    return sa.Column("id", sa.Integer(), primary_key=True)
+
+
+def _uid(name: str, nullable: bool = False) -> sa.Column[Any]:
+    return sa.Column(name, sa.String(64), nullable=nullable)
+
+
+def _at(name: str, nullable: bool = True) -> sa.Column[Any]:
+    return sa.Column(name, sa.DateTime(), nullable=nullable)
+
+
+def _int(name: str) -> sa.Column[Any]:
+    return sa.Column(name, sa.Integer(), nullable=False)
+
+
+def _str(name: str, length: int, nullable: bool = False) -> sa.Column[Any]:
+    return sa.Column(name, sa.String(length), nullable=nullable)
+
+
+def upgrade() -> None:
+    """Schema version 1."""
+    op.create_table("meta", sa.Column("key", sa.String(64), primary_key=True), _str("value", 256))
+    op.create_table(
+        "events",
+        _id(),
+        _at("at", False),
+        _str("kind", 32),
+        sa.Column("job_id", sa.Integer()),
+        sa.Column("series_id", sa.Integer()),
+        _str("message", 2048),
+    )
+    op.create_index("ix_events_at", "events", ["at"])
+    op.create_index("ix_events_job_id", "events", ["job_id"])
+    op.create_table(
+        "senders",
+        sa.Column("calling_ae", sa.String(16), primary_key=True),
+        _int("associations"),
+        _int("instances"),
+        _str("recent", 32),
+        sa.Column("gap_ms", sa.Double()),
+        _at("updated_at", False),
+    )
+    op.create_table(
+        "studies",
+        _id(),
+        _uid("study_instance_uid"),
+        _at("created_at", False),
+        sa.UniqueConstraint("study_instance_uid"),
+    )
+    op.create_table(
+        "series",
+        _id(),
+        _uid("series_instance_uid"),
+        sa.Column("study_id", sa.Integer(), sa.ForeignKey("studies.id"), nullable=False),
+        _str("modality", 16),
+        _str("calling_ae", 16),
+        _at("first_received_at", False),
+        _at("last_received_at", False),
+        _at("pending_since"),
+        _int("instance_count"),
+        _str("ignored_reason", 512, nullable=True),
+        sa.UniqueConstraint("series_instance_uid"),
+    )
+    op.create_table(
+        "instances",
+        _id(),
+        _uid("sop_instance_uid"),
+        _uid("sop_class_uid"),
+        sa.Column("series_id", sa.Integer(), sa.ForeignKey("series.id"), nullable=False),
+        _uid("transfer_syntax_uid"),
+        _str("path", 1024),
+        sa.Column("size", sa.BigInteger(), nullable=False),
+        _str("calling_ae", 16),
+        _at("received_at", False),
+        sa.UniqueConstraint("sop_instance_uid"),
+    )
+    op.create_index("ix_instances_series_id", "instances", ["series_id"])
+    op.create_table(
+        "jobs",
+        _id(),
+        sa.Column("series_id", sa.Integer(), sa.ForeignKey("series.id"), nullable=False),
+        _int("version"),
+        _str("state", 16),
+        _int("priority"),
+        _str("model", 128),
+        _str("model_name", 64),
+        _str("rule", 128),
+        _str("destinations", 8192),
+        _str("engine", 32),
+        _str("trigger", 32),
+        _str("reason", 2048, nullable=True),
+        _int("attempts"),
+        _int("instance_count"),
+        *(_at(n) for n in ("first_instance_at", "last_instance_at")),
+        _at("created_at", False),
+        *(_at(n) for n in ("started_at", "volume_at", "inference_at", "encoded_at")),
+        _at("finished_at"),
+        *(_uid(n) for n in ("seg_series_uid", "seg_sop_uid", "sr_series_uid", "sr_sop_uid")),
+        sa.UniqueConstraint("seg_sop_uid"),
+        sa.UniqueConstraint("series_id", "version", "model_name"),
+        sa.UniqueConstraint("sr_sop_uid"),
+    )
+    op.create_index("ix_jobs_series_id", "jobs", ["series_id"])
+    op.create_index("ix_jobs_state", "jobs", ["state"])
+    op.create_table(
+        "spool_purges",
+        _id(),
+        sa.Column("series_id", sa.Integer(), sa.ForeignKey("series.id"), nullable=False),
+        _at("purged_at", False),
+        _int("files"),
+        sa.Column("size_bytes", sa.BigInteger(), nullable=False),
+        sa.UniqueConstraint("series_id"),
+    )
+    op.create_table(
+        "results",
+        _id(),
+        sa.Column("job_id", sa.Integer(), sa.ForeignKey("jobs.id"), nullable=False),
+        _str("kind", 8),
+        _uid("sop_class_uid"),
+        _uid("sop_instance_uid"),
+        _uid("series_instance_uid"),
+        _str("path", 1024),
+        _int("order"),
+        sa.UniqueConstraint("sop_instance_uid"),
+    )
+    op.create_index("ix_results_job_id", "results", ["job_id"])
+    op.create_table(
+        "deliveries",
+        _id(),
+        sa.Column("result_id", sa.Integer(), sa.ForeignKey("results.id"), nullable=False),
+        sa.Column("job_id", sa.Integer(), sa.ForeignKey("jobs.id"), nullable=False),
+        _str("destination", 512),
+        _str("status", 16),
+        _int("attempts"),
+        _at("next_attempt_at", False),
+        _str("last_status", 16, nullable=True),
+        _str("last_error", 1024, nullable=True),
+        _at("created_at", False),
+        _at("sent_at"),
+        sa.UniqueConstraint("result_id", "destination"),
+    )
+    op.create_index("ix_deliveries_due", "deliveries", ["status", "next_attempt_at"])
+    op.create_index("ix_deliveries_job_id", "deliveries", ["job_id"])
+    op.create_index("ix_deliveries_result_id", "deliveries", ["result_id"])
+    set_version(op.get_bind(), 1)
