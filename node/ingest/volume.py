@@ -248,6 +248,7 @@ def assemble_from_datasets(datasets: Sequence[Dataset], *, min_slices: int = MIN
     Returns
     -------
     Volume
+        The slices sorted along the slice normal, in Hounsfield units (float32).
 
     Raises
     ------
