@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import socket
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from scripts.harness import orthanc_config
+from scripts.harness import orthanc_config, query_ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -292,27 +291,17 @@ def epoch(text: str | None) -> float | None:
 def ledger_job(data: Path, series_uid: str | None = None) -> dict[str, Any] | None:
     """The latest job (of ``series_uid``, when given), with its delivery acknowledgement
     times (``acks``); ``None`` before there is one."""
-    db = data / "ledger.sqlite"
-    if not db.exists():
+    rows = query_ledger(
+        data, "jobs.*", "jobs", series_uid=series_uid, tail="ORDER BY jobs.id DESC LIMIT 1"
+    )
+    if not rows:
         return None
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
-        c.row_factory = sqlite3.Row
-        if series_uid is None:
-            row = c.execute("SELECT * FROM jobs ORDER BY id DESC LIMIT 1").fetchone()
-        else:
-            row = c.execute(
-                "SELECT jobs.* FROM jobs JOIN series ON series.id = jobs.series_id "
-                "WHERE series.series_instance_uid = ? ORDER BY jobs.id DESC LIMIT 1",
-                (series_uid,),
-            ).fetchone()
-        if row is None:
-            return None
-        job = dict(row)
-        acks = c.execute(
-            "SELECT sent_at FROM deliveries WHERE job_id = ? ORDER BY id", (job["id"],)
-        ).fetchall()
-        job["acks"] = [a[0] for a in acks]
-        return job
+    job = dict(rows[0])
+    acks = query_ledger(
+        data, "sent_at", "deliveries", where="job_id = ?", args=(job["id"],), tail="ORDER BY id"
+    )
+    job["acks"] = [a[0] for a in acks]
+    return job
 
 
 def wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:

@@ -14,10 +14,12 @@ Everything listens on 127.0.0.1 only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
+import sqlite3
 import ssl
 import subprocess
 import sys
@@ -183,6 +185,37 @@ def write_config(path: Path, data_dir: Path, port: int, **sections: dict[str, An
             lines.append(f"{k} = {json.dumps(v)}")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def query_ledger(
+    data_dir: Path,
+    select: str,
+    table: str,
+    *,
+    series_uid: str | None = None,
+    where: str = "",
+    args: tuple[object, ...] = (),
+    tail: str = "",
+) -> list[sqlite3.Row]:
+    """Rows of ``SELECT select FROM table`` from the ledger of the node whose data folder is
+    ``data_dir``, opened read-only (no CLI process); none while there is no ledger file yet.
+
+    ``series_uid`` keeps the rows of that series (``table`` has a ``series_id``); ``where``
+    (with ``args``) is another condition; ``tail`` (``ORDER BY``, ``LIMIT``) ends the query.
+    """
+    db = data_dir / "ledger.sqlite"
+    if not db.exists():
+        return []
+    sql, conditions, params = f"SELECT {select} FROM {table}", [where] if where else [], [*args]
+    if series_uid is not None:
+        sql += f" JOIN series ON series.id = {table}.series_id"
+        conditions.append("series.series_instance_uid = ?")
+        params.append(series_uid)
+    if conditions:
+        sql += " WHERE " + " AND ".join(conditions)
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as c:
+        c.row_factory = sqlite3.Row
+        return c.execute(f"{sql} {tail}", params).fetchall()
 
 
 @dataclass

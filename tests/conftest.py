@@ -11,10 +11,10 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -202,9 +202,23 @@ class Orthanc:
                 self.proc.kill()
 
 
+OrthancT = TypeVar("OrthancT", bound=Orthanc)
+
+
 def start_orthanc(base: Path, dicom_port: int | None = None, **extra: Any) -> Orthanc:
     """Start Orthanc with a private storage folder; wait until its REST API answers.
     ``extra``: more configuration options (Lua scripts, modalities, ...)."""
+    return launch_orthanc(base, Orthanc, dicom_port, **extra)
+
+
+def launch_orthanc(
+    base: Path,
+    peer: Callable[[int, int, subprocess.Popen[bytes]], OrthancT],
+    dicom_port: int | None = None,
+    **extra: Any,
+) -> OrthancT:
+    """:func:`start_orthanc` with the handle ``peer(dicom_port, http_port, process)`` (an
+    :class:`Orthanc` or a subclass), which also answers the readiness check."""
     exe = require_tool("Orthanc")
     base.mkdir(parents=True, exist_ok=True)
     dicom_port = dicom_port or free_port()
@@ -213,7 +227,7 @@ def start_orthanc(base: Path, dicom_port: int | None = None, **extra: Any) -> Or
     (base / "orthanc.json").write_text(json.dumps(cfg))
     log = (base / "orthanc.log").open("ab")
     proc = subprocess.Popen([exe, str(base / "orthanc.json")], stdout=log, stderr=subprocess.STDOUT)
-    o = Orthanc(dicom_port, http_port, proc)
+    o = peer(dicom_port, http_port, proc)
 
     def ready() -> bool:
         if proc.poll() is not None:

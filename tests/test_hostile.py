@@ -18,7 +18,6 @@ import json
 import os
 import select
 import socket
-import sqlite3
 import struct
 import subprocess
 import threading
@@ -36,6 +35,7 @@ from pynetdicom.association import Association
 from pynetdicom.pdu import A_ASSOCIATE_AC
 from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[attr-defined]
 
+from scripts.harness import query_ledger
 from segnode.node.dicom.ul import decode_command, encode_command, pdata_pdus
 from tests.conftest import LOOPBACK, NodeProcess, require_tool, wait_for
 from tests.fixtures.synthetic import write_synthetic_series
@@ -191,20 +191,8 @@ def unread_by_node(node_port: int, peer_port: int) -> int | None:
 
 def ledger_instances(node: NodeProcess, series_uid: str | None = None) -> int:
     """Instances recorded in the node's ledger (of one series, or all), read-only."""
-    uri = f"file:{node.data_dir / 'ledger.sqlite'}?mode=ro"
-    db = sqlite3.connect(uri, uri=True, timeout=10)
-    try:
-        if series_uid is None:
-            row = db.execute("SELECT count(*) FROM instances").fetchone()
-        else:
-            row = db.execute(
-                "SELECT count(*) FROM instances JOIN series ON series.id = instances.series_id"
-                " WHERE series.series_instance_uid = ?",
-                (series_uid,),
-            ).fetchone()
-        return int(row[0])
-    finally:
-        db.close()
+    [row] = query_ledger(node.data_dir, "count(*)", "instances", series_uid=series_uid)
+    return int(row[0])
 
 
 # -- 1. connections that never associate ----------------------------------------------------

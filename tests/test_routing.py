@@ -11,6 +11,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from tests.conftest import (
     NodeProcess,
     Orthanc,
     free_port,
-    orthanc_config,
+    launch_orthanc,
     require_tool,
     wait_for,
 )
@@ -67,6 +68,7 @@ def toml_node(tmp_path: Path) -> Iterator[NodeFactory]:
         print(f"--- node log {n.log_path} ---\n{n.log()[-20000:]}")
 
 
+@dataclass
 class Pacs(Orthanc):
     """Orthanc started with extra configuration (Lua, modalities, DICOMweb, users)."""
 
@@ -100,28 +102,26 @@ def start_pacs(
     auth: tuple[str, str] | None = None,
 ) -> Pacs:
     """Start Orthanc on loopback with ``extra`` configuration; wait for its REST API."""
-    exe = require_tool("Orthanc")
-    base.mkdir(parents=True, exist_ok=True)
-    cfg = orthanc_config(
-        base, dicom_port or free_port(), free_port(), Name="segnode-routing-test", **(extra or {})
-    )
-    (base / "orthanc.json").write_text(json.dumps(cfg))
-    log = (base / "orthanc.log").open("ab")
-    proc = subprocess.Popen([exe, str(base / "orthanc.json")], stdout=log, stderr=subprocess.STDOUT)
-    pacs = Pacs(int(cfg["DicomPort"]), int(cfg["HttpPort"]), proc)
-    pacs.auth = auth
 
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError((base / "orthanc.log").read_text(errors="replace")[-3000:])
-        try:
-            pacs.get("/system")
-            return True
-        except OSError:
-            return False
+    def pacs(dicom: int, http: int, proc: subprocess.Popen[bytes]) -> Pacs:
+        return Pacs(dicom, http, proc, auth=auth)
 
-    wait_for(ready, 60, "Orthanc REST API")
-    return pacs
+    return launch_orthanc(base, pacs, dicom_port, Name="segnode-routing-test", **(extra or {}))
+
+
+def start_dicomweb_pacs(base: Path, auth: tuple[str, str] | None = None) -> Pacs:
+    """:func:`start_pacs` with Orthanc's DICOMweb plugin (the test skips without it) and, with
+    ``auth``, HTTP Basic authentication as that one user."""
+    require_tool("Orthanc")
+    if not DICOMWEB_PLUGIN.exists():
+        pytest.skip("orthanc-dicomweb not installed")
+    extra: dict[str, Any] = {
+        "Plugins": [str(DICOMWEB_PLUGIN)],
+        "DicomWeb": {"Enable": True, "Root": "/dicom-web/"},
+    }
+    if auth is not None:
+        extra.update(AuthenticationEnabled=True, RegisteredUsers={auth[0]: auth[1]})
+    return start_pacs(base, extra=extra, auth=auth)
 
 
 def storescu(port: int, called: str, *paths: Path, calling: str = "MODALITY") -> None:
@@ -255,19 +255,7 @@ destinations = ["@sender"]
 def test_stow_rs_and_two_models_dcmtk_direct(toml_node: NodeFactory, tmp_path: Path) -> None:
     """DCMTK sends the study straight to the node; two models; results by STOW-RS (with HTTP
     Basic authentication) to Orthanc's DICOMweb plugin."""
-    require_tool("Orthanc")
-    if not DICOMWEB_PLUGIN.exists():
-        pytest.skip("orthanc-dicomweb not installed")
-    orthanc = start_pacs(
-        tmp_path / "pacs",
-        extra={
-            "Plugins": [str(DICOMWEB_PLUGIN)],
-            "DicomWeb": {"Enable": True, "Root": "/dicom-web/"},
-            "AuthenticationEnabled": True,
-            "RegisteredUsers": {USER: PASSWORD},
-        },
-        auth=(USER, PASSWORD),
-    )
+    orthanc = start_dicomweb_pacs(tmp_path / "pacs", auth=(USER, PASSWORD))
     try:
         (tmp_path / "password").write_text(PASSWORD + "\n")
         second = tmp_path / "second.json"
@@ -324,16 +312,7 @@ priority = 3
 def test_stow_rs_failures(toml_node: NodeFactory, tmp_path: Path) -> None:
     """A STOW-RS error status uses attempts and fails the job with the HTTP status; a server
     that cannot be reached uses none."""
-    require_tool("Orthanc")
-    if not DICOMWEB_PLUGIN.exists():
-        pytest.skip("orthanc-dicomweb not installed")
-    orthanc = start_pacs(
-        tmp_path / "pacs",
-        extra={
-            "Plugins": [str(DICOMWEB_PLUGIN)],
-            "DicomWeb": {"Enable": True, "Root": "/dicom-web/"},
-        },
-    )
+    orthanc = start_dicomweb_pacs(tmp_path / "pacs")
     try:
         wrong = f"stow:http://{LOOPBACK}:{orthanc.http_port}/no-dicom-web"
         down = f"stow:http://{LOOPBACK}:{free_port()}/dicom-web"

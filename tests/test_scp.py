@@ -102,6 +102,21 @@ def send(assoc: object, path_or_ds: Path | Dataset) -> int:
     return int(status.Status) if status else -1
 
 
+def send_header(h: Harness, sop_class: str, transfer_syntax: str, **elements: str) -> None:
+    """Send one instance of ``sop_class`` (new UIDs, ``elements``, no pixel data) in its own
+    association; it must be acknowledged with success."""
+    ds = Dataset()
+    ds.SOPClassUID = sop_class
+    ds.SOPInstanceUID = generate_uid()
+    ds.StudyInstanceUID = generate_uid()
+    ds.SeriesInstanceUID = generate_uid()
+    for keyword, value in elements.items():
+        setattr(ds, keyword, value)
+    a = h.assoc(contexts=[(sop_class, transfer_syntax)])
+    assert send(a, ds) == 0
+    a.release()  # type: ignore[attr-defined]
+
+
 def test_echo_and_store_series_completes_on_release(h: Harness, series: list[Path]) -> None:
     a = h.assoc()
     assert a.is_established  # type: ignore[attr-defined]
@@ -154,15 +169,7 @@ def test_abort_does_not_complete(h: Harness, series: list[Path]) -> None:
 
 
 def test_non_ct_accepted_and_ignored(h: Harness) -> None:
-    ds = Dataset()
-    ds.SOPClassUID = RTDoseStorage
-    ds.SOPInstanceUID = generate_uid()
-    ds.StudyInstanceUID = generate_uid()
-    ds.SeriesInstanceUID = generate_uid()
-    ds.Modality = "RTDOSE"
-    a = h.assoc(contexts=[(RTDoseStorage, ImplicitVRLittleEndian)])
-    assert send(a, ds) == 0
-    a.release()  # type: ignore[attr-defined]
+    send_header(h, RTDoseStorage, ImplicitVRLittleEndian, Modality="RTDOSE")
     assert h.ledger.counts()["instances"] == 0
     h.settle()
     assert h.completed == []
@@ -183,16 +190,9 @@ def test_non_ct_rejected_at_negotiation(tmp_path: Path) -> None:
 
 
 def test_loop_guard_ignores_own_seg(h: Harness) -> None:
-    ds = Dataset()
-    ds.SOPClassUID = SegmentationStorage
-    ds.SOPInstanceUID = generate_uid()
-    ds.StudyInstanceUID = generate_uid()
-    ds.SeriesInstanceUID = generate_uid()
-    ds.Modality = "SEG"
-    ds.Manufacturer = "segnode"
-    a = h.assoc(contexts=[(SegmentationStorage, ExplicitVRLittleEndian)])
-    assert send(a, ds) == 0
-    a.release()  # type: ignore[attr-defined]
+    send_header(
+        h, SegmentationStorage, ExplicitVRLittleEndian, Modality="SEG", Manufacturer="segnode"
+    )
     (row,) = h.ledger.ignored_series()
     assert "loop guard" in row[2]
 

@@ -210,7 +210,7 @@ def assemble_volume(paths: Sequence[Path], *, min_slices: int = MIN_SLICES) -> V
     paths
         Files of one CT series (any order), or one multi-frame Enhanced CT file.
     min_slices
-        Fewest slices accepted (at least 2).
+        As for :func:`assemble_from_datasets`.
 
     Returns
     -------
@@ -248,6 +248,7 @@ def assemble_from_datasets(datasets: Sequence[Dataset], *, min_slices: int = MIN
     Returns
     -------
     Volume
+        The slices sorted along the slice normal, in Hounsfield units (float32).
 
     Raises
     ------
@@ -375,14 +376,32 @@ def single_frame_slice(ds: Dataset, index: int) -> Slice:
     for keyword in ("ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing"):
         if keyword not in ds or ds[keyword].VM == 0:
             raise VolumeError(f"{label} lacks {keyword}; cannot place it in a volume")
-    ps = _float_list(ds.PixelSpacing, 2, "Pixel Spacing", label)
+    return _plane_slice(ds, index, label, position=ds, orientation=ds, measures=ds, rescale=ds)
+
+
+def _plane_slice(
+    ds: Dataset,
+    index: int,
+    label: str,
+    *,
+    position: Dataset,
+    orientation: Dataset,
+    measures: Dataset,
+    rescale: Dataset,
+) -> Slice:
+    """The :class:`Slice` of frame ``index`` of ``ds`` from the datasets holding its Image
+    Position / Orientation (Patient), Pixel Spacing and Rescale Slope / Intercept: ``ds``
+    itself for a single-frame instance, functional group items for a multi-frame one."""
+    ps = _float_list(measures.PixelSpacing, 2, "Pixel Spacing", label)
     return Slice(
         label=label,
-        position=np.array(_float_list(ds.ImagePositionPatient, 3, "position", label)),
-        orientation=np.array(_float_list(ds.ImageOrientationPatient, 6, "orientation", label)),
+        position=np.array(_float_list(position.ImagePositionPatient, 3, "position", label)),
+        orientation=np.array(
+            _float_list(orientation.ImageOrientationPatient, 6, "orientation", label)
+        ),
         pixel_spacing=(ps[0], ps[1]),
-        slope=_number(ds.get("RescaleSlope"), 1.0),
-        intercept=_number(ds.get("RescaleIntercept"), 0.0),
+        slope=_number(rescale.get("RescaleSlope"), 1.0),
+        intercept=_number(rescale.get("RescaleIntercept"), 0.0),
         rows=int(ds.Rows),
         columns=int(ds.Columns),
         source_index=index,
@@ -429,21 +448,15 @@ def _assemble_multiframe(ds: Dataset, min_slices: int) -> Volume:
         if measures is None or "PixelSpacing" not in measures:
             raise VolumeError(f"{label} has no Pixel Measures / Pixel Spacing; cannot place it")
         transform = _functional_group(ds, f, "PixelValueTransformationSequence")
-        rescale = transform if transform is not None else ds
-        ps = _float_list(measures.PixelSpacing, 2, "Pixel Spacing", label)
         slices.append(
-            Slice(
-                label=label,
-                position=np.array(_float_list(position.ImagePositionPatient, 3, "position", label)),
-                orientation=np.array(
-                    _float_list(orientation.ImageOrientationPatient, 6, "orientation", label)
-                ),
-                pixel_spacing=(ps[0], ps[1]),
-                slope=_number(rescale.get("RescaleSlope"), 1.0),
-                intercept=_number(rescale.get("RescaleIntercept"), 0.0),
-                rows=int(ds.Rows),
-                columns=int(ds.Columns),
-                source_index=f,
+            _plane_slice(
+                ds,
+                f,
+                label,
+                position=position,
+                orientation=orientation,
+                measures=measures,
+                rescale=transform if transform is not None else ds,
             )
         )
     order, geometry = sort_and_check(slices, min_slices)
