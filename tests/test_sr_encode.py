@@ -4,6 +4,7 @@ replaced."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import io
 import subprocess
@@ -24,7 +25,7 @@ import pydicom
 import pytest
 from pydicom.sr.codedict import codes
 
-from segnode.engines.manifest import LabelSpec, ModelManifest
+from segnode.engines.manifest import LabelSpec
 from segnode.node.ingest.volume import Volume, assemble_from_datasets, assemble_volume
 from segnode.node.pipeline.worker import encode
 from segnode.node.results.build import (
@@ -110,21 +111,6 @@ def _stored(stats: list[SegmentStatistics]) -> list[tuple[int, int, int, float, 
     ]
 
 
-def _with_hu(volume: Volume, hu: npt.NDArray[np.float32]) -> Volume:
-    return Volume(
-        hu=hu,
-        origin=volume.origin,
-        row_direction=volume.row_direction,
-        column_direction=volume.column_direction,
-        normal=volume.normal,
-        spacing=volume.spacing,
-        sources=volume.sources,
-        frame_of_reference_uid=volume.frame_of_reference_uid,
-        study_instance_uid=volume.study_instance_uid,
-        series_instance_uid=volume.series_instance_uid,
-    )
-
-
 # ----------------------------------------------------------------------- statistics
 
 
@@ -159,7 +145,7 @@ def test_statistics_of_non_integer_hu_agree_to_rounding() -> None:
     volume = _synthetic()
     rng = np.random.default_rng(7)
     hu = (volume.hu * np.float32(1.37) + rng.normal(0, 0.3, volume.shape)).astype(np.float32)
-    scaled = _with_hu(volume, hu)
+    scaled = dataclasses.replace(volume, hu=hu)
     labels = _labels(volume, PRESENT[5])
     stats = segment_statistics(scaled, labels, MANIFEST)
     reference = bincount_statistics(scaled, labels, MANIFEST)
@@ -182,11 +168,9 @@ def test_statistics_of_fragmented_maps_and_many_labels() -> None:
         volume, noisy, MANIFEST
     )
     tissue = ("85756007", "SCT", "Tissue")
-    many = ModelManifest(
+    many = dataclasses.replace(
+        MANIFEST,
         name="many",
-        version="1",
-        onnx_path=Path("many.onnx"),
-        patch_size=(8, 32, 32),
         labels=tuple(LabelSpec(v, f"Label {v}", tissue, tissue) for v in range(1, 41)),
     )
     labels = _fragmented(volume.shape, 40, seed=2)
