@@ -324,6 +324,16 @@ def _groups(sr: Dataset) -> list[hd.sr.VolumetricROIMeasurementsAndQualitativeEv
     return report.get_volumetric_roi_measurement_groups()
 
 
+def evidence(sr: Dataset) -> set[tuple[str, str, str]]:
+    """Series, SOP Class and SOP Instance UID of each instance the SR lists as evidence."""
+    return {
+        (series.SeriesInstanceUID, item.ReferencedSOPClassUID, item.ReferencedSOPInstanceUID)
+        for study in sr.CurrentRequestedProcedureEvidenceSequence
+        for series in study.ReferencedSeriesSequence
+        for item in series.ReferencedSOPSequence
+    }
+
+
 def test_sr_content() -> None:
     volume = small_volume(slice_spacing=2.5, pixel_spacing=0.8)
     labels = truth(volume)
@@ -333,14 +343,9 @@ def test_sr_content() -> None:
     assert sr.CompletionFlag == "COMPLETE"
     assert sr.VerificationFlag == "UNVERIFIED"
     assert sr.ContentTemplateSequence[0].TemplateIdentifier == "1500"
-    evidence = {
-        item.ReferencedSOPInstanceUID
-        for study in sr.CurrentRequestedProcedureEvidenceSequence
-        for series in study.ReferencedSeriesSequence
-        for item in series.ReferencedSOPSequence
-    }
-    assert seg.SOPInstanceUID in evidence
-    assert {ds.SOPInstanceUID for ds in volume.sources} <= evidence
+    listed = {uid for _, _, uid in evidence(sr)}
+    assert seg.SOPInstanceUID in listed
+    assert {ds.SOPInstanceUID for ds in volume.sources} <= listed
 
     groups = _groups(sr)
     assert len(groups) == 5

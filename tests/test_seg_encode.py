@@ -54,7 +54,15 @@ from segnode.node.results.seg_header import (
 )
 from tests.conftest import LIVER, PHANTOM, require_data, require_tool
 from tests.fixtures.synthetic import SAGITTAL, phantom_labels, write_enhanced_ct
-from tests.test_results import MANIFEST, OBLIQUE, SOURCE_WARNINGS, UIDS, small_volume, truth
+from tests.test_results import (
+    MANIFEST,
+    OBLIQUE,
+    SOURCE_WARNINGS,
+    UIDS,
+    evidence,
+    small_volume,
+    truth,
+)
 
 VERSION = "0.1.0"
 KINDS = ("BINARY", "LABELMAP")
@@ -380,13 +388,7 @@ def test_reference_dataset(kind: str) -> None:
     assert reference == full
     if kind == "BINARY":
         sr = build_sr(volume, labels, MANIFEST, reference, UIDS, software_version=VERSION)
-        evidence = {
-            item.ReferencedSOPInstanceUID
-            for study in sr.CurrentRequestedProcedureEvidenceSequence
-            for series in study.ReferencedSeriesSequence
-            for item in series.ReferencedSOPSequence
-        }
-        assert UIDS.seg_sop_uid in evidence
+        assert UIDS.seg_sop_uid in {uid for _, _, uid in evidence(sr)}
 
 
 # ----------------------------------------------------------------- highdicom re-read

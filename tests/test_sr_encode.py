@@ -48,7 +48,7 @@ from segnode.node.results.statistics import (
 from tests.conftest import PHANTOM, require_data, require_tool
 from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
-from tests.test_results import MANIFEST, SOURCE_WARNINGS, UIDS
+from tests.test_results import MANIFEST, SOURCE_WARNINGS, UIDS, evidence
 
 NOW = datetime.datetime(2026, 12, 4, 3, 4, 5, 678901)
 #: Present label values of the label maps: 5, 3 and 1 segments.
@@ -311,14 +311,9 @@ def _check_sr(volume: Volume, count: int, tmp_path: Path, seg_class: str) -> byt
     ]
     ds = pydicom.dcmread(io.BytesIO(data))
     assert ds.ContentDate == "20261204" and ds.ContentTime == "030405.678901"
-    evidence = {
-        (series.SeriesInstanceUID, item.ReferencedSOPClassUID, item.ReferencedSOPInstanceUID)
-        for study in ds.CurrentRequestedProcedureEvidenceSequence
-        for series in study.ReferencedSeriesSequence
-        for item in series.ReferencedSOPSequence
-    }
-    assert (UIDS.seg_series_uid, seg_class, UIDS.seg_sop_uid) in evidence
-    assert len(evidence) == 1 + len(volume.sources)
+    listed = evidence(ds)
+    assert (UIDS.seg_series_uid, seg_class, UIDS.seg_sop_uid) in listed
+    assert len(listed) == 1 + len(volume.sources)
     labelmap = seg_class == LABEL_MAP_SEGMENTATION_STORAGE
     warnings = _dciodvfy(data, tmp_path / f"sr-{count}.dcm", known_errors=count * labelmap)
     assert all(any(known in w for known in SOURCE_WARNINGS) for w in warnings), warnings
