@@ -111,14 +111,10 @@ def pin(seg: Dataset, plan: SegPlan) -> None:
         item.DimensionOrganizationUID = plan.dimension_organization_uid
 
 
-def highdicom_seg(
-    volume: Volume,
-    labels: npt.NDArray[np.integer],
-    plan: SegPlan,
-    manifest: ModelManifest = MANIFEST,
-) -> Dataset:
+def highdicom_seg(volume: Volume, labels: npt.NDArray[np.integer], plan: SegPlan) -> Dataset:
+    """highdicom's SEG of ``labels`` as ``plan`` encodes them (its model, UIDs and clock)."""
     with building("LABELMAP" if plan.labelmap else "BINARY"):
-        seg = build_seg(volume, labels, manifest, UIDS, software_version=VERSION)
+        seg = build_seg(volume, labels, plan.manifest, plan.uids, software_version=VERSION)
     pin(seg, plan)
     return seg
 
@@ -174,7 +170,7 @@ def assert_equal_to_highdicom(
 ) -> EncodedSeg:
     plan = prepare(volume, kind, manifest)
     ours = plan.encode(labels)
-    seg = highdicom_seg(volume, labels, plan, manifest)
+    seg = highdicom_seg(volume, labels, plan)
     theirs = encode(seg)
     assert ours.data == theirs, differences(ours.data, theirs)
     check_encoded(plan, ours, labels)
