@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import statistics
@@ -35,7 +36,6 @@ import sys
 import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -46,7 +46,6 @@ import numpy as np
 import numpy.typing as npt
 from pydicom.dataset import Dataset
 
-from segnode.engines.manifest import LabelSpec, ModelManifest
 from segnode.node.ingest.volume import Volume, assemble_from_datasets
 from segnode.node.pipeline.worker import encode
 from segnode.node.results.build import (
@@ -61,25 +60,13 @@ from segnode.node.results.build import (
 )
 from segnode.node.results.sr_encode import SrPlan
 from segnode.node.results.statistics import SegmentStatsAccumulator
+from tests.fixtures.phantom_model import MANIFEST as RESULTS_MANIFEST
+from tests.fixtures.phantom_model import PHANTOM_LABELS
 from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
-_TISSUE = ("85756007", "SCT", "Tissue")
-_ANATOMY = ("91723000", "SCT", "Anatomical Structure")
-#: The phantom's labels (tests.fixtures.synthetic), as a model would describe them.
-MANIFEST = ModelManifest(
-    name="phantom",
-    version="1.0.0",
-    onnx_path=Path("phantom.onnx"),
-    patch_size=(16, 512, 512),
-    labels=(
-        LabelSpec(1, "Soft tissue", _TISSUE, ("87784001", "SCT", "Soft tissue")),
-        LabelSpec(2, "Fat", _TISSUE, ("55603005", "SCT", "Adipose tissue")),
-        LabelSpec(3, "Left lung", _ANATOMY, ("44029006", "SCT", "Left lung")),
-        LabelSpec(4, "Right lung", _ANATOMY, ("3341006", "SCT", "Right lung")),
-        LabelSpec(5, "Spine", _ANATOMY, ("421060004", "SCT", "Spine")),
-    ),
-)
+#: The phantom's five labels (tests.fixtures.synthetic), as a model would describe them.
+MANIFEST = dataclasses.replace(RESULTS_MANIFEST, labels=PHANTOM_LABELS)
 VERSION = "bench"
 
 
