@@ -27,21 +27,15 @@ The statistics are checked against the bincount ones and the encoded bytes again
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
 import statistics
 import sys
 import time
-import types
 from collections.abc import Callable
 from typing import Any
-from unittest import mock
 
-import highdicom.base
-import highdicom.base_content
-import highdicom.sr.sop
 import numpy as np
 import numpy.typing as npt
 from pydicom.dataset import Dataset
@@ -60,6 +54,7 @@ from segnode.node.results.build import (
 )
 from segnode.node.results.sr_encode import SrPlan
 from segnode.node.results.statistics import SegmentStatsAccumulator
+from tests.fixtures.highdicom_clock import highdicom_clock
 from tests.fixtures.phantom_model import MANIFEST as RESULTS_MANIFEST
 from tests.fixtures.phantom_model import PHANTOM_LABELS
 from tests.fixtures.statistics import bincount_statistics
@@ -149,17 +144,7 @@ def _pinned_build_sr(
     when: datetime.datetime,
 ) -> bytes:
     """build_sr's bytes with highdicom's clock stopped at ``when``."""
-
-    class Fixed(datetime.datetime):
-        @classmethod
-        def now(cls, tz: datetime.tzinfo | None = None) -> Fixed:
-            return cls.combine(when.date(), when.time(), tz)
-
-    shim = types.SimpleNamespace(**vars(datetime))
-    shim.datetime = Fixed
-    with contextlib.ExitStack() as stack:
-        for module in (highdicom.base, highdicom.base_content, highdicom.sr.sop):
-            stack.enter_context(mock.patch.object(module, "datetime", shim))
+    with highdicom_clock(when):
         return encode(build_sr(volume, labels, MANIFEST, seg, uids, software_version=VERSION))
 
 

@@ -8,17 +8,10 @@ import dataclasses
 import datetime
 import io
 import subprocess
-import types
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-from unittest import mock
 
 import highdicom as hd
-import highdicom.base
-import highdicom.base_content
-import highdicom.sr.sop
 import numpy as np
 import numpy.typing as npt
 import pydicom
@@ -46,30 +39,22 @@ from segnode.node.results.statistics import (
     label_counts,
 )
 from tests.conftest import PHANTOM, require_data, require_tool
+from tests.fixtures.highdicom_clock import highdicom_clock
 from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
 from tests.test_results import MANIFEST, SOURCE_WARNINGS, UIDS, evidence
+from tests.test_seg_encode import building
 
 NOW = datetime.datetime(2026, 12, 4, 3, 4, 5, 678901)
 #: Present label values of the label maps: 5, 3 and 1 segments.
 PRESENT = {5: (1, 2, 3, 4, 5), 3: (1, 3, 5), 1: (3,)}
 
 
-class _FixedClock(datetime.datetime):
-    @classmethod
-    def now(cls, tz: datetime.tzinfo | None = None) -> _FixedClock:
-        return cls.combine(NOW.date(), NOW.time(), tz)
-
-
 @pytest.fixture
-def pinned_clock(monkeypatch: pytest.MonkeyPatch) -> datetime.datetime:
-    """highdicom's clock (``datetime.datetime.now()`` in the modules that set Instance
-    Creation, Content and Contribution date/time) stopped at ``NOW``."""
-    shim = types.SimpleNamespace(**vars(datetime))
-    shim.datetime = _FixedClock
-    for module in (highdicom.base, highdicom.base_content, highdicom.sr.sop):
-        monkeypatch.setattr(module, "datetime", shim)
-    return NOW
+def pinned_clock() -> Iterator[datetime.datetime]:
+    """highdicom's clock stopped at ``NOW``."""
+    with highdicom_clock(NOW):
+        yield NOW
 
 
 def _synthetic() -> Volume:
@@ -217,29 +202,12 @@ def test_statistics_reject_what_label_counts_rejects() -> None:
 # ------------------------------------------------------------------------------- SR
 
 
-@contextmanager
-def _building_label_maps() -> Iterator[None]:
-    """Make ``build_seg`` (which always asks highdicom for BINARY) build a LABELMAP SEG."""
-    original = hd.seg.Segmentation
-
-    class LabelMapSegmentation(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["segmentation_type"] = hd.seg.SegmentationTypeValues.LABELMAP
-            super().__init__(*args, **kwargs)
-
-    with mock.patch.object(hd.seg, "Segmentation", LabelMapSegmentation):
-        yield
-
-
 def _reference_bytes(
     volume: Volume, labels: npt.NDArray[np.integer], seg_class: str = SEGMENTATION_STORAGE
 ) -> bytes:
     """build_seg, build_sr and segnode.node.pipeline.worker.encode, as the worker writes the SR
     today."""
-    if seg_class == LABEL_MAP_SEGMENTATION_STORAGE:
-        with _building_label_maps():
-            seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
-    else:
+    with building("LABELMAP" if seg_class == LABEL_MAP_SEGMENTATION_STORAGE else "BINARY"):
         seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
     assert seg.SOPClassUID == seg_class
     return encode(build_sr(volume, labels, MANIFEST, seg, UIDS, software_version="0.1.0"))
