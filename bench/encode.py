@@ -80,7 +80,7 @@ def timed(run: Callable[[], Any], runs: int) -> tuple[Timing, Any]:
     return Timing(statistics.median(walls), statistics.median(cpus)), result
 
 
-def measure_seg(
+def measure(
     volume: Volume,
     labels: npt.NDArray[np.uint8],
     manifest: ModelManifest,
@@ -88,25 +88,35 @@ def measure_seg(
     runs: int = 5,
     segmentation_type: str = "BINARY",
     baseline: bool = True,
-) -> dict[str, Timing]:
-    """Median timings of each SEG stage, highdicom's (when ``baseline``) and the fast path's.
+) -> tuple[dict[str, Timing], dict[str, Timing]]:
+    """Median timings of each SEG and SR stage, highdicom's (when ``baseline``, BINARY only)
+    and the fast path's; the SR references the SEG as the worker's does (the SEG plan's
+    class and UIDs).
 
-    Keys: ``highdicom build+write``, ``highdicom verify_seg`` (BINARY only), ``prepare``,
-    ``encode``, ``check``.
+    SEG keys: ``highdicom build+write``, ``highdicom verify_seg``, ``prepare``, ``encode``,
+    ``check``. SR keys: ``highdicom build_sr+write`` (of the SEG highdicom built),
+    ``prepare``, ``statistics``, ``encode``.
     """
     uids = ResultUIDs.new()
-    out: dict[str, Timing] = {}
+    seg_out: dict[str, Timing] = {}
+    sr_out: dict[str, Timing] = {}
     if baseline and segmentation_type == "BINARY":
 
         def build_and_write() -> tuple[Any, bytes]:
             seg = build_seg(volume, labels, manifest, uids, software_version=__version__)
             return seg, encode(seg)
 
-        out["highdicom build+write"], (seg, data) = timed(build_and_write, runs)
-        out["highdicom verify_seg"], _ = timed(
+        seg_out["highdicom build+write"], (seg, data) = timed(build_and_write, runs)
+        seg_out["highdicom verify_seg"], _ = timed(
             lambda: verify_seg(seg, volume, labels, encoded=data), runs
         )
-    out["prepare"], plan = timed(
+        sr_out["highdicom build_sr+write"], _ = timed(
+            lambda: encode(
+                build_sr(volume, labels, manifest, seg, uids, software_version=__version__)
+            ),
+            runs,
+        )
+    seg_out["prepare"], plan = timed(
         lambda: SegPlan.prepare(
             volume,
             manifest,
@@ -116,50 +126,25 @@ def measure_seg(
         ),
         runs,
     )
-    out["encode"], encoded = timed(lambda: plan.encode(labels), runs)
-    out["check"], _ = timed(lambda: check_encoded(plan, encoded, labels), runs)
+    seg_out["encode"], encoded = timed(lambda: plan.encode(labels), runs)
+    seg_out["check"], _ = timed(lambda: check_encoded(plan, encoded, labels), runs)
     print(
         f"{segmentation_type}: {encoded.number_of_frames} frames, "
         f"{len(encoded.segment_numbers)} segments, {len(encoded.data) / 1e6:.1f} MB"
     )
-    return out
-
-
-def measure_sr(
-    volume: Volume,
-    labels: npt.NDArray[np.uint8],
-    manifest: ModelManifest,
-    *,
-    runs: int = 5,
-    seg_sop_class_uid: str = "1.2.840.10008.5.1.4.1.1.66.4",
-    baseline: bool = True,
-) -> dict[str, Timing]:
-    """Median timings of each SR stage. Keys: ``highdicom build_sr+write`` (when
-    ``baseline``; the SEG it references is built once, untimed), ``prepare``, ``statistics``,
-    ``encode``."""
-    uids = ResultUIDs.new()
-    out: dict[str, Timing] = {}
-    if baseline and seg_sop_class_uid.endswith(".66.4"):
-        seg = build_seg(volume, labels, manifest, uids, software_version=__version__)
-        out["highdicom build_sr+write"], _ = timed(
-            lambda: encode(
-                build_sr(volume, labels, manifest, seg, uids, software_version=__version__)
-            ),
-            runs,
-        )
-    out["prepare"], plan = timed(
+    sr_out["prepare"], sr_plan = timed(
         lambda: SrPlan.prepare(
             volume,
             manifest,
             uids,
-            seg_sop_class_uid=seg_sop_class_uid,
+            seg_sop_class_uid=plan.sop_class_uid,
             software_version=__version__,
         ),
         runs,
     )
-    out["statistics"], stats = timed(lambda: segment_statistics(volume, labels, manifest), runs)
-    out["encode"], _ = timed(lambda: plan.encode(stats), runs)
-    return out
+    sr_out["statistics"], stats = timed(lambda: segment_statistics(volume, labels, manifest), runs)
+    sr_out["encode"], _ = timed(lambda: sr_plan.encode(stats), runs)
+    return seg_out, sr_out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -187,12 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         "labels": args.labels,
         "runs": args.runs,
     }
-    for kind, sop_class in (
-        ("BINARY", "1.2.840.10008.5.1.4.1.1.66.4"),
-        ("LABELMAP", "1.2.840.10008.5.1.4.1.1.66.7"),
-    ):
-        seg = measure_seg(volume, labels, manifest, runs=args.runs, segmentation_type=kind)
-        sr = measure_sr(volume, labels, manifest, runs=args.runs, seg_sop_class_uid=sop_class)
+    for kind in ("BINARY", "LABELMAP"):
+        seg, sr = measure(volume, labels, manifest, runs=args.runs, segmentation_type=kind)
         for part, timings in (("SEG", seg), ("SR", sr)):
             for name, t in timings.items():
                 print(f"  {part} {name:<24} {t.wall * 1e3:8.1f} ms wall {t.cpu * 1e3:8.1f} ms CPU")

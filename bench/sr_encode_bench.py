@@ -27,26 +27,19 @@ The statistics are checked against the bincount ones and the encoded bytes again
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import datetime
 import json
 import statistics
 import sys
 import time
-import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-from unittest import mock
 
-import highdicom.base
-import highdicom.base_content
-import highdicom.sr.sop
 import numpy as np
 import numpy.typing as npt
 from pydicom.dataset import Dataset
 
-from segnode.engines.manifest import LabelSpec, ModelManifest
 from segnode.node.ingest.volume import Volume, assemble_from_datasets
 from segnode.node.pipeline.worker import encode
 from segnode.node.results.build import (
@@ -61,25 +54,14 @@ from segnode.node.results.build import (
 )
 from segnode.node.results.sr_encode import SrPlan
 from segnode.node.results.statistics import SegmentStatsAccumulator
+from tests.fixtures.highdicom_clock import highdicom_clock
+from tests.fixtures.phantom_model import MANIFEST as RESULTS_MANIFEST
+from tests.fixtures.phantom_model import PHANTOM_LABELS
 from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
-_TISSUE = ("85756007", "SCT", "Tissue")
-_ANATOMY = ("91723000", "SCT", "Anatomical Structure")
-#: The phantom's labels (tests.fixtures.synthetic), as a model would describe them.
-MANIFEST = ModelManifest(
-    name="phantom",
-    version="1.0.0",
-    onnx_path=Path("phantom.onnx"),
-    patch_size=(16, 512, 512),
-    labels=(
-        LabelSpec(1, "Soft tissue", _TISSUE, ("87784001", "SCT", "Soft tissue")),
-        LabelSpec(2, "Fat", _TISSUE, ("55603005", "SCT", "Adipose tissue")),
-        LabelSpec(3, "Left lung", _ANATOMY, ("44029006", "SCT", "Left lung")),
-        LabelSpec(4, "Right lung", _ANATOMY, ("3341006", "SCT", "Right lung")),
-        LabelSpec(5, "Spine", _ANATOMY, ("421060004", "SCT", "Spine")),
-    ),
-)
+#: The phantom's five labels (tests.fixtures.synthetic), as a model would describe them.
+MANIFEST = dataclasses.replace(RESULTS_MANIFEST, labels=PHANTOM_LABELS)
 VERSION = "bench"
 
 
@@ -162,17 +144,7 @@ def _pinned_build_sr(
     when: datetime.datetime,
 ) -> bytes:
     """build_sr's bytes with highdicom's clock stopped at ``when``."""
-
-    class Fixed(datetime.datetime):
-        @classmethod
-        def now(cls, tz: datetime.tzinfo | None = None) -> Fixed:
-            return cls.combine(when.date(), when.time(), tz)
-
-    shim = types.SimpleNamespace(**vars(datetime))
-    shim.datetime = Fixed
-    with contextlib.ExitStack() as stack:
-        for module in (highdicom.base, highdicom.base_content, highdicom.sr.sop):
-            stack.enter_context(mock.patch.object(module, "datetime", shim))
+    with highdicom_clock(when):
         return encode(build_sr(volume, labels, MANIFEST, seg, uids, software_version=VERSION))
 
 

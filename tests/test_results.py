@@ -16,7 +16,6 @@ from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 from pydicom.uid import generate_uid
 
-from segnode.engines.manifest import LabelSpec, ModelManifest
 from segnode.node.ingest.volume import Volume, assemble_from_datasets, assemble_volume
 from segnode.node.results.build import (
     NoSegmentsError,
@@ -29,6 +28,7 @@ from segnode.node.results.build import (
     verify_seg,
 )
 from tests.conftest import LIVER, PHANTOM, require_data, require_tool
+from tests.fixtures.phantom_model import MANIFEST
 from tests.fixtures.synthetic import (
     AXIAL,
     SAGITTAL,
@@ -38,22 +38,6 @@ from tests.fixtures.synthetic import (
 )
 
 ROWS, COLUMNS, SLICES = 48, 40, 8
-SCT_TISSUE = ("85756007", "SCT", "Tissue")
-SCT_ANATOMY = ("123037004", "SCT", "Anatomical Structure")
-MANIFEST = ModelManifest(
-    name="phantom",
-    version="1.2.3",
-    onnx_path=Path("phantom.onnx"),
-    patch_size=(8, 32, 32),
-    labels=(
-        LabelSpec(1, "Soft tissue", SCT_TISSUE, SCT_TISSUE, (200, 120, 100)),
-        LabelSpec(2, "Fat", SCT_TISSUE, ("55603005", "SCT", "Adipose tissue"), (255, 230, 150)),
-        LabelSpec(3, "Left lung", SCT_ANATOMY, ("44029006", "SCT", "Left lung"), (120, 180, 255)),
-        LabelSpec(4, "Right lung", SCT_ANATOMY, ("3341006", "SCT", "Right lung"), (100, 150, 255)),
-        LabelSpec(5, "Spine", SCT_ANATOMY, ("421060004", "SCT", "Spine"), (240, 240, 240)),
-        LabelSpec(6, "Liver", SCT_ANATOMY, ("10200004", "SCT", "Liver"), (150, 60, 40)),
-    ),
-)
 UIDS = ResultUIDs(
     seg_series_uid="2.25.1001",
     seg_sop_uid="2.25.1002",
@@ -324,6 +308,16 @@ def _groups(sr: Dataset) -> list[hd.sr.VolumetricROIMeasurementsAndQualitativeEv
     return report.get_volumetric_roi_measurement_groups()
 
 
+def evidence(sr: Dataset) -> set[tuple[str, str, str]]:
+    """Series, SOP Class and SOP Instance UID of each instance the SR lists as evidence."""
+    return {
+        (series.SeriesInstanceUID, item.ReferencedSOPClassUID, item.ReferencedSOPInstanceUID)
+        for study in sr.CurrentRequestedProcedureEvidenceSequence
+        for series in study.ReferencedSeriesSequence
+        for item in series.ReferencedSOPSequence
+    }
+
+
 def test_sr_content() -> None:
     volume = small_volume(slice_spacing=2.5, pixel_spacing=0.8)
     labels = truth(volume)
@@ -333,14 +327,9 @@ def test_sr_content() -> None:
     assert sr.CompletionFlag == "COMPLETE"
     assert sr.VerificationFlag == "UNVERIFIED"
     assert sr.ContentTemplateSequence[0].TemplateIdentifier == "1500"
-    evidence = {
-        item.ReferencedSOPInstanceUID
-        for study in sr.CurrentRequestedProcedureEvidenceSequence
-        for series in study.ReferencedSeriesSequence
-        for item in series.ReferencedSOPSequence
-    }
-    assert seg.SOPInstanceUID in evidence
-    assert {ds.SOPInstanceUID for ds in volume.sources} <= evidence
+    listed = {uid for _, _, uid in evidence(sr)}
+    assert seg.SOPInstanceUID in listed
+    assert {ds.SOPInstanceUID for ds in volume.sources} <= listed
 
     groups = _groups(sr)
     assert len(groups) == 5

@@ -54,7 +54,15 @@ from segnode.node.results.seg_header import (
 )
 from tests.conftest import LIVER, PHANTOM, require_data, require_tool
 from tests.fixtures.synthetic import SAGITTAL, phantom_labels, write_enhanced_ct
-from tests.test_results import MANIFEST, OBLIQUE, SOURCE_WARNINGS, UIDS, small_volume, truth
+from tests.test_results import (
+    MANIFEST,
+    OBLIQUE,
+    SOURCE_WARNINGS,
+    UIDS,
+    evidence,
+    small_volume,
+    truth,
+)
 
 VERSION = "0.1.0"
 KINDS = ("BINARY", "LABELMAP")
@@ -103,14 +111,10 @@ def pin(seg: Dataset, plan: SegPlan) -> None:
         item.DimensionOrganizationUID = plan.dimension_organization_uid
 
 
-def highdicom_seg(
-    volume: Volume,
-    labels: npt.NDArray[np.integer],
-    plan: SegPlan,
-    manifest: ModelManifest = MANIFEST,
-) -> Dataset:
+def highdicom_seg(volume: Volume, labels: npt.NDArray[np.integer], plan: SegPlan) -> Dataset:
+    """highdicom's SEG of ``labels`` as ``plan`` encodes them (its model, UIDs and clock)."""
     with building("LABELMAP" if plan.labelmap else "BINARY"):
-        seg = build_seg(volume, labels, manifest, UIDS, software_version=VERSION)
+        seg = build_seg(volume, labels, plan.manifest, plan.uids, software_version=VERSION)
     pin(seg, plan)
     return seg
 
@@ -166,7 +170,7 @@ def assert_equal_to_highdicom(
 ) -> EncodedSeg:
     plan = prepare(volume, kind, manifest)
     ours = plan.encode(labels)
-    seg = highdicom_seg(volume, labels, plan, manifest)
+    seg = highdicom_seg(volume, labels, plan)
     theirs = encode(seg)
     assert ours.data == theirs, differences(ours.data, theirs)
     check_encoded(plan, ours, labels)
@@ -380,13 +384,7 @@ def test_reference_dataset(kind: str) -> None:
     assert reference == full
     if kind == "BINARY":
         sr = build_sr(volume, labels, MANIFEST, reference, UIDS, software_version=VERSION)
-        evidence = {
-            item.ReferencedSOPInstanceUID
-            for study in sr.CurrentRequestedProcedureEvidenceSequence
-            for series in study.ReferencedSeriesSequence
-            for item in series.ReferencedSOPSequence
-        }
-        assert UIDS.seg_sop_uid in evidence
+        assert UIDS.seg_sop_uid in {uid for _, _, uid in evidence(sr)}
 
 
 # ----------------------------------------------------------------- highdicom re-read
@@ -554,8 +552,25 @@ def encoded_binary() -> tuple[SegPlan, EncodedSeg, npt.NDArray[np.uint8]]:
     return plan, encoded, labels
 
 
-def corrupted(encoded: EncodedSeg, data: bytes | bytearray) -> EncodedSeg:
-    return dataclasses.replace(encoded, data=bytes(data))
+def assert_rejected(
+    plan: SegPlan,
+    encoded: EncodedSeg,
+    data: bytes | bytearray,
+    labels: npt.NDArray[np.integer],
+    *,
+    match: str,
+) -> None:
+    """``check_encoded`` rejects ``data`` as ``encoded``'s bytes with a message matching
+    ``match``."""
+    with pytest.raises(ResultError, match=match):
+        check_encoded(plan, dataclasses.replace(encoded, data=bytes(data)), labels)
+
+
+def swapped(data: bytes, a: tuple[int, int], b: tuple[int, int]) -> bytearray:
+    """``data`` with its ranges ``a`` and ``b`` (start, end; the same length) exchanged."""
+    out = bytearray(data)
+    out[a[0] : a[1]], out[b[0] : b[1]] = data[b[0] : b[1]], data[a[0] : a[1]]
+    return out
 
 
 def test_check_catches_a_flipped_bit(encoded_binary: Any) -> None:
@@ -564,29 +579,24 @@ def test_check_catches_a_flipped_bit(encoded_binary: Any) -> None:
     start, _ = _value(encoded.data, PIXEL_DATA)
     frame_bytes = labels[0].size // 8
     data[start + 3 * frame_bytes + frame_bytes // 2] ^= 0x10
-    with pytest.raises(ResultError, match="frame 4 does not reproduce the label map"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    assert_rejected(plan, encoded, data, labels, match="frame 4 does not reproduce the label map")
 
 
 def test_check_catches_wrong_frame_order(encoded_binary: Any) -> None:
     plan, encoded, labels = encoded_binary
     start, _ = _value(encoded.data, PIXEL_DATA)
     size = labels[0].size // 8
-    data = bytearray(encoded.data)
     a, b = start + 2 * size, start + 20 * size  # two frames of different segments
-    data[a : a + size], data[b : b + size] = encoded.data[b : b + size], encoded.data[a : a + size]
-    with pytest.raises(ResultError, match="frame (3|21) does not reproduce"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    data = swapped(encoded.data, (a, a + size), (b, b + size))
+    assert_rejected(plan, encoded, data, labels, match="frame (3|21) does not reproduce")
     # per-frame items of the same length swapped: frames out of (segment, position) order
     frames = _frame_items(encoded.data)
     lengths = [end - start for start, _, end in frames]
     i = 0
     j = next(j for j in range(1, len(frames)) if lengths[j] == lengths[i])
-    data = bytearray(encoded.data)
     (a0, _, a1), (b0, _, b1) = frames[i], frames[j]
-    data[a0:a1], data[b0:b1] = encoded.data[b0:b1], encoded.data[a0:a1]
-    with pytest.raises(ResultError, match="order|does not reproduce"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    data = swapped(encoded.data, (a0, a1), (b0, b1))
+    assert_rejected(plan, encoded, data, labels, match="order|does not reproduce")
 
 
 def test_check_catches_a_wrong_segment_number(encoded_binary: Any) -> None:
@@ -595,24 +605,20 @@ def test_check_catches_a_wrong_segment_number(encoded_binary: Any) -> None:
     data = bytearray(encoded.data)
     assert struct.unpack_from("<H", data, end - 2)[0] == 1  # Referenced Segment Number
     struct.pack_into("<H", data, end - 2, 2)
-    with pytest.raises(ResultError, match="order|does not reproduce|Dimension Index"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    assert_rejected(plan, encoded, data, labels, match="order|does not reproduce|Dimension Index")
     struct.pack_into("<H", data, end - 2, 7)
-    with pytest.raises(ResultError, match="names no described segment"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    assert_rejected(plan, encoded, data, labels, match="names no described segment")
 
 
 def test_check_catches_truncated_pixel_data(encoded_binary: Any) -> None:
     plan, encoded, labels = encoded_binary
-    with pytest.raises(ResultError, match="do not parse"):
-        check_encoded(plan, corrupted(encoded, encoded.data[:-100]), labels)
+    assert_rejected(plan, encoded, encoded.data[:-100], labels, match="do not parse")
     # a consistent element, one frame short
     start, end = _value(encoded.data, PIXEL_DATA)
     size = labels[0].size // 8
     data = bytearray(encoded.data[: end - size])
     struct.pack_into("<I", data, start - 4, end - size - start)
-    with pytest.raises(ResultError, match="Pixel Data has"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    assert_rejected(plan, encoded, data, labels, match="Pixel Data has")
 
 
 def test_check_catches_a_wrong_plane_position(encoded_binary: Any) -> None:
@@ -625,20 +631,21 @@ def test_check_catches_a_wrong_plane_position(encoded_binary: Any) -> None:
     digit = max(i for i, c in enumerate(text) if chr(c).isdigit())
     data[position[1] + digit] = ord("7") if text[digit] != ord("7") else ord("3")
     del view
-    with pytest.raises(ResultError, match="Plane Position is not the position of a volume slice"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    assert_rejected(
+        plan, encoded, data, labels, match="Plane Position is not the position of a volume slice"
+    )
 
 
 def test_check_catches_header_and_count_changes(encoded_binary: Any) -> None:
     plan, encoded, labels = encoded_binary
     data = encoded.data.replace(b"SYNTH", b"SYNTI", 1)
-    with pytest.raises(ResultError, match="PatientName differs from the prepared header"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    assert_rejected(
+        plan, encoded, data, labels, match="PatientName differs from the prepared header"
+    )
     count = b"\x28\x00\x08\x00IS\x02\x00" + str(encoded.number_of_frames).encode()
     assert count in encoded.data
     data = encoded.data.replace(count, count[:-2] + b"99", 1)
-    with pytest.raises(ResultError, match="Number of Frames"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    assert_rejected(plan, encoded, data, labels, match="Number of Frames")
 
 
 def test_check_catches_labels_that_differ(encoded_binary: Any) -> None:
@@ -669,8 +676,7 @@ def test_check_catches_a_flipped_bit_across_frame_boundaries(kind: str) -> None:
     start, end = _value(encoded.data, PIXEL_DATA)
     data = bytearray(encoded.data)
     data[(start + end) // 2] ^= 0x04
-    with pytest.raises(ResultError, match="does not reproduce the label map"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    assert_rejected(plan, encoded, data, labels, match="does not reproduce the label map")
 
 
 def test_check_labelmap_catches_a_changed_voxel() -> None:
@@ -682,8 +688,7 @@ def test_check_labelmap_catches_a_changed_voxel() -> None:
     start, _ = _value(encoded.data, PIXEL_DATA)
     data = bytearray(encoded.data)
     data[start + 3 * labels[0].size + 100] ^= 0x01
-    with pytest.raises(ResultError, match="frame 4 does not reproduce"):
-        check_encoded(plan, corrupted(encoded, data), labels)
+    assert_rejected(plan, encoded, data, labels, match="frame 4 does not reproduce")
 
 
 def test_full_size_encode_and_check_agree() -> None:

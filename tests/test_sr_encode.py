@@ -4,27 +4,21 @@ replaced."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import io
 import subprocess
-import types
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-from unittest import mock
 
 import highdicom as hd
-import highdicom.base
-import highdicom.base_content
-import highdicom.sr.sop
 import numpy as np
 import numpy.typing as npt
 import pydicom
 import pytest
 from pydicom.sr.codedict import codes
 
-from segnode.engines.manifest import LabelSpec, ModelManifest
+from segnode.engines.manifest import LabelSpec
 from segnode.node.ingest.volume import Volume, assemble_from_datasets, assemble_volume
 from segnode.node.pipeline.worker import encode
 from segnode.node.results.build import (
@@ -45,30 +39,22 @@ from segnode.node.results.statistics import (
     label_counts,
 )
 from tests.conftest import PHANTOM, require_data, require_tool
+from tests.fixtures.highdicom_clock import highdicom_clock
 from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
-from tests.test_results import MANIFEST, SOURCE_WARNINGS, UIDS
+from tests.test_results import MANIFEST, SOURCE_WARNINGS, UIDS, evidence
+from tests.test_seg_encode import building
 
 NOW = datetime.datetime(2026, 12, 4, 3, 4, 5, 678901)
 #: Present label values of the label maps: 5, 3 and 1 segments.
 PRESENT = {5: (1, 2, 3, 4, 5), 3: (1, 3, 5), 1: (3,)}
 
 
-class _FixedClock(datetime.datetime):
-    @classmethod
-    def now(cls, tz: datetime.tzinfo | None = None) -> _FixedClock:
-        return cls.combine(NOW.date(), NOW.time(), tz)
-
-
 @pytest.fixture
-def pinned_clock(monkeypatch: pytest.MonkeyPatch) -> datetime.datetime:
-    """highdicom's clock (``datetime.datetime.now()`` in the modules that set Instance
-    Creation, Content and Contribution date/time) stopped at ``NOW``."""
-    shim = types.SimpleNamespace(**vars(datetime))
-    shim.datetime = _FixedClock
-    for module in (highdicom.base, highdicom.base_content, highdicom.sr.sop):
-        monkeypatch.setattr(module, "datetime", shim)
-    return NOW
+def pinned_clock() -> Iterator[datetime.datetime]:
+    """highdicom's clock stopped at ``NOW``."""
+    with highdicom_clock(NOW):
+        yield NOW
 
 
 def _synthetic() -> Volume:
@@ -110,21 +96,6 @@ def _stored(stats: list[SegmentStatistics]) -> list[tuple[int, int, int, float, 
     ]
 
 
-def _with_hu(volume: Volume, hu: npt.NDArray[np.float32]) -> Volume:
-    return Volume(
-        hu=hu,
-        origin=volume.origin,
-        row_direction=volume.row_direction,
-        column_direction=volume.column_direction,
-        normal=volume.normal,
-        spacing=volume.spacing,
-        sources=volume.sources,
-        frame_of_reference_uid=volume.frame_of_reference_uid,
-        study_instance_uid=volume.study_instance_uid,
-        series_instance_uid=volume.series_instance_uid,
-    )
-
-
 # ----------------------------------------------------------------------- statistics
 
 
@@ -159,7 +130,7 @@ def test_statistics_of_non_integer_hu_agree_to_rounding() -> None:
     volume = _synthetic()
     rng = np.random.default_rng(7)
     hu = (volume.hu * np.float32(1.37) + rng.normal(0, 0.3, volume.shape)).astype(np.float32)
-    scaled = _with_hu(volume, hu)
+    scaled = dataclasses.replace(volume, hu=hu)
     labels = _labels(volume, PRESENT[5])
     stats = segment_statistics(scaled, labels, MANIFEST)
     reference = bincount_statistics(scaled, labels, MANIFEST)
@@ -182,11 +153,9 @@ def test_statistics_of_fragmented_maps_and_many_labels() -> None:
         volume, noisy, MANIFEST
     )
     tissue = ("85756007", "SCT", "Tissue")
-    many = ModelManifest(
+    many = dataclasses.replace(
+        MANIFEST,
         name="many",
-        version="1",
-        onnx_path=Path("many.onnx"),
-        patch_size=(8, 32, 32),
         labels=tuple(LabelSpec(v, f"Label {v}", tissue, tissue) for v in range(1, 41)),
     )
     labels = _fragmented(volume.shape, 40, seed=2)
@@ -233,29 +202,12 @@ def test_statistics_reject_what_label_counts_rejects() -> None:
 # ------------------------------------------------------------------------------- SR
 
 
-@contextmanager
-def _building_label_maps() -> Iterator[None]:
-    """Make ``build_seg`` (which always asks highdicom for BINARY) build a LABELMAP SEG."""
-    original = hd.seg.Segmentation
-
-    class LabelMapSegmentation(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["segmentation_type"] = hd.seg.SegmentationTypeValues.LABELMAP
-            super().__init__(*args, **kwargs)
-
-    with mock.patch.object(hd.seg, "Segmentation", LabelMapSegmentation):
-        yield
-
-
 def _reference_bytes(
     volume: Volume, labels: npt.NDArray[np.integer], seg_class: str = SEGMENTATION_STORAGE
 ) -> bytes:
     """build_seg, build_sr and segnode.node.pipeline.worker.encode, as the worker writes the SR
     today."""
-    if seg_class == LABEL_MAP_SEGMENTATION_STORAGE:
-        with _building_label_maps():
-            seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
-    else:
+    with building("LABELMAP" if seg_class == LABEL_MAP_SEGMENTATION_STORAGE else "BINARY"):
         seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
     assert seg.SOPClassUID == seg_class
     return encode(build_sr(volume, labels, MANIFEST, seg, UIDS, software_version="0.1.0"))
@@ -327,14 +279,9 @@ def _check_sr(volume: Volume, count: int, tmp_path: Path, seg_class: str) -> byt
     ]
     ds = pydicom.dcmread(io.BytesIO(data))
     assert ds.ContentDate == "20261204" and ds.ContentTime == "030405.678901"
-    evidence = {
-        (series.SeriesInstanceUID, item.ReferencedSOPClassUID, item.ReferencedSOPInstanceUID)
-        for study in ds.CurrentRequestedProcedureEvidenceSequence
-        for series in study.ReferencedSeriesSequence
-        for item in series.ReferencedSOPSequence
-    }
-    assert (UIDS.seg_series_uid, seg_class, UIDS.seg_sop_uid) in evidence
-    assert len(evidence) == 1 + len(volume.sources)
+    listed = evidence(ds)
+    assert (UIDS.seg_series_uid, seg_class, UIDS.seg_sop_uid) in listed
+    assert len(listed) == 1 + len(volume.sources)
     labelmap = seg_class == LABEL_MAP_SEGMENTATION_STORAGE
     warnings = _dciodvfy(data, tmp_path / f"sr-{count}.dcm", known_errors=count * labelmap)
     assert all(any(known in w for known in SOURCE_WARNINGS) for w in warnings), warnings
