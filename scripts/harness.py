@@ -237,7 +237,8 @@ class NodeRunner:
         sock_path.unlink(missing_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(str(sock_path))
-        sock.settimeout(timeout)
+        sock.settimeout(0.25)
+        deadline = t0 + timeout
         env = {**os.environ, "NOTIFY_SOCKET": str(sock_path), "PYTHONUNBUFFERED": "1"}
         env.pop("WATCHDOG_USEC", None)
         env.update(self.env)
@@ -261,6 +262,14 @@ class NodeRunner:
                 try:
                     msg = sock.recv(4096).decode()
                 except TimeoutError as exc:
+                    code = self.proc.poll()
+                    if code is not None:  # it will not become ready: say so now
+                        self.proc = None
+                        raise RuntimeError(
+                            f"node exited with code {code}; log tail:\n{self.log()[-3000:]}"
+                        ) from exc
+                    if time.monotonic() < deadline:
+                        continue
                     raise RuntimeError(f"node not ready; log tail:\n{self.log()[-3000:]}") from exc
                 self.notify_lines.extend(msg.split("\n"))
                 if "READY=1" in msg.split("\n"):

@@ -175,3 +175,28 @@ def test_a_node_on_postgresql_segments_and_delivers_once(
     assert job["instances"] == 24
     current = node.cli("db", "current")
     assert current.returncode == 0 and f"schema {HEAD}" in current.stdout
+
+
+@pytest.mark.interop
+def test_a_second_node_on_the_same_ledger_refuses_to_start(make_node: Any, pg_url: str) -> None:
+    """Without job leases two nodes on one ledger would take each other's running jobs: the
+    second ``segnode serve`` exits with a reason naming the holder; once the first is killed
+    with SIGKILL, the server drops its lock and a node starts."""
+    first = make_node(start=False, ledger={"url": pg_url})
+    assert first.cli("db", "upgrade").returncode == 0
+    first.start()
+    second = make_node(start=False, ledger={"url": pg_url})
+    with pytest.raises(RuntimeError, match="node exited with code 1"):
+        second.start(timeout=20)
+    assert "in use by another segnode node (client 127.0.0.1" in second.log(), second.log()
+    assert first.jobs()["jobs"] == []  # the CLI reads a held ledger
+    first.kill()
+    wait_for(lambda: _try_start(second), 30, "a node after the holder was killed")
+
+
+def _try_start(node: Any) -> bool:
+    try:
+        node.start(timeout=20)
+    except RuntimeError:
+        return False
+    return True

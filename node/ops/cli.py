@@ -20,6 +20,7 @@ from segnode.node.config import Config, load_config
 from segnode.node.errors import ConfigError, SegnodeError
 from segnode.node.peers import parse_peer
 from segnode.node.web.facts import jobs_facts, ledger_status, send_seconds
+from segnode.storage.ledger import LedgerInUse
 from segnode.storage.migrations import SchemaError
 
 log = logging.getLogger("segnode")
@@ -484,8 +485,8 @@ def _run(args: argparse.Namespace) -> int:
     except SegnodeError as exc:
         print(f"segnode: {exc}", file=sys.stderr)
         return 1
-    except SchemaError as exc:
-        print(f"segnode: {exc}", file=sys.stderr)
+    except (SchemaError, LedgerInUse) as exc:
+        print(f"segnode: cannot open the ledger: {exc}", file=sys.stderr)
         return 1
 
 

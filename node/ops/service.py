@@ -40,7 +40,7 @@ from segnode.node.routing.rules import (
     read_facts,
     senders_from_peers,
 )
-from segnode.storage.ledger import Ledger, NewJob, utcnow
+from segnode.storage.ledger import Ledger, LedgerInUse, NewJob, utcnow
 from segnode.storage.spool import POOL_FILE_BYTES, Spool
 
 if TYPE_CHECKING:
@@ -75,6 +75,11 @@ class Node:
     def __init__(self, config: Config, engine: Engine | None = None) -> None:
         self.config = config
         self.ledger, self.spool = open_state(config)
+        try:
+            self.ledger.hold_node_lock()
+        except LedgerInUse:
+            self.ledger.close()
+            raise
         self.manifest: ModelManifest = load_manifest(config.model.manifest)
         check_runnable(self.manifest)
         #: The engine still to load in the background (``[model] load = "background"``).

@@ -28,7 +28,7 @@ method keeping its name and behaviour. Import from here, not from the modules.
 
 from __future__ import annotations
 
-from segnode.storage.ledger.connection import LedgerBase, utcnow
+from segnode.storage.ledger.connection import LedgerBase, LedgerInUse, utcnow
 from segnode.storage.ledger.instances import InstanceRecord, InstanceStore
 from segnode.storage.ledger.jobs import JobStore, NewJob
 from segnode.storage.ledger.outbox import DueDelivery, Outbox
@@ -58,6 +58,7 @@ __all__ = [
     "JobState",
     "JobView",
     "Ledger",
+    "LedgerInUse",
     "NewJob",
     "PurgeCandidate",
     "SeriesSummary",
