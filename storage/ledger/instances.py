@@ -125,6 +125,22 @@ class InstanceStore(LedgerBase):
             rec.calling_ae[:16],
             stamp,
         )
+        if self.dialect == "postgresql":
+            with self._hot_lock:
+                # One statement, one round trip, its own transaction (autocommit): a row back
+                # means stored; none means a duplicate or the series' first instance.
+                row = (
+                    self._hot_connection()
+                    .execute(
+                        _RECORD_PG,
+                        (rec.series_instance_uid, *values[:2], *values[3:], stamp, stamp),
+                    )
+                    .fetchone()
+                )
+            if row is not None:
+                return True
+            if self.has_instance(rec.sop_instance_uid):
+                return False
         with self._write_lock:
             with self._hot_lock:
                 hot = self._hot_connection()
@@ -283,6 +299,19 @@ _PENDING_INSTANCES = (
 _INSERT_INSTANCE = (
     "INSERT INTO instances (sop_instance_uid, sop_class_uid, series_id, transfer_syntax_uid, "
     "path, size, calling_ae, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+# PostgreSQL: find the series, insert the instance unless its SOP Instance UID is there, count
+# it in the series, in one statement (params: the series UID, the instance's values but its
+# series id, then the received stamp twice).
+_RECORD_PG = (
+    "WITH s AS (SELECT id FROM series WHERE series_instance_uid = %s), "
+    "i AS (INSERT INTO instances (sop_instance_uid, sop_class_uid, series_id, "
+    "transfer_syntax_uid, path, size, calling_ae, received_at) "
+    "SELECT %s, %s, s.id, %s, %s, %s, %s, %s FROM s "
+    "ON CONFLICT (sop_instance_uid) DO NOTHING RETURNING series_id) "
+    "UPDATE series SET instance_count = instance_count + 1, last_received_at = %s, "
+    "ignored_reason = NULL, pending_since = COALESCE(pending_since, %s) "
+    "WHERE id = (SELECT series_id FROM i) RETURNING id"
 )
 _SERIES_RECEIVED = (
     "UPDATE series SET instance_count = instance_count + 1, last_received_at = ?, "
