@@ -14,8 +14,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 #: Bumped with each change of the tables' columns, with an Alembic revision of the same number
 #: (:mod:`segnode.storage.migrations`) that upgrades older ledgers (version 2:
-#: ``deliveries.sending_at``).
-SCHEMA_VERSION = 2
+#: ``deliveries.sending_at``; version 3: ``nodes``, the owners of jobs and deliveries and the
+#: deliveries' leases).
+SCHEMA_VERSION = 3
 
 
 class Base(DeclarativeBase):
@@ -115,6 +116,9 @@ class Job(Base):
     seg_sop_uid: Mapped[str] = mapped_column(String(64), unique=True)
     sr_series_uid: Mapped[str] = mapped_column(String(64))
     sr_sop_uid: Mapped[str] = mapped_column(String(64), unique=True)
+    #: The node running it (``running``), or that ran it last; its lease is the node's
+    #: heartbeat (:class:`Node`).
+    owner: Mapped[str | None] = mapped_column(String(128), index=True)
 
 
 class Result(Base):
@@ -155,6 +159,26 @@ class Delivery(Base):
     created_at: Mapped[datetime]
     sending_at: Mapped[datetime | None]
     sent_at: Mapped[datetime | None]
+    #: The node that claimed the latest attempt, and until when no other node may take it.
+    owner: Mapped[str | None] = mapped_column(String(128))
+    lease_until: Mapped[datetime | None]
+
+
+class Node(Base):
+    """A ``segnode serve`` process on this ledger, and its heartbeat.
+
+    A node's running jobs are its own while its heartbeat is younger than the lease
+    (``[ledger] lease_s``); after that any node requeues them. ``stopped_at`` is set by a
+    clean stop (its heartbeat is then expired at once).
+    """
+
+    __tablename__ = "nodes"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    address: Mapped[str] = mapped_column(String(256), default="")
+    pid: Mapped[int] = mapped_column(default=0)
+    started_at: Mapped[datetime]
+    heartbeat_at: Mapped[datetime]
+    stopped_at: Mapped[datetime | None]
 
 
 class Event(Base):

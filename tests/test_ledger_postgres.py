@@ -178,20 +178,21 @@ def test_a_node_on_postgresql_segments_and_delivers_once(
 
 
 @pytest.mark.interop
-def test_a_second_node_on_the_same_ledger_refuses_to_start(make_node: Any, pg_url: str) -> None:
-    """Without job leases two nodes on one ledger would take each other's running jobs: the
-    second ``segnode serve`` exits with a reason naming the holder; once the first is killed
-    with SIGKILL, the server drops its lock and a node starts."""
-    first = make_node(start=False, ledger={"url": pg_url})
+def test_two_processes_cannot_run_as_one_node(make_node: Any, pg_url: str) -> None:
+    """Two ``segnode serve`` with the same ``[ledger] node_name`` would each take the other's
+    running jobs for its own: the second exits with the reason; once the first is killed with
+    SIGKILL, the server drops its lock and the name is free."""
+    first = make_node(start=False, ledger={"url": pg_url, "node_name": "ct-a"})
     assert first.cli("db", "upgrade").returncode == 0
     first.start()
-    second = make_node(start=False, ledger={"url": pg_url})
+    second = make_node(start=False, ledger={"url": pg_url, "node_name": "ct-a"})
     with pytest.raises(RuntimeError, match="node exited with code 1"):
         second.start(timeout=20)
-    assert "in use by another segnode node (client 127.0.0.1" in second.log(), second.log()
-    assert first.jobs()["jobs"] == []  # the CLI reads a held ledger
+    assert "a node named 'ct-a' is already running on it" in second.log(), second.log()
+    other = make_node(start=False, ledger={"url": pg_url, "node_name": "ct-b"})
+    other.start()  # another name shares the ledger
     first.kill()
-    wait_for(lambda: _try_start(second), 30, "a node after the holder was killed")
+    wait_for(lambda: _try_start(second), 30, "the name free after the holder was killed")
 
 
 def _try_start(node: Any) -> bool:

@@ -387,7 +387,7 @@ def test_v1_ledger_is_upgraded_and_keeps_its_jobs(tmp_path: Path, wire: WireSCP)
         with sqlite3.connect(path) as conn:
             version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             columns = {r[1] for r in conn.execute("PRAGMA table_info(deliveries)")}
-        assert int(version[0]) == SCHEMA_VERSION == 2 and "sending_at" in columns
+        assert int(version[0]) == SCHEMA_VERSION == 3 and "sending_at" in columns
         old = led.job(1)
         assert old is not None and old.state == "sent"
         assert all(a is not None for a in old.delivery_acks)

@@ -439,22 +439,26 @@ def _metrics(t: _Table) -> schema.MetricsConfig:
 
 def _ledger(t: _Table, path: PathFn) -> schema.LedgerConfig:
     """``[ledger]``: empty, ``sqlite:///FILE`` (relative to the config file) or PostgreSQL."""
+    name = t.text("node_name").strip()
+    if len(name) > 128 or any(not c.isprintable() for c in name):
+        raise ConfigError("ledger.node_name: at most 128 printable characters")
+    base = schema.LedgerConfig(node_name=name, lease_s=t.number("lease_s", 2.0, 3600.0))
     url = t.text("url").strip()
     if not url:
-        return schema.LedgerConfig()
+        return base
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme.startswith("sqlite"):
         file = url.split(":///", 1)[1] if ":///" in url else ""
         if not file:
             raise ConfigError("ledger.url: a SQLite URL names a file: sqlite:///path/ledger.sqlite")
-        return schema.LedgerConfig(url=f"sqlite:///{path(file, t.key('url'))}")
+        return replace(base, url=f"sqlite:///{path(file, t.key('url'))}")
     if scheme not in ("postgresql", "postgresql+psycopg"):
         raise ConfigError(
             "ledger.url: must be empty (SQLite in the data directory), sqlite:///FILE or "
             f"postgresql+psycopg://user@host[:port]/database, got {scheme or url!r}"
         )
     # psycopg 3 is the driver segnode is tested with (pip install segnode[postgres]).
-    return schema.LedgerConfig(url=url.replace("postgresql://", "postgresql+psycopg://", 1))
+    return replace(base, url=url.replace("postgresql://", "postgresql+psycopg://", 1))
 
 
 def _retention(t: _Table) -> schema.RetentionConfig:

@@ -159,10 +159,16 @@ class LedgerConfig:
 
     ``url`` empty: the SQLite file ``ledger.sqlite`` in the data directory (the embedded
     default). ``postgresql+psycopg://user@host/db``: a PostgreSQL database that several nodes
-    may share (its schema is made and upgraded by ``segnode db upgrade``).
+    may share (its schema is made and upgraded by ``segnode db upgrade``; their data
+    directories must be on a folder every node mounts at the same path).
     """
 
     url: str = ""
+    #: This node's name in a shared ledger (unique per node); empty: ``<hostname>:<port>``.
+    node_name: str = ""
+    #: Seconds without a heartbeat after which a node's running jobs and claimed deliveries
+    #: are taken over by another node.
+    lease_s: float = 30.0
 
 
 @dataclass(frozen=True)

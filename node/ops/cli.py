@@ -133,6 +133,7 @@ def _setup_logging(level: str) -> None:
     # pynetdicom (the outbox's SCU) logs every PDU at INFO/DEBUG: keep its warnings only.
     logging.getLogger("pynetdicom").setLevel(logging.WARNING)
     logging.getLogger("highdicom").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-migration lines
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -311,6 +312,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         )
         if j.rule:
             print(f"{'':>47}rule {j.rule}, model {j.model_name} ({j.model} on {j.engine})")
+        if cfg.ledger.url and j.owner:  # a shared ledger: which node ran it
+            print(f"{'':>47}node {j.owner}")
         times = _fmt_stage(j.stages)
         if times:
             print(f"{'':>47}{times}")

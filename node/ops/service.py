@@ -9,7 +9,9 @@ so the main loop only does retention and systemd's STATUS and WATCHDOG.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -17,6 +19,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from pydicom.errors import InvalidDicomError
+from sqlalchemy.exc import SQLAlchemyError
 
 from segnode.engines.base import Engine, EngineError, create_engine
 from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
@@ -58,7 +61,16 @@ def open_state(config: Config) -> tuple[Ledger, Spool]:
         ledger = Ledger(url=config.ledger.url)
     else:
         ledger = Ledger(config.data_dir / "ledger.sqlite")
+    ledger.lease = timedelta(seconds=config.ledger.lease_s)  # which nodes count as alive
     return ledger, Spool(config.data_dir / "spool", pool_files)
+
+
+def node_name(config: Config) -> str:
+    """``[ledger] node_name``, else ``<hostname>:<port>`` (``<hostname>:pid<pid>`` for port 0)."""
+    if config.ledger.node_name:
+        return config.ledger.node_name
+    port = config.node.port or f"pid{os.getpid()}"
+    return f"{socket.gethostname()}:{port}"
 
 
 class Node:
@@ -76,10 +88,11 @@ class Node:
         self.config = config
         self.ledger, self.spool = open_state(config)
         try:
-            self.ledger.hold_node_lock()
+            self.ledger.join(node_name(config), self.address, config.ledger.lease_s)
         except LedgerInUse:
             self.ledger.close()
             raise
+        self._last_heartbeat = time.monotonic()
         self.manifest: ModelManifest = load_manifest(config.model.manifest)
         check_runnable(self.manifest)
         #: The engine still to load in the background (``[model] load = "background"``).
@@ -228,6 +241,28 @@ class Node:
                 self.metrics.series_complete(trigger)
 
     @property
+    def address(self) -> str:
+        """``AE@host:port`` as configured (for ``segnode status`` on a shared ledger)."""
+        n = self.config.node
+        return f"{n.ae_title}@{n.host}:{n.port}"
+
+    def _keep_lease(self) -> None:
+        """Every ``lease / 4``: the heartbeat, then take over the running jobs of nodes whose
+        heartbeat is older than the lease (none on a ledger of one node)."""
+        if time.monotonic() - self._last_heartbeat < self.config.ledger.lease_s / 4:
+            return
+        self._last_heartbeat = time.monotonic()
+        try:
+            self.ledger.heartbeat()
+            n = self.ledger.take_over(self.config.job_max_attempts)
+        except SQLAlchemyError as exc:  # the database is away: the next round tries again
+            log.warning("ledger heartbeat failed: %s", exc)
+            return
+        if n:
+            log.warning("took over %d job(s) of a node whose lease expired", n)
+            self.worker.wake.set()
+
+    @property
     def _tick(self) -> float:
         """Seconds between two quiet-period scans (and main-loop rounds)."""
         return min(1.0, max(0.05, self.config.series.quiet_period_s / 4))
@@ -273,6 +308,7 @@ class Node:
     def start(self) -> None:
         """Recover interrupted work, then start listening and working."""
         n = self.ledger.recover(self.config.job_max_attempts)
+        self.ledger.release_deliveries()  # what it was sending when it stopped: due now
         if n:
             log.info("resuming %d job(s) interrupted by a restart", n)
         dropped = self.ledger.drop_unstored_instances()
@@ -369,6 +405,7 @@ class Node:
         wd = self.notifier.watchdog_interval()
         last_status = 0.0
         while not self._stop.wait(tick if wd is None else min(tick, wd)):
+            self._keep_lease()
             self.retention.maybe_run()
             if wd is not None and self.healthy():
                 self.notifier.send("WATCHDOG=1")
@@ -421,6 +458,10 @@ class Node:
         try:
             self.pool.close()  # every loaded engine, the default one included
         finally:
+            try:
+                self.ledger.leave()
+            except SQLAlchemyError as exc:
+                log.warning("could not record the stop in the ledger: %s", exc)
             self.ledger.close()
             self.notifier.close()
         log.info("segnode stopped")

@@ -442,7 +442,7 @@ class Dispatcher:
         if time.monotonic() - self._last_expiry > min(5.0, self.config.dispatch.max_age_s / 4):
             self._last_expiry = time.monotonic()
             self.expire()
-        due = self.ledger.due_deliveries()
+        due = self.ledger.due_deliveries(claim_s=self.claim_s)
         by_dest: dict[str, list[DueDelivery]] = defaultdict(list)
         for d in due:
             by_dest[d.destination].append(d)
@@ -542,14 +542,16 @@ class Dispatcher:
                     if (assoc := self._associate(dest, peer)) is None:
                         break
                     untried = False
-                self.ledger.delivery_sending(d.id)
+                if not self._claimed(d):
+                    continue
                 code = self._store(assoc, d)
                 if code == -1 and untried:
                     # pynetdicom has aborted it (no answer ends an association).
                     log.info("no answer on the kept-open association to %s; a new one", dest)
                     if (assoc := self._associate(dest, peer)) is None:
                         break
-                    self.ledger.delivery_sending(d.id)
+                    if not self._claimed(d):
+                        continue
                     code = self._store(assoc, d)
                 untried = False
                 if code is None:
@@ -570,6 +572,22 @@ class Dispatcher:
             if assoc is not None:
                 self.kept.put(dest, assoc)
         return sent
+
+    @property
+    def claim_s(self) -> float:
+        """How long a claimed delivery is this node's on a shared ledger: the lease, or two
+        send timeouts when longer (an attempt renews it)."""
+        return max(self.config.ledger.lease_s, 2 * self.config.dispatch.timeout_s)
+
+    def _claimed(self, d: DueDelivery) -> bool:
+        """Stamp the start of an attempt; False when another node took the delivery over
+        (this node's claim ran out) or it was settled meanwhile: it is not sent."""
+        if self.ledger.delivery_sending(d.id, self.claim_s):
+            return True
+        log.info(
+            "job %d %s to %s: taken over by another node; not sent", d.job_id, d.kind, d.destination
+        )
+        return False
 
     def _associate(self, dest: str, peer: Peer) -> Association | None:
         """Open an association to ``peer``; None (and the destination backs off) if it fails."""
@@ -658,7 +676,8 @@ class Dispatcher:
             except OSError as exc:
                 self.ledger.delivery_failed(d.id, f"result file unreadable: {exc}")
                 continue
-            self.ledger.delivery_sending(d.id)
+            if not self._claimed(d):
+                continue
             try:
                 timeout = self.config.dispatch.timeout_s
                 result = stow_store(target, data, d.sop_instance_uid, timeout)

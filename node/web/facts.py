@@ -72,6 +72,7 @@ def job_facts(j: JobView) -> dict[str, Any]:
         ],
         "priority": j.priority,
         "superseded_by": j.superseded_by,
+        "node": j.owner,
     }
 
 
@@ -146,4 +147,16 @@ def ledger_status(ledger: Ledger) -> dict[str, Any]:
         }
         for p in load_patterns(ledger)
     }
-    return {**counts, "senders": learnt}
+    nodes = [
+        {
+            "name": n.name,
+            "address": n.address,
+            "alive": n.alive,
+            "running_jobs": n.running_jobs,
+            "started_at": _iso(n.started_at),
+            "heartbeat_at": _iso(n.heartbeat_at),
+            "stopped_at": _iso(n.stopped_at),
+        }
+        for n in ledger.nodes()
+    ]
+    return {**counts, "senders": learnt, "nodes": nodes}

@@ -1,4 +1,5 @@
-"""The job ledger: every state change of the node is one short SQLite transaction.
+"""The job ledger: every state change of the node is one short transaction, on SQLite (the
+embedded default, one node) or PostgreSQL (several nodes; ``[ledger] url``).
 
 SQLite runs in WAL mode with ``synchronous=FULL`` so that a committed row survives power loss,
 with one exception: the SCP's per-instance rows (:meth:`Ledger.record_instance`) are committed
@@ -17,7 +18,9 @@ The package is split by concern; each module says what it owns and what it must 
   connection and its lock, ``utcnow``.
 * :mod:`segnode.storage.ledger.instances`: recording received instances (the SCP's hot path).
 * :mod:`segnode.storage.ledger.senders`: learnt sender patterns and hold notes.
-* :mod:`segnode.storage.ledger.jobs`: creating, claiming, finishing, retrying and cancelling jobs.
+* :mod:`segnode.storage.ledger.nodes`: the nodes on a shared ledger and their heartbeats.
+* :mod:`segnode.storage.ledger.jobs`: creating, claiming, finishing, retrying and cancelling
+  jobs; taking over those of a node whose lease expired.
 * :mod:`segnode.storage.ledger.outbox`: deliveries: due, attempted, sent, retried, given up.
 * :mod:`segnode.storage.ledger.views`: read-only views (``JobView``, counts, listings).
 * :mod:`segnode.storage.ledger.retention`: which series' files may go, and the record of it.
@@ -31,6 +34,7 @@ from __future__ import annotations
 from segnode.storage.ledger.connection import LedgerBase, LedgerInUse, utcnow
 from segnode.storage.ledger.instances import InstanceRecord, InstanceStore
 from segnode.storage.ledger.jobs import JobStore, NewJob
+from segnode.storage.ledger.nodes import NodeStore, NodeView
 from segnode.storage.ledger.outbox import DueDelivery, Outbox
 from segnode.storage.ledger.retention import PurgeCandidate, Retention
 from segnode.storage.ledger.senders import SenderStore
@@ -60,6 +64,7 @@ __all__ = [
     "Ledger",
     "LedgerInUse",
     "NewJob",
+    "NodeView",
     "PurgeCandidate",
     "SeriesSummary",
     "TransitionError",
@@ -69,7 +74,7 @@ __all__ = [
 ]
 
 
-class Ledger(InstanceStore, SenderStore, JobStore, Outbox, Views, Retention, LedgerBase):
+class Ledger(InstanceStore, SenderStore, JobStore, Outbox, Views, NodeStore, Retention, LedgerBase):
     """The node's durable state, on one SQLite file.
 
     Parameters

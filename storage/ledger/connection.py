@@ -22,7 +22,7 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +42,9 @@ def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
-#: The key of the PostgreSQL advisory lock a node holds on its ledger ("segn" + "node").
-NODE_LOCK = 0x7365676E6E6F6465
-_LOCK_HOLDER = (
-    "SELECT a.client_addr, a.backend_start FROM pg_locks l "
-    "JOIN pg_stat_activity a ON a.pid = l.pid "
-    "WHERE l.locktype = 'advisory' AND l.classid::bigint = %s AND l.objid::bigint = %s "
-    "AND l.granted LIMIT 1"
-)
-
-
 class LedgerInUse(RuntimeError):
-    """Another node holds the ledger (:meth:`LedgerBase.hold_node_lock`)."""
+    """Another process runs as this node on the ledger
+    (:meth:`~segnode.storage.ledger.nodes.NodeStore.join`)."""
 
 
 class LedgerBase:
@@ -109,7 +100,11 @@ class LedgerBase:
         # when writing.
         self._hot: HotConnection | None = None
         self._hot_lock = threading.Lock()
-        self._node_lock: Any = None  # PostgreSQL: the connection holding the node lock
+        self._node_lock: Any = None  # PostgreSQL: the connection holding the node's name
+        #: The node this process runs as (``join``); None for the CLI, which claims nothing.
+        self.node_name: str | None = None
+        #: How long a node's heartbeat vouches for what it claimed (``join``).
+        self.lease = timedelta(seconds=30)
         self._datetime_bind: Any = None
         self._statements: dict[str, str] = {}
         try:
@@ -150,37 +145,6 @@ class LedgerBase:
         if done is None:
             done = self._statements[statement] = statement.replace("?", "%s")
         return done
-
-    def hold_node_lock(self) -> None:
-        """Claim the ledger for this node process (``segnode serve``), until :meth:`close`.
-
-        Several nodes on one ledger need job and delivery leases, which this segnode does not
-        have yet: a node recovering at start-up would take over another node's running jobs.
-        On PostgreSQL a session advisory lock on a connection of its own makes a second node
-        on the same database refuse to start; the server releases it when the process ends,
-        even by ``kill -9`` (its socket closes). SQLite: nothing to do (one data directory, one
-        node). CLI commands (``segnode jobs``, ``status``, ``retry``) do not take it.
-
-        Raises
-        ------
-        LedgerInUse
-            If another node holds the ledger.
-        """
-        if self.dialect != "postgresql" or self._node_lock is not None:
-            return
-        hot = HotConnection.postgresql(self.url)
-        got = hot.execute("SELECT pg_try_advisory_lock(%s)", (NODE_LOCK,)).fetchone()[0]
-        if not got:
-            key = (NODE_LOCK >> 32, NODE_LOCK & 0xFFFFFFFF)
-            holder = hot.execute(_LOCK_HOLDER, key).fetchone()
-            hot.close()
-            who = f" (client {holder[0]}, since {holder[1]:%Y-%m-%d %H:%M:%S})" if holder else ""
-            raise LedgerInUse(
-                f"ledger {self.where} is in use by another segnode node{who}; one node per "
-                "ledger: give each node its own database (several nodes sharing one ledger "
-                "need job leases, not in this release)"
-            )
-        self._node_lock = hot
 
     def close(self) -> None:
         """Close the hot connection (and the node lock) and dispose of the connection pool."""

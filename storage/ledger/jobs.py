@@ -23,6 +23,7 @@ from pydicom.uid import generate_uid
 from sqlalchemy import func, or_, select, update
 
 from segnode.storage.ledger.connection import utcnow
+from segnode.storage.ledger.nodes import NodeStore
 from segnode.storage.ledger.states import (
     ACTIVE_STATES,
     DeliveryStatus,
@@ -46,8 +47,20 @@ class NewJob:
     rule: str = ""
 
 
-class JobStore(Views):
-    """Jobs and their lifecycle (a part of :class:`~segnode.storage.ledger.Ledger`)."""
+class JobStore(Views, NodeStore):
+    """Jobs and their lifecycle (a part of :class:`~segnode.storage.ledger.Ledger`).
+
+    On a ledger several nodes share, a running job belongs to the node that claimed it
+    (``owner``): only that node records its stages and results, and another node takes it
+    over only once the owner's heartbeat is older than the lease (:meth:`take_over`). Rows
+    that several nodes may change at once (the series when jobs are made, the job when it
+    ends) are locked for the transaction (``SELECT ... FOR UPDATE``; a no-op on SQLite,
+    whose writers are serialised anyway).
+    """
+
+    def _mine(self, job: Job) -> bool:
+        """Whether this process may change ``job`` (it runs it, or claims nothing)."""
+        return self.node_name is None or job.owner in (None, self.node_name)
 
     def create_job(
         self,
@@ -83,7 +96,9 @@ class JobStore(Views):
             return []
         with self._tx() as s:
             series = s.scalar(
-                select(Series).where(Series.series_instance_uid == series_instance_uid)
+                select(Series)
+                .where(Series.series_instance_uid == series_instance_uid)
+                .with_for_update()
             )
             if series is None or series.pending_since is None:
                 return []
@@ -191,7 +206,9 @@ class JobStore(Views):
         now = utcnow()
         with self._tx() as s:
             series = s.scalar(
-                select(Series).where(Series.series_instance_uid == series_instance_uid)
+                select(Series)
+                .where(Series.series_instance_uid == series_instance_uid)
+                .with_for_update()
             )
             if series is None or series.pending_since is None:
                 return False
@@ -217,7 +234,8 @@ class JobStore(Views):
             return int(n or 0)
 
     def claim_next_job(self) -> JobView | None:
-        """Take the most urgent queued job (highest priority, then oldest) and mark it running."""
+        """Take the most urgent queued job (highest priority, then oldest) and mark it running,
+        owned by this node (nodes claiming at once each get another job: ``SKIP LOCKED``)."""
         now = utcnow()
         with self._tx() as s:
             job = s.scalar(
@@ -225,10 +243,13 @@ class JobStore(Views):
                 .where(Job.state == JobState.QUEUED)
                 .order_by(Job.priority.desc(), Job.created_at, Job.id)
                 .limit(1)
+                .with_for_update(skip_locked=True)
             )
             if job is None:
                 return None
-            move(s, job, JobState.RUNNING, now, message=f"attempt {job.attempts + 1}")
+            on = f" on {self.node_name}" if self.node_name else ""
+            move(s, job, JobState.RUNNING, now, message=f"attempt {job.attempts + 1}{on}")
+            job.owner = self.node_name
             job.started_at = now
             job.attempts += 1
             s.flush()
@@ -238,16 +259,18 @@ class JobStore(Views):
         """Set a stage timestamp (``volume_at``, ``inference_at``)."""
         if stage not in ("volume_at", "inference_at"):
             raise ValueError(stage)
+        mine = Job.owner.is_(None) | (Job.owner == self.node_name)
         with self._tx() as s:
-            s.execute(update(Job).where(Job.id == job_id).values({stage: utcnow()}))
+            q = update(Job).where(Job.id == job_id)
+            s.execute((q if self.node_name is None else q.where(mine)).values({stage: utcnow()}))
 
     def fail_job(self, job_id: int, reason: str) -> None:
         """End a job as failed with a reason a human can act on."""
         now = utcnow()
         with self._tx() as s:
-            job = s.get(Job, job_id)
-            if job is None or job.state != JobState.RUNNING:
-                return  # superseded (or cancelled) while it ran: that state stands
+            job = s.get(Job, job_id, with_for_update=True)
+            if job is None or job.state != JobState.RUNNING or not self._mine(job):
+                return  # superseded, cancelled or taken over while it ran: that state stands
             move(s, job, JobState.FAILED, now, message=reason)
             job.reason = reason[:2048]
             job.finished_at = now
@@ -256,8 +279,8 @@ class JobStore(Views):
         """End a job as ``done`` with nothing to send (the model found no segment)."""
         now = utcnow()
         with self._tx() as s:
-            job = s.get(Job, job_id)
-            if job is None or job.state != JobState.RUNNING:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job is None or job.state != JobState.RUNNING or not self._mine(job):
                 return
             move(s, job, JobState.DONE, now, kind="job-empty", message=reason)
             job.reason = reason[:2048]
@@ -298,8 +321,9 @@ class JobStore(Views):
         """Record encoded result files and their outbox rows; the job becomes ``encoded``.
 
         Returns False, recording nothing to send, when the job is no longer running (a newer
-        version superseded it) or its series received more instances while it ran (it is
-        then superseded: partial results never leave the node).
+        version superseded it), another node took it over (this node's heartbeat lapsed), or
+        its series received more instances while it ran (it is then superseded: partial
+        results never leave the node).
 
         Parameters
         ----------
@@ -313,8 +337,8 @@ class JobStore(Views):
         """
         now = utcnow()
         with self._tx() as s:
-            job = s.get(Job, job_id)
-            if job is None or job.state != JobState.RUNNING:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job is None or job.state != JobState.RUNNING or not self._mine(job):
                 return False
             series = s.get(Series, job.series_id)
             if series is not None and series.pending_since is not None:
@@ -373,28 +397,47 @@ class JobStore(Views):
             return True
 
     def recover(self, max_attempts: int) -> int:
-        """Put jobs interrupted by a crash back in the queue; return how many.
+        """At start-up: put jobs interrupted by a crash back in the queue; return how many.
 
         A job that was ``running`` goes back to ``queued`` (its result UIDs are kept), unless it
-        has already been tried ``max_attempts`` times, then it fails with that reason.
+        has already been tried ``max_attempts`` times, then it fails with that reason. On a
+        shared ledger only this node's own jobs and those of nodes whose lease expired are
+        taken; others' running jobs are theirs.
         """
+        return self._requeue(max_attempts, include_own=True)
+
+    def take_over(self, max_attempts: int) -> int:
+        """Requeue the running jobs of nodes whose heartbeat is older than the lease (they
+        died, or lost the ledger); return how many. Each node runs it every few seconds."""
+        return self._requeue(max_attempts, include_own=False)
+
+    def _requeue(self, max_attempts: int, *, include_own: bool) -> int:
         now = utcnow()
         n = 0
+        running = select(Job).where(Job.state == JobState.RUNNING)
+        if self.node_name is not None:
+            gone = self._gone_clause(now)
+            running = running.where(gone | (Job.owner == self.node_name) if include_own else gone)
+        elif not include_own:
+            return 0
         with self._tx() as s:
-            for job in s.scalars(select(Job).where(Job.state == JobState.RUNNING)).all():
+            for job in s.scalars(running.with_for_update(skip_locked=True)).all():
+                whose = "" if job.owner in (None, self.node_name) else f" from {job.owner}"
                 if job.attempts >= max_attempts:
                     job.reason = f"interrupted {job.attempts} times while processing; giving up"
                     move(s, job, JobState.FAILED, now, kind="recovered", message="now failed")
                     job.finished_at = now
                 else:
-                    move(s, job, JobState.QUEUED, now, kind="recovered", message="now queued")
+                    move(
+                        s, job, JobState.QUEUED, now, kind="recovered", message=f"now queued{whose}"
+                    )
                     n += 1
         return n
 
     def retry_job(self, job_id: int) -> bool:
         """Requeue a failed or cancelled job (same result UIDs)."""
         with self._tx() as s:
-            job = s.get(Job, job_id)
+            job = s.get(Job, job_id, with_for_update=True)
             if job is None or job.state not in (JobState.FAILED, JobState.CANCELLED):
                 return False
             undelivered = s.scalar(
@@ -423,7 +466,7 @@ class JobStore(Views):
     def cancel_job(self, job_id: int) -> bool:
         """Cancel a job that has not finished."""
         with self._tx() as s:
-            job = s.get(Job, job_id)
+            job = s.get(Job, job_id, with_for_update=True)
             if job is None or job.state not in ACTIVE_STATES:
                 return False
             now = utcnow()

@@ -12,10 +12,10 @@ changes only through :func:`~segnode.storage.ledger.states.move_delivery`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
@@ -41,47 +41,83 @@ class DueDelivery:
 class Outbox(LedgerBase):
     """Deliveries and their attempts (a part of :class:`~segnode.storage.ledger.Ledger`)."""
 
-    def due_deliveries(self, now: datetime | None = None, limit: int = 64) -> list[DueDelivery]:
-        """Pending deliveries whose next attempt is due, oldest job first, SEG before SR."""
-        now = now or utcnow()
-        with self._read() as s:
-            rows = s.execute(
-                select(Delivery, Result)
-                .join(Result, Result.id == Delivery.result_id)
-                .join(Job, Job.id == Delivery.job_id)
-                .join(Series, Series.id == Job.series_id)
-                .where(Delivery.status == DeliveryStatus.PENDING, Delivery.next_attempt_at <= now)
-                .where(Job.state == JobState.ENCODED)
-                # Not while newer instances of the series wait for their job: that job will
-                # supersede this one (a series that grows after encoding is not sent).
-                .where(Series.pending_since.is_(None))
-                .order_by(Job.priority.desc(), Delivery.job_id, Result.order)
-                .limit(limit)
-            ).all()
-            return [
-                DueDelivery(
-                    id=d.id,
-                    job_id=d.job_id,
-                    destination=d.destination,
-                    path=r.path,
-                    kind=r.kind,
-                    sop_instance_uid=r.sop_instance_uid,
-                    attempts=d.attempts,
-                    sop_class_uid=r.sop_class_uid,
-                )
-                for d, r in rows
-            ]
+    def due_deliveries(
+        self, now: datetime | None = None, limit: int = 64, claim_s: float | None = None
+    ) -> list[DueDelivery]:
+        """Pending deliveries whose next attempt is due, oldest job first, SEG before SR.
 
-    def delivery_sending(self, delivery_id: int) -> None:
-        """Record that the outbox starts an attempt of this delivery (the send stage).
-
-        One plain statement on the hot-path connection, without a WAL fsync: losing the
-        stamp to a power cut loses only a figure, and the attempt's outcome (the next
-        ``FULL`` commit) makes it durable.
+        On a shared (PostgreSQL) ledger they are claimed: owned by this node, and not due
+        for any other node (still due for this one) for ``claim_s`` seconds (default: the
+        lease), which each attempt renews (:meth:`delivery_sending`). A node that dies while
+        sending leaves them to the others once the claim runs out. Nodes claiming at once
+        each get other rows (``SKIP LOCKED``). SQLite has one node: nothing to claim.
         """
-        stamp = self._stamp(utcnow())
+        now = now or utcnow()
+        query = (
+            select(Delivery, Result)
+            .join(Result, Result.id == Delivery.result_id)
+            .join(Job, Job.id == Delivery.job_id)
+            .join(Series, Series.id == Job.series_id)
+            .where(Delivery.status == DeliveryStatus.PENDING, Delivery.next_attempt_at <= now)
+            .where(Job.state == JobState.ENCODED)
+            # Not while newer instances of the series wait for their job: that job will
+            # supersede this one (a series that grows after encoding is not sent).
+            .where(Series.pending_since.is_(None))
+            .order_by(Job.priority.desc(), Delivery.job_id, Result.order)
+            .limit(limit)
+        )
+        if self.dialect == "sqlite":
+            with self._read() as s:
+                return [_due(d, r) for d, r in s.execute(query).all()]
+        until = now + (self.lease if claim_s is None else timedelta(seconds=claim_s))
+        with self._tx() as s:
+            # Its own claims stay due for this node (its one outbox thread settles each).
+            free = (
+                Delivery.lease_until.is_(None)
+                | (Delivery.lease_until <= now)
+                | (Delivery.owner == self.node_name)
+            )
+            rows = s.execute(query.where(free).with_for_update(of=Delivery, skip_locked=True)).all()
+            for d, _ in rows:
+                d.owner, d.lease_until = self.node_name, until
+            return [_due(d, r) for d, r in rows]
+
+    def release_deliveries(self) -> int:
+        """At start-up: end this node's claims (what it was sending when it stopped is due
+        again at once, not after the claim runs out); return how many."""
+        if self.dialect == "sqlite" or self.node_name is None:
+            return 0
+        with self._tx() as s:
+            result: CursorResult[Any] = s.execute(  # type: ignore[assignment]
+                update(Delivery)
+                .where(Delivery.owner == self.node_name, Delivery.lease_until.is_not(None))
+                .values(lease_until=None)
+            )
+            return int(result.rowcount or 0)
+
+    def delivery_sending(self, delivery_id: int, claim_s: float | None = None) -> bool:
+        """Record that the outbox starts an attempt of this delivery (the send stage); return
+        False when it must not be sent: another node has taken it over (this node's claim ran
+        out) or it is no longer pending.
+
+        One plain statement on the hot-path connection. SQLite: without a WAL fsync (losing
+        the stamp to a power cut loses only a figure, and the attempt's outcome, the next
+        ``FULL`` commit, makes it durable). PostgreSQL: it also renews this node's claim for
+        ``claim_s`` seconds (default: the lease), only while the claim is still this node's.
+        """
+        now = utcnow()
+        stamp = self._stamp(now)
         with self._write_lock, self._hot_lock:
-            self._hot_connection().execute(self._sql(_DELIVERY_SENDING), (stamp, delivery_id))
+            hot = self._hot_connection()
+            if self.dialect == "sqlite":
+                hot.execute(self._sql(_DELIVERY_SENDING), (stamp, delivery_id))
+                return True
+            until = now + (self.lease if claim_s is None else timedelta(seconds=claim_s))
+            cur = hot.execute(
+                self._sql(_DELIVERY_SENDING_CLAIMED),
+                (stamp, until, delivery_id, self.node_name),
+            )
+            return bool(cur.rowcount)
 
     def delivery_done(self, delivery_id: int, status: int | str) -> None:
         """Record a successful delivery and finish the job when all are sent.
@@ -94,21 +130,23 @@ class Outbox(LedgerBase):
             if d is None or d.status == DeliveryStatus.SENT:
                 return
             move_delivery(s, d, DeliveryStatus.SENT, now, "acknowledged")
+            d.lease_until = None
             d.attempts += 1
             d.last_status = status[:16] if isinstance(status, str) else f"0x{status:04X}"
             d.last_error = None
             d.sent_at = now
             s.flush()
+            # The job's row first: two nodes acknowledging its last two deliveries at once
+            # take turns here, and the second counts the first's as sent.
+            job = s.get(Job, d.job_id, with_for_update=True)
             left = s.scalar(
                 select(func.count(Delivery.id)).where(
                     Delivery.job_id == d.job_id, Delivery.status != DeliveryStatus.SENT
                 )
             )
-            if not left:
-                job = s.get(Job, d.job_id)
-                if job is not None and job.state == JobState.ENCODED:
-                    move(s, job, JobState.SENT, now, message="all delivered")
-                    job.finished_at = now
+            if not left and job is not None and job.state == JobState.ENCODED:
+                move(s, job, JobState.SENT, now, message="all delivered")
+                job.finished_at = now
 
     def delivery_retry(
         self, delivery_id: int, error: str, next_attempt_at: datetime, status: int | None = None
@@ -122,6 +160,7 @@ class Outbox(LedgerBase):
             d.last_error = error[:1024]
             d.last_status = None if status is None else f"0x{status:04X}"
             d.next_attempt_at = next_attempt_at
+            d.lease_until = None
             s.add(Event(at=utcnow(), kind="delivery-retry", job_id=d.job_id, message=error[:2048]))
 
     def delivery_failed(self, delivery_id: int, error: str) -> None:
@@ -135,10 +174,14 @@ class Outbox(LedgerBase):
             _give_up(s, d, error, now)
 
     def next_delivery_time(self) -> datetime | None:
-        """When the earliest pending delivery is due."""
+        """When the earliest pending delivery is due (and no other node's claim holds it)."""
+        due = case(
+            (Delivery.lease_until > Delivery.next_attempt_at, Delivery.lease_until),
+            else_=Delivery.next_attempt_at,
+        )
         with self._read() as s:
-            return s.scalar(
-                select(func.min(Delivery.next_attempt_at))
+            return s.scalar(  # type: ignore[no-any-return]
+                select(func.min(due))
                 .join(Job, Job.id == Delivery.job_id)
                 .where(Delivery.status == DeliveryStatus.PENDING, Job.state == JobState.ENCODED)
             )
@@ -161,7 +204,7 @@ class Outbox(LedgerBase):
                     Delivery.status == DeliveryStatus.PENDING,
                     Delivery.next_attempt_at < until,
                 )
-                .values(next_attempt_at=until, last_error=error[:1024])
+                .values(next_attempt_at=until, last_error=error[:1024], lease_until=None)
             )
             n = result.rowcount
             if record:
@@ -190,12 +233,26 @@ class Outbox(LedgerBase):
         return failed
 
 
+def _due(d: Delivery, r: Result) -> DueDelivery:
+    return DueDelivery(
+        id=d.id,
+        job_id=d.job_id,
+        destination=d.destination,
+        path=r.path,
+        kind=r.kind,
+        sop_instance_uid=r.sop_instance_uid,
+        attempts=d.attempts,
+        sop_class_uid=r.sop_class_uid,
+    )
+
+
 def _give_up(s: Session, d: Delivery, reason: str, now: datetime) -> Job | None:
     """Fail delivery ``d`` for ``reason``, and with it its job when that job is waiting on
     its deliveries (``encoded``); return the job when it failed."""
     move_delivery(s, d, DeliveryStatus.FAILED, now, reason)
     d.last_error = reason[:1024]
-    job = s.get(Job, d.job_id)
+    d.lease_until = None
+    job = s.get(Job, d.job_id, with_for_update=True)
     if job is None or job.state != JobState.ENCODED:
         return None
     job.reason = f"delivery to {d.destination} failed: {reason}"[:2048]
@@ -205,3 +262,7 @@ def _give_up(s: Session, d: Delivery, reason: str, now: datetime) -> Job | None:
 
 
 _DELIVERY_SENDING = "UPDATE deliveries SET sending_at = ? WHERE id = ?"
+_DELIVERY_SENDING_CLAIMED = (
+    "UPDATE deliveries SET sending_at = ?, lease_until = ? "
+    "WHERE id = ? AND status = 'pending' AND owner = ?"
+)

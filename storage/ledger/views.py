@@ -51,6 +51,7 @@ class JobView:
     delivery_acks: tuple[datetime | None, ...] = ()  # when each delivery was acknowledged
     delivery_starts: tuple[datetime | None, ...] = ()  # when its latest send attempt started
     superseded_by: int | None = None  # a later version of the series (its results replace ours)
+    owner: str | None = None  # the node running it, or that ran it last (shared ledgers)
     model_name: str = "default"  # the configured model ([model] is "default", [models.NAME])
     rule: str = ""  # the routing rule that created the job
     destinations: tuple[str, ...] = ()  # where its results go (names, fixed at creation)
@@ -134,6 +135,7 @@ class Views(LedgerBase):
             model_name=job.model_name,
             rule=job.rule,
             destinations=tuple(json.loads(job.destinations or "[]")),
+            owner=job.owner,
         )
 
     def jobs_finished_since(self, since: datetime, limit: int = 1000) -> list[JobView]:

@@ -1,0 +1,142 @@
+"""The nodes on a ledger: who is alive, whose running jobs may be taken over.
+
+Owns :class:`NodeStore` and :class:`NodeView`: a node joins the ledger under its name
+(:meth:`NodeStore.join`, which on PostgreSQL also takes a session advisory lock for that
+name, so that two processes cannot run as one node), writes a heartbeat every
+``lease / 4`` (:meth:`NodeStore.heartbeat`), and leaves on a clean stop
+(:meth:`NodeStore.leave`). A node whose heartbeat is older than the lease is gone: another
+node requeues its running jobs (:meth:`~segnode.storage.ledger.jobs.JobStore.take_over`).
+
+Must not touch: the jobs and deliveries themselves (the jobs and outbox modules decide from
+:meth:`NodeStore._gone_clause` and the lease which rows they may take).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import ColumnElement, func, or_, select
+
+from segnode.storage.ledger.connection import HotConnection, LedgerBase, LedgerInUse, utcnow
+from segnode.storage.ledger.states import JobState
+from segnode.storage.models import Job, Node
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node as ``segnode status`` shows it."""
+
+    name: str
+    address: str
+    pid: int
+    started_at: datetime
+    heartbeat_at: datetime
+    stopped_at: datetime | None
+    alive: bool
+    running_jobs: int
+
+
+def _lock_key(name: str) -> int:
+    """A signed 64-bit advisory-lock key for a node name."""
+    return int.from_bytes(
+        hashlib.sha256(b"segnode-node:" + name.encode()).digest()[:8], "big", signed=True
+    )
+
+
+class NodeStore(LedgerBase):
+    """The nodes and their heartbeats (a part of :class:`~segnode.storage.ledger.Ledger`)."""
+
+    def join(self, name: str, address: str, lease_s: float) -> None:
+        """Run as node ``name`` (``AE@host:port`` in ``address``) with a lease of ``lease_s``:
+        record it with a fresh heartbeat; jobs and deliveries it claims carry its name.
+
+        Raises
+        ------
+        LedgerInUse
+            On PostgreSQL, if a live process already runs as ``name`` on this ledger.
+        """
+        if self.dialect == "postgresql" and self._node_lock is None:
+            hot = HotConnection.postgresql(self.url)
+            got = hot.execute("SELECT pg_try_advisory_lock(%s)", (_lock_key(name),)).fetchone()
+            if not got[0]:
+                hot.close()
+                raise LedgerInUse(
+                    f"ledger {self.where}: a node named {name!r} is already running on it; "
+                    "give each node its own [ledger] node_name"
+                )
+            self._node_lock = hot
+        self.node_name = name
+        self.lease = timedelta(seconds=lease_s)
+        now = utcnow()
+        with self._tx() as s:
+            row = s.get(Node, name, with_for_update=True)
+            if row is None:
+                s.add(
+                    Node(
+                        name=name,
+                        address=address[:256],
+                        pid=os.getpid(),
+                        started_at=now,
+                        heartbeat_at=now,
+                        stopped_at=None,
+                    )
+                )
+            else:
+                row.address, row.pid = address[:256], os.getpid()
+                row.started_at = row.heartbeat_at = now
+                row.stopped_at = None
+
+    def heartbeat(self) -> None:
+        """Say this node is alive (every ``lease / 4``)."""
+        if self.node_name is None:
+            return
+        with self._tx() as s:
+            row = s.get(Node, self.node_name)
+            if row is not None:
+                row.heartbeat_at = utcnow()
+
+    def leave(self) -> None:
+        """A clean stop: the node's heartbeat ends now, so that others need not wait out
+        the lease for what it leaves."""
+        if self.node_name is None:
+            return
+        now = utcnow()
+        with self._tx() as s:
+            row = s.get(Node, self.node_name)
+            if row is not None:
+                row.stopped_at = now
+                row.heartbeat_at = now - self.lease
+
+    def _gone_clause(self, now: datetime) -> ColumnElement[bool]:
+        """Jobs whose owner is not a live node (no owner, an unknown one, or an expired
+        heartbeat)."""
+        live = select(Node.name).where(Node.heartbeat_at > now - self.lease)
+        return or_(Job.owner.is_(None), Job.owner.not_in(live))
+
+    def nodes(self) -> list[NodeView]:
+        """Every node that has run on this ledger, the most recently started first."""
+        now = utcnow()
+        with self._read() as s:
+            rows = s.scalars(select(Node).order_by(Node.started_at.desc())).all()
+            running = s.execute(
+                select(Job.owner, func.count(Job.id))
+                .where(Job.state == JobState.RUNNING)
+                .group_by(Job.owner)
+            ).all()
+            counts = {owner: int(n) for owner, n in running}
+            return [
+                NodeView(
+                    n.name,
+                    n.address,
+                    n.pid,
+                    n.started_at,
+                    n.heartbeat_at,
+                    n.stopped_at,
+                    n.stopped_at is None and n.heartbeat_at > now - self.lease,
+                    counts.get(n.name, 0),
+                )
+                for n in rows
+            ]
