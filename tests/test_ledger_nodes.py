@@ -1,0 +1,226 @@
+"""Several nodes on one PostgreSQL ledger, at the ledger's level: who may take which job and
+delivery, and when a node whose heartbeat stopped is taken over.
+
+Each test runs two or three :class:`~segnode.storage.ledger.Ledger` objects on one database,
+joined under different node names, as separate ``segnode serve`` processes would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from segnode.storage.ledger import InstanceRecord, JobView, Ledger
+from segnode.storage.migrations import upgrade_database
+
+SEG = "1.2.840.10008.5.1.4.1.1.66.4"
+SR = "1.2.840.10008.5.1.4.1.1.88.34"
+
+
+def rec(sop: str, series: str = "1.2.3.1") -> InstanceRecord:
+    return InstanceRecord(
+        sop, "1.2.840.10008.5.1.4.1.1.2", series, "1.2.3", "1.2.840.10008.1.2.1", "CT", "CT1"
+    )
+
+
+@pytest.fixture
+def nodes(pg_url: str) -> Iterator[list[Ledger]]:
+    """Nodes ``a``, ``b`` and ``c`` on one fresh database, with a lease of 1 s."""
+    upgrade_database(pg_url)
+    ledgers = [Ledger(url=pg_url) for _ in range(3)]
+    for name, led in zip("abc", ledgers, strict=True):
+        led.join(name, f"SEGNODE@127.0.0.1:1110{ord(name) - 97}", lease_s=1.0)
+    yield ledgers
+    for led in ledgers:
+        led.close()
+
+
+def results(job: JobView, tmp: Path) -> list[tuple[str, str, str, str, Path]]:
+    return [
+        ("SEG", SEG, job.seg_sop_uid, job.seg_series_uid, tmp / "seg.dcm"),
+        ("SR", SR, job.sr_sop_uid, job.sr_series_uid, tmp / "sr.dcm"),
+    ]
+
+
+def queued_job(led: Ledger, tmp: Path, series: str = "1.2.3.1") -> int:
+    assert led.record_instance(rec(f"{series}.1", series), tmp / series, 1)
+    jid = led.create_job(series, trigger="t", model="m", engine="e")
+    assert jid is not None
+    return jid
+
+
+def test_a_running_job_is_its_nodes_until_its_heartbeat_stops(
+    nodes: list[Ledger], tmp_path: Path
+) -> None:
+    """a claims the job; b neither gets it nor may take it over while a beats; once a's
+    heartbeat is older than the lease, b requeues it, claims it and finishes it, and a, come
+    back, records nothing for it."""
+    a, b, _ = nodes
+    jid = queued_job(a, tmp_path)
+    job = a.claim_next_job()
+    assert job is not None and job.id == jid and job.owner == "a"
+    assert b.claim_next_job() is None
+    a.heartbeat()
+    assert b.take_over(max_attempts=3) == 0
+    assert b.recover(max_attempts=3) == 0  # b's start-up takes only its own and the gone
+    time.sleep(1.2)  # a's lease runs out
+    assert b.take_over(max_attempts=3) == 1
+    taken = b.claim_next_job()
+    assert taken is not None and taken.id == jid and taken.owner == "b"
+    assert taken.seg_sop_uid == job.seg_sop_uid  # the ledger's UIDs, not new ones
+    # a was only slow: what it does now for the job changes nothing.
+    a.heartbeat()
+    a.mark(jid, "inference_at")
+    assert not a.save_results(jid, results(job, tmp_path), ["PACS@h:1"])
+    a.fail_job(jid, "a's late failure")
+    view = b.job(jid)
+    assert view is not None and view.state == "running" and view.owner == "b"
+    assert view.stages["inference"] is None
+    assert b.save_results(jid, results(taken, tmp_path), ["PACS@h:1"])
+    assert b.job_state(jid) == "encoded"
+
+
+def test_nodes_claiming_at_once_each_get_other_jobs(nodes: list[Ledger], tmp_path: Path) -> None:
+    """Three nodes claim from a queue of 30 jobs at once, ten rounds each: every job is
+    claimed exactly once (SELECT ... FOR UPDATE SKIP LOCKED)."""
+    for k in range(30):
+        queued_job(nodes[0], tmp_path, f"1.2.3.{k + 10}")
+    claimed: list[list[int]] = [[], [], []]
+    barrier = threading.Barrier(3)
+
+    def claim(i: int) -> None:
+        barrier.wait()
+        for _ in range(10):
+            job = nodes[i].claim_next_job()
+            if job is not None:
+                claimed[i].append(job.id)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    every = sorted(claimed[0] + claimed[1] + claimed[2])
+    assert len(every) == 30 and len(set(every)) == 30, claimed
+    views = [nodes[0].job(j) for j in every]
+    assert {v.owner for v in views if v is not None} <= {"a", "b", "c"}
+    assert all(
+        v is not None and v.owner == "abc"[i]
+        for i in range(3)
+        for v in map(nodes[0].job, claimed[i])
+    )
+
+
+def test_two_nodes_completing_a_series_at_once_make_one_job(
+    nodes: list[Ledger], tmp_path: Path
+) -> None:
+    """The quiet-period scans of two nodes find the same pending series at once: one job
+    (the series row is locked while its jobs are made), no error on the other."""
+    for k in range(20):
+        series = f"1.2.4.{k}"
+        nodes[0].record_instance(rec(f"{series}.1", series), tmp_path / series, 1)
+        made: list[int | None] = []
+        barrier = threading.Barrier(2)
+
+        def create(
+            i: int,
+            series: str = series,
+            made: list[int | None] = made,
+            barrier: threading.Barrier = barrier,
+        ) -> None:
+            barrier.wait()
+            made.append(nodes[i].create_job(series, trigger="quiet", model="m", engine="e"))
+
+        threads = [threading.Thread(target=create, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert made.count(None) == 1, made
+
+
+def test_a_claimed_delivery_is_its_nodes_until_the_claim_runs_out(
+    nodes: list[Ledger], tmp_path: Path
+) -> None:
+    """a claims the deliveries; b does not see them while a's claim holds; after it runs
+    out b claims them, and a, whose claim was taken, is told not to send."""
+    a, b, _ = nodes
+    jid = queued_job(a, tmp_path)
+    job = a.claim_next_job()
+    assert job is not None and a.save_results(jid, results(job, tmp_path), ["PACS@h:1"])
+    due = a.due_deliveries(claim_s=0.5)
+    assert [d.kind for d in due] == ["SEG", "SR"]
+    assert b.due_deliveries() == []
+    assert a.delivery_sending(due[0].id, claim_s=0.5)  # renews a's claim of the SEG
+    time.sleep(0.6)
+    taken = b.due_deliveries(claim_s=30)
+    assert [d.kind for d in taken] == ["SEG", "SR"]
+    assert not a.delivery_sending(due[1].id)  # a's claim is gone: a does not send the SR
+    assert b.delivery_sending(taken[1].id)
+    b.delivery_done(taken[0].id, 0)
+    b.delivery_done(taken[1].id, 0)
+    assert b.job_state(jid) == "sent"
+
+
+def test_a_restarted_node_sends_what_it_had_claimed_at_once(
+    nodes: list[Ledger], tmp_path: Path
+) -> None:
+    """A node that stopped while sending releases its claims when it starts again (same
+    name): its deliveries are due for it at once, not after the claim."""
+    a, b, _ = nodes
+    jid = queued_job(a, tmp_path)
+    job = a.claim_next_job()
+    assert job is not None and a.save_results(jid, results(job, tmp_path), ["PACS@h:1"])
+    assert len(a.due_deliveries(claim_s=300)) == 2
+    assert b.due_deliveries() == []
+    assert a.release_deliveries() == 2
+    assert len(b.due_deliveries()) == 2
+
+
+def test_the_last_two_acknowledgements_at_once_finish_the_job(
+    nodes: list[Ledger], tmp_path: Path
+) -> None:
+    """Two nodes acknowledge a job's SEG and SR at the same moment, 15 times: the job is
+    ``sent`` every time (the job's row is locked before the deliveries left are counted)."""
+    a, b, _ = nodes
+    for k in range(15):
+        series = f"1.2.5.{k}"
+        jid = queued_job(a, tmp_path, series)
+        job = a.claim_next_job()
+        assert job is not None and job.id == jid
+        assert a.save_results(jid, results(job, tmp_path), ["PACS@h:1"])
+        seg, sr = a.due_deliveries()
+        barrier = threading.Barrier(2)
+
+        def ack(led: Ledger, delivery: int, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            led.delivery_done(delivery, 0)
+
+        threads = [
+            threading.Thread(target=ack, args=(a, seg.id)),
+            threading.Thread(target=ack, args=(b, sr.id)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert a.job_state(jid) == "sent", k
+
+
+def test_status_lists_every_node_and_which_are_alive(nodes: list[Ledger]) -> None:
+    """``segnode status`` facts: each node with its address, alive while it beats, and
+    stopped after a clean stop."""
+    a, b, c = nodes
+    c.leave()
+    seen = {n.name: n for n in a.nodes()}
+    assert set(seen) == {"a", "b", "c"}
+    assert seen["a"].alive and seen["b"].alive and seen["a"].address == "SEGNODE@127.0.0.1:11100"
+    assert not seen["c"].alive and seen["c"].stopped_at is not None
+    time.sleep(1.1)
+    a.heartbeat()
+    seen = {n.name: n for n in a.nodes()}
+    assert seen["a"].alive and not seen["b"].alive
