@@ -33,7 +33,8 @@ class SCPHarness:
         cfg = from_dict(raw)
         self.config = replace(cfg, node=replace(cfg.node, port=0), data_dir=tmp)
         tmp.mkdir(parents=True, exist_ok=True)
-        self.ledger = Ledger(tmp / "ledger.sqlite")
+        url = self.config.ledger.url  # a shared ledger ([ledger] url), else the SQLite file
+        self.ledger = Ledger(url=url) if url else Ledger(tmp / "ledger.sqlite")
         self.spool = Spool(
             tmp / "spool", self.config.node.staging_pool_mb * 2**20 // POOL_FILE_BYTES
         )

@@ -14,8 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from scripts.harness import send_files
+from segnode.node.ingest.scp import record_from_file
 from segnode.storage.ledger import InstanceRecord, JobView, Ledger
 from segnode.storage.migrations import upgrade_database
+from tests.fixtures.synthetic import write_synthetic_series
+from tests.scp_harness import SCPHarness
 
 SEG = "1.2.840.10008.5.1.4.1.1.66.4"
 SR = "1.2.840.10008.5.1.4.1.1.88.34"
@@ -224,3 +228,40 @@ def test_status_lists_every_node_and_which_are_alive(nodes: list[Ledger]) -> Non
     a.heartbeat()
     seen = {n.name: n for n in a.nodes()}
     assert seen["a"].alive and not seen["b"].alive
+
+
+def test_an_instance_another_node_recorded_without_its_file_is_stored_here(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """Node a committed an instance's row and died before its file was written (a row is
+    committed while its file is made durable); the modality sends the series again to
+    node b. b stores that instance itself, the row now names b's copy, and the instance a
+    did store whole is acknowledged as a duplicate without a second copy."""
+    upgrade_database(pg_url)
+    raw = {"ledger": {"url": pg_url}}
+    a, b = SCPHarness(tmp_path / "a", raw), SCPHarness(tmp_path / "b", raw)
+    try:
+        files = write_synthetic_series(tmp_path / "s", rows=32, columns=32, slices=3, seed=5)
+        lost = record_from_file(files[0])
+        a_path = a.spool.path_for(
+            lost.study_instance_uid, lost.series_instance_uid, lost.sop_instance_uid
+        )
+        assert a.ledger.record_instance(lost, a_path, files[0].stat().st_size)
+        assert not a_path.exists()
+        sent = send_files(files[1:2], a.port)
+        assert sent.acknowledged == [str(record_from_file(files[1]).sop_instance_uid)]
+        again = send_files(files, b.port)
+        assert len(again.acknowledged) == 3 and set(again.statuses.values()) == {0}, again
+        path, size = b.ledger.instance_file(lost.sop_instance_uid) or (None, 0)
+        assert path is not None and path.is_relative_to(tmp_path / "b") and path.exists()
+        assert size == path.stat().st_size
+        kept = record_from_file(files[1])
+        kept_path, _ = b.ledger.instance_file(kept.sop_instance_uid) or (None, 0)
+        assert kept_path is not None and kept_path.is_relative_to(tmp_path / "a")
+        assert not b.spool.path_for(
+            kept.study_instance_uid, kept.series_instance_uid, kept.sop_instance_uid
+        ).exists()
+        assert b.ledger.series_totals(lost.series_instance_uid)[0] == 3
+    finally:
+        a.close()
+        b.close()

@@ -540,11 +540,38 @@ class StoreSCP:
         # duplicate check: under the claim, a row that exists is one whose file is durable.
         try:
             if not self.ledger.record_instance(rec, path, incoming):
-                return self._duplicate(info, series_uid)
+                if self._stored_elsewhere(sop_uid, path):
+                    return self._duplicate(info, series_uid)
+                # Recorded by another node on a shared ledger that has not made the file
+                # (it died, or it is still writing): this node stores it, and the row
+                # points at this copy, made durable before the answer.
+                # (When the row went meanwhile, its node's start-up dropped it: record anew.)
+                moved = self.ledger.move_instance(sop_uid, path, incoming)
+                if not moved and not self.ledger.record_instance(rec, path, incoming):
+                    return OUT_OF_RESOURCES, "instance being stored elsewhere; retry"
+                log.info("instance recorded by another node without its file: stored here")
         except Exception as exc:
             log.error("ledger write failed: %s", exc)
             return OUT_OF_RESOURCES, "cannot record the instance"
         return _Admitted(rec, header, path)
+
+    def _stored_elsewhere(self, sop_uid: str, path: Path) -> bool:
+        """Whether a recorded instance's bytes are complete where its row says.
+
+        A row of this node's spool (``path``) is complete: this process's claim covered its
+        file until it was durable. Another node's row (a shared ledger) is complete when its
+        file has the recorded size; that node may have died after committing the row and
+        before writing the file, or be writing it now.
+        """
+        found = self.ledger.instance_file(sop_uid)
+        if found is None:
+            return False
+        if found[0] == path:
+            return True
+        try:
+            return found[0].stat().st_size == found[1]
+        except OSError:
+            return False
 
     def _duplicate(self, info: AssociationInfo, series_uid: str) -> _Status:
         log.info("duplicate instance from %s acknowledged, not stored again", info.calling_ae)

@@ -176,6 +176,26 @@ class InstanceStore(LedgerBase):
                     return False
         return self.record_instance(rec, path, size, _retry=False)
 
+    def instance_file(self, sop_instance_uid: str) -> tuple[Path, int] | None:
+        """Where an instance's bytes were recorded, and their size (None: no such row)."""
+        with self._hot_lock:
+            row = (
+                self._hot_connection()
+                .execute(self._sql(_INSTANCE_FILE), (sop_instance_uid,))
+                .fetchone()
+            )
+        return None if row is None else (Path(row[0]), int(row[1]))
+
+    def move_instance(self, sop_instance_uid: str, path: Path, size: int) -> bool:
+        """Point an instance's row at another copy of its bytes (a node storing an instance
+        whose recorded file another node did not finish: it died, or it is still writing);
+        False when there is no such row."""
+        with self._write_lock, self.engine.begin() as conn:
+            done = conn.exec_driver_sql(
+                self._sql(_MOVE_INSTANCE), (str(path), size, sop_instance_uid)
+            )
+            return bool(done.rowcount)
+
     def forget_instance(self, sop_instance_uid: str) -> None:
         """Remove an instance row that was never acknowledged (its file did not persist)."""
         with self._write_lock, self.engine.begin() as conn:
@@ -288,6 +308,8 @@ _HAS_INSTANCE = "SELECT 1 FROM instances WHERE sop_instance_uid = ?"
 _SERIES_ID = "SELECT id FROM series WHERE series_instance_uid = ?"
 _INSTANCE_SERIES = "SELECT id, series_id FROM instances WHERE sop_instance_uid = ?"
 _DELETE_INSTANCE = "DELETE FROM instances WHERE id = ?"
+_INSTANCE_FILE = "SELECT path, size FROM instances WHERE sop_instance_uid = ?"
+_MOVE_INSTANCE = "UPDATE instances SET path = ?, size = ? WHERE sop_instance_uid = ?"
 _SERIES_FORGOT = (
     "UPDATE series SET instance_count = "
     "CASE WHEN instance_count > 0 THEN instance_count - 1 ELSE 0 END WHERE id = ?"
