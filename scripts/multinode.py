@@ -9,11 +9,12 @@ Two checks, each from a fresh database and fresh data folders:
   every series was segmented once and Orthanc holds exactly its one SEG and one SR (the
   UIDs the ledger allocated).
 * ``kill``: three nodes and three senders as above, the results going to a Storage SCP that
-  counts every C-STORE (a slow PACS, 50 ms per object). While the first node runs a job or
-  holds deliveries, it is killed with SIGKILL; the others take over its work once its lease
-  (``--lease-s``) has run out. Checks, per trial: every series ends ``sent`` with one job;
-  the distinct SOP Instance UIDs received are exactly the ledger's SEG and SR UIDs; the
-  killed node's running jobs were finished by another node; nothing is left active. A
+  counts every C-STORE (a slow PACS, 200 ms per object). While the first node runs a job
+  (even trials) or holds claimed deliveries (odd trials), it is killed with SIGKILL; the
+  others take over its work once its lease (``--lease-s``) has run out. Checks, per trial:
+  every series ends ``sent`` with one job; the distinct SOP Instance UIDs received are
+  exactly the ledger's SEG and SR UIDs; the killed node's running jobs and claimed
+  deliveries were finished by another node; nothing is left active. A
   resend of the same SOP Instance UID (the PACS stored it, the node died before recording
   it) is at-least-once delivery and counted apart, as in ``scripts.crash_harness``.
 
@@ -36,6 +37,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -251,42 +253,45 @@ def throughput(args: argparse.Namespace, pg: PostgresCluster, root: Path) -> lis
 def kill_trial(
     args: argparse.Namespace, pg: PostgresCluster, root: Path, trial: int
 ) -> dict[str, Any]:
-    """One SIGKILL of node-1 in the middle of its jobs; the invariants afterwards."""
+    """One SIGKILL of node-1 in the middle of its work; the invariants afterwards."""
     rng = random.Random(args.seed + trial)
     work = root / f"kill-{trial}"
     series = write_series(work / "series", args.series, seed=50_000 + 1000 * trial)
-    pacs = CountingSCP(delay=0.05).start()
+    pacs = CountingSCP(delay=0.2).start()
     nodes = Nodes(pg.database(), work / "shared")
     problems: list[str] = []
     try:
         nodes.start(3, pacs.peer, args.lease_s)
         codes: list[int] = []
-        sending = threading.Thread(
+        senders = threading.Thread(
             target=lambda: codes.extend(send_spread(nodes.runners, series)), name="senders"
         )
-        sending.start()
-        # In the middle of node-1's work: it runs a job or holds claimed deliveries.
-        busy = (
-            "SELECT (SELECT count(*) FROM jobs WHERE owner = 'node-1' AND state = 'running') + "
-            "(SELECT count(*) FROM deliveries WHERE owner = 'node-1' AND status = 'pending' "
-            "AND lease_until > now() AT TIME ZONE 'UTC')"
+        senders.start()
+        # In the middle of node-1's work: odd trials while it sends (claimed deliveries),
+        # even ones while it runs a job.
+        running = "SELECT count(*) FROM jobs WHERE owner = 'node-1' AND state = 'running'"
+        sending = (
+            "SELECT count(*) FROM deliveries WHERE owner = 'node-1' AND status = 'pending' "
+            "AND lease_until > now() AT TIME ZONE 'UTC'"
         )
+        busy = sending if trial % 2 else running
         deadline = time.monotonic() + 120
         while not ledger_rows(nodes.url, busy)[0][0]:
             if time.monotonic() > deadline:
                 raise TimeoutError("node-1 never took a job")
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.3))
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.1))
         held = ledger_rows(
             nodes.url, "SELECT id FROM jobs WHERE owner = 'node-1' AND state = 'running'"
         )
         claimed = ledger_rows(
             nodes.url,
-            "SELECT id FROM deliveries WHERE owner = 'node-1' AND status = 'pending'",
+            "SELECT id FROM deliveries WHERE owner = 'node-1' AND status = 'pending' "
+            "AND lease_until IS NOT NULL",
         )
         nodes.runners[0].kill()
         killed_at = time.time()
-        sending.join()
+        senders.join()
         if any(codes):
             problems.append(f"series not taken by any node: storescu exit codes {Counter(codes)}")
         jobs = wait_settled(nodes.url, series, timeout=300)
@@ -299,7 +304,15 @@ def kill_trial(
             if j.owner == "node-1" or j.state != "sent":
                 problems.append(f"job {jid} of the killed node: {j.state} on {j.owner}")
             elif j.finished_at is not None:
-                took.append(j.finished_at.timestamp() - killed_at)
+                took.append(j.finished_at.replace(tzinfo=UTC).timestamp() - killed_at)
+        for (did,) in claimed:
+            [(owner, status, sent_at)] = ledger_rows(
+                nodes.url, "SELECT owner, status, sent_at FROM deliveries WHERE id = :i", i=did
+            )
+            if owner == "node-1" or status != "sent":
+                problems.append(f"delivery {did} of the killed node: {status} by {owner}")
+            elif sent_at is not None:
+                took.append(sent_at.replace(tzinfo=UTC).timestamp() - killed_at)
         time.sleep(1.0)  # anything late would arrive now
         counts = pacs.counts()
         expected = {u for j in jobs for u in (j.seg_sop_uid, j.sr_sop_uid)}

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from segnode.storage.ledger.connection import LedgerBase, utcnow
 from segnode.storage.ledger.states import DeliveryStatus, JobState, move, move_delivery
-from segnode.storage.models import Delivery, Event, Job, Result, Series
+from segnode.storage.models import Delivery, Event, Job, Node, Result, Series
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,9 @@ class Outbox(LedgerBase):
         On a shared (PostgreSQL) ledger they are claimed: owned by this node, and not due
         for any other node (still due for this one) for ``claim_s`` seconds (default: the
         lease), which each attempt renews (:meth:`delivery_sending`). A node that dies while
-        sending leaves them to the others once the claim runs out. Nodes claiming at once
-        each get other rows (``SKIP LOCKED``). SQLite has one node: nothing to claim.
+        sending leaves them to the others once its heartbeat is older than the lease. Nodes
+        claiming at once each get other rows (``SKIP LOCKED``). SQLite has one node: nothing
+        to claim.
         """
         now = now or utcnow()
         query = (
@@ -71,11 +72,14 @@ class Outbox(LedgerBase):
                 return [_due(d, r) for d, r in s.execute(query).all()]
         until = now + (self.lease if claim_s is None else timedelta(seconds=claim_s))
         with self._tx() as s:
-            # Its own claims stay due for this node (its one outbox thread settles each).
+            # Its own claims stay due for this node (its one outbox thread settles each);
+            # a node whose heartbeat stopped holds none.
+            live = select(Node.name).where(Node.heartbeat_at > now - self.lease)
             free = (
                 Delivery.lease_until.is_(None)
                 | (Delivery.lease_until <= now)
                 | (Delivery.owner == self.node_name)
+                | Delivery.owner.not_in(live)
             )
             rows = s.execute(query.where(free).with_for_update(of=Delivery, skip_locked=True)).all()
             for d, _ in rows:
