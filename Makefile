@@ -18,7 +18,7 @@ venv: $(BIN)/segnode
 run: venv
 	$(BIN)/segnode serve --config config.toml
 
-# Debian tools the interop tests use (DCMTK, Orthanc, dicom3tools); installed when missing
+# Debian tools the interop tests use (DCMTK, Orthanc, dicom3tools, PostgreSQL); installed when missing
 # and we are root, otherwise those tests say what is missing.
 tools:
 	@command -v storescu >/dev/null && command -v Orthanc >/dev/null && command -v dciodvfy >/dev/null && [ -e /usr/share/orthanc/plugins/libOrthancDicomWeb.so ] && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \

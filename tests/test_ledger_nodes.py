@@ -265,3 +265,18 @@ def test_an_instance_another_node_recorded_without_its_file_is_stored_here(
     finally:
         a.close()
         b.close()
+
+
+def test_a_starting_node_drops_only_its_own_unwritten_rows(
+    nodes: list[Ledger], tmp_path: Path
+) -> None:
+    """At start-up a node removes rows of its own spool whose file is missing (never
+    acknowledged); a row of another node's spool stays, since that node may be writing the
+    file right now."""
+    a, b, _ = nodes
+    mine, theirs = tmp_path / "a" / "spool", tmp_path / "b" / "spool"
+    assert a.record_instance(rec("1.2.6.1", "1.2.6"), mine / "1.2.6.1.dcm", 10)
+    assert b.record_instance(rec("1.2.6.2", "1.2.6"), theirs / "1.2.6.2.dcm", 10)
+    assert a.drop_unstored_instances(mine) == 1
+    assert a.instance_file("1.2.6.1") is None
+    assert a.instance_file("1.2.6.2") == (theirs / "1.2.6.2.dcm", 10)

@@ -311,7 +311,7 @@ class Node:
         self.ledger.release_deliveries()  # what it was sending when it stopped: due now
         if n:
             log.info("resuming %d job(s) interrupted by a restart", n)
-        dropped = self.ledger.drop_unstored_instances()
+        dropped = self.ledger.drop_unstored_instances(self.spool.root)
         if dropped:
             log.warning("removed %d unacknowledged instance row(s) without a file", dropped)
         staged = self.spool.clear_incoming()

@@ -204,8 +204,11 @@ class InstanceStore(LedgerBase):
                 conn.exec_driver_sql(self._sql(_DELETE_INSTANCE), (row[0],))
                 conn.exec_driver_sql(self._sql(_SERIES_FORGOT), (row[1],))
 
-    def drop_unstored_instances(self) -> int:
+    def drop_unstored_instances(self, spool: Path | None = None) -> int:
         """At start-up: remove rows of series still receiving whose spool file is missing.
+
+        ``spool``: only rows of files under this folder (this node's spool). On a shared
+        ledger another node's rows are its own: it may be writing their files right now.
 
         The C-STORE path commits the ledger row while the spool folder's fsync runs; a crash
         between the two can leave a row whose rename did not persist. Such an instance was
@@ -220,6 +223,8 @@ class InstanceStore(LedgerBase):
             rows = conn.exec_driver_sql(_PENDING_INSTANCES).all()
         missing = []
         for sop_uid, path, size in rows:
+            if spool is not None and not Path(path).is_relative_to(spool):
+                continue
             try:
                 actual = os.stat(path).st_size
             except OSError:
