@@ -26,12 +26,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import DateTime, create_engine, event, make_url
+from sqlalchemy import DateTime, create_engine, event, func, make_url, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from segnode.storage import migrations
-from segnode.storage.models import SCHEMA_VERSION
+from segnode.storage.models import SCHEMA_VERSION, Node
 
 # The logger keeps the name it had when the ledger was one module.
 log = logging.getLogger("segnode.storage.ledger")
@@ -135,6 +135,27 @@ class LedgerBase:
             impl = DateTime().dialect_impl(self.engine.dialect)
             self._datetime_bind = impl.bind_processor(self.engine.dialect)
         return str(self._datetime_bind(when) if self._datetime_bind else when.isoformat(" "))
+
+    def clock(self) -> Any:
+        """Now, as the ledger's clock tells it (naive UTC), for heartbeats and leases: the
+        database server's on PostgreSQL, so that nodes whose clocks differ agree on whose
+        heartbeat has expired; this process's on SQLite (one node)."""
+        if self.dialect == "postgresql":
+            return func.timezone("UTC", func.statement_timestamp(), type_=DateTime())
+        return utcnow()
+
+    def _clock_value(self, s: Session) -> datetime:
+        """:meth:`clock` as a value, read in session ``s``."""
+        now = self.clock()
+        if isinstance(now, datetime):
+            return now
+        value = s.scalar(select(now))
+        assert isinstance(value, datetime)
+        return value
+
+    def _live_nodes(self) -> Any:
+        """The names of the nodes whose heartbeat is younger than the lease (a subquery)."""
+        return select(Node.name).where(Node.heartbeat_at > self.clock() - self.lease)
 
     def _sql(self, statement: str) -> str:
         """A plain statement written with ``?`` placeholders, in the driver's paramstyle

@@ -416,7 +416,7 @@ class JobStore(Views, NodeStore):
         n = 0
         running = select(Job).where(Job.state == JobState.RUNNING)
         if self.node_name is not None:
-            gone = self._gone_clause(now)
+            gone = self._gone_clause()
             running = running.where(gone | (Job.owner == self.node_name) if include_own else gone)
         elif not include_own:
             return 0

@@ -18,9 +18,9 @@ import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, func, or_, select
+from sqlalchemy import ColumnElement, func, or_, select, update
 
-from segnode.storage.ledger.connection import HotConnection, LedgerBase, LedgerInUse, utcnow
+from segnode.storage.ledger.connection import HotConnection, LedgerBase, LedgerInUse
 from segnode.storage.ledger.states import JobState
 from segnode.storage.models import Job, Node
 
@@ -70,8 +70,8 @@ class NodeStore(LedgerBase):
             self._node_lock = hot
         self.node_name = name
         self.lease = timedelta(seconds=lease_s)
-        now = utcnow()
         with self._tx() as s:
+            now = self._clock_value(s)
             row = s.get(Node, name, with_for_update=True)
             if row is None:
                 s.add(
@@ -94,33 +94,32 @@ class NodeStore(LedgerBase):
         if self.node_name is None:
             return
         with self._tx() as s:
-            row = s.get(Node, self.node_name)
-            if row is not None:
-                row.heartbeat_at = utcnow()
+            s.execute(
+                update(Node).where(Node.name == self.node_name).values(heartbeat_at=self.clock())
+            )
 
     def leave(self) -> None:
         """A clean stop: the node's heartbeat ends now, so that others need not wait out
         the lease for what it leaves."""
         if self.node_name is None:
             return
-        now = utcnow()
         with self._tx() as s:
+            now = self._clock_value(s)
             row = s.get(Node, self.node_name)
             if row is not None:
                 row.stopped_at = now
                 row.heartbeat_at = now - self.lease
 
-    def _gone_clause(self, now: datetime) -> ColumnElement[bool]:
+    def _gone_clause(self) -> ColumnElement[bool]:
         """Jobs whose owner is not a live node (no owner, an unknown one, or an expired
         heartbeat)."""
-        live = select(Node.name).where(Node.heartbeat_at > now - self.lease)
-        return or_(Job.owner.is_(None), Job.owner.not_in(live))
+        return or_(Job.owner.is_(None), Job.owner.not_in(self._live_nodes()))
 
     def nodes(self) -> list[NodeView]:
         """Every node that has run on this ledger, the most recently started first."""
-        now = utcnow()
         with self._read() as s:
-            rows = s.scalars(select(Node).order_by(Node.started_at.desc())).all()
+            alive = Node.stopped_at.is_(None) & (Node.heartbeat_at > self.clock() - self.lease)
+            rows = s.execute(select(Node, alive).order_by(Node.started_at.desc())).all()
             running = s.execute(
                 select(Job.owner, func.count(Job.id))
                 .where(Job.state == JobState.RUNNING)
@@ -135,8 +134,8 @@ class NodeStore(LedgerBase):
                     n.started_at,
                     n.heartbeat_at,
                     n.stopped_at,
-                    n.stopped_at is None and n.heartbeat_at > now - self.lease,
+                    bool(live),
                     counts.get(n.name, 0),
                 )
-                for n in rows
+                for n, live in rows
             ]

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from segnode.storage.ledger.connection import LedgerBase, utcnow
 from segnode.storage.ledger.states import DeliveryStatus, JobState, move, move_delivery
-from segnode.storage.models import Delivery, Event, Job, Node, Result, Series
+from segnode.storage.models import Delivery, Event, Job, Result, Series
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Outbox(LedgerBase):
         with self._tx() as s:
             # Its own claims stay due for this node (its one outbox thread settles each);
             # a node whose heartbeat stopped holds none.
-            live = select(Node.name).where(Node.heartbeat_at > now - self.lease)
+            live = self._live_nodes()
             free = (
                 Delivery.lease_until.is_(None)
                 | (Delivery.lease_until <= now)
