@@ -81,8 +81,11 @@ class Nodes:
     shared: Path
     runners: list[NodeRunner] = field(default_factory=list)
 
-    def start(self, count: int, destination: str, lease_s: float) -> None:
-        """Start ``count`` nodes named ``node-1``..., all sending to ``destination``."""
+    def start(
+        self, count: int, destination: str, lease_s: float, model: dict[str, Any] | None = None
+    ) -> None:
+        """Start ``count`` nodes named ``node-1``..., all sending to ``destination``, with
+        ``[model]`` settings ``model`` (the default model on ONNX Runtime when None)."""
         for i in range(1, count + 1):
             data = self.shared / f"node-{i}"
             data.mkdir(parents=True)
@@ -97,6 +100,7 @@ class Nodes:
                     "retry_initial_s": 0.2,
                     "retry_max_s": 1.0,
                 },
+                **({"model": model} if model else {}),
             )
             runner = NodeRunner(config, data, port, self.shared / f"node-{i}.log")
             self.runners.append(runner)
@@ -203,10 +207,35 @@ def check_jobs(jobs: list[Any], series: list[Series]) -> list[str]:
 
 def throughput(args: argparse.Namespace, pg: PostgresCluster, root: Path) -> list[dict[str, Any]]:
     """Jobs per minute with each node count; Orthanc holds exactly one SEG and SR each."""
+
+    runs: list[dict[str, Any]] = []
+    model = None
+    server = None
+    if args.engine == "kserve":  # one KServe v2 server (ONNX Runtime) for every node
+        from segnode.engines.manifest import load_manifest
+        from segnode.engines.models import default_manifest_path
+        from tests.test_kserve import KServeServer
+
+        manifest = load_manifest(default_manifest_path())
+        server = KServeServer({manifest.name: manifest.onnx_path}, root / "kserve.log").start()
+        model = {"engine": "kserve", "url": server.url("grpc"), "protocol": "grpc"}
+    try:
+        return _throughput(args, pg, root, runs, model)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _throughput(
+    args: argparse.Namespace,
+    pg: PostgresCluster,
+    root: Path,
+    runs: list[dict[str, Any]],
+    model: dict[str, Any] | None,
+) -> list[dict[str, Any]]:
     from tests.conftest import start_orthanc
     from tests.test_interop import orthanc_results
 
-    runs = []
     for n in args.nodes:
         for run in range(args.runs):
             work = root / f"tp-{n}-{run}"
@@ -214,7 +243,7 @@ def throughput(args: argparse.Namespace, pg: PostgresCluster, root: Path) -> lis
             orthanc = start_orthanc(work / "orthanc")
             nodes = Nodes(pg.database(), work / "shared")
             try:
-                nodes.start(n, orthanc.peer, args.lease_s)
+                nodes.start(n, orthanc.peer, args.lease_s, model)
                 t0 = time.monotonic()
                 codes = send_spread(nodes.runners, series)
                 jobs = wait_settled(nodes.url, series, timeout=600)
@@ -237,6 +266,7 @@ def throughput(args: argparse.Namespace, pg: PostgresCluster, root: Path) -> lis
                 nodes.stop()
                 orthanc.stop()
             result = {
+                "engine": args.engine,
                 "nodes": n,
                 "run": run,
                 "series": len(series),
@@ -348,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--lease-s", type=float, default=3.0)
+    ap.add_argument(
+        "--engine",
+        choices=("onnxruntime", "kserve"),
+        default="onnxruntime",
+        help="throughput: local ONNX Runtime, or one KServe v2 server (gRPC) for every node",
+    )
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)

@@ -17,7 +17,14 @@ pytestmark = pytest.mark.interop
 
 
 def _args(**kw: Any) -> argparse.Namespace:
-    defaults = {"nodes": [3], "series": 12, "runs": 1, "lease_s": 3.0, "seed": 7}
+    defaults = {
+        "nodes": [3],
+        "series": 12,
+        "runs": 1,
+        "lease_s": 3.0,
+        "seed": 7,
+        "engine": "onnxruntime",
+    }
     return argparse.Namespace(**{**defaults, **kw})
 
 
