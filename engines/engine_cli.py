@@ -78,6 +78,12 @@ def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
     triton.add_argument(
         "--name", default=None, help="the model's name on the server (default: the manifest's)"
     )
+    triton.add_argument(
+        "--tensorrt",
+        choices=("FP16", "FP32"),
+        default=None,
+        help="run on the server's GPU through ONNX Runtime's TensorRT accelerator",
+    )
     triton.add_argument("directory", type=Path, help="the model repository (created if needed)")
     return engine  # type: ignore[no-any-return]
 
@@ -187,7 +193,7 @@ def _export_triton(args: argparse.Namespace, manifest: ModelManifest, stream: Te
     """Write the Triton repository and say what went where."""
     from segnode.engines.triton_export import export_triton
 
-    for model in export_triton(manifest, args.directory, args.name):
+    for model in export_triton(manifest, args.directory, args.name, args.tensorrt):
         batch = f"max_batch_size {model.max_batch_size}"
         print(f"triton model {model.name}: {model.folder} ({batch})", file=stream)
     return 0

@@ -11,6 +11,13 @@ ONNX graph, and ``max_batch_size`` from the manifest's ``batch.max`` when the gr
 is dynamic (Triton then leaves the batch axis out of ``dims``), 0 when it is fixed (``dims``
 are the whole shape). A version-2 (trained) manifest gets one model per fold file, named as
 the ``kserve`` engine asks for them (:func:`segnode.engines.kserve_backend.remote_model_names`).
+
+``tensorrt="FP16"`` (or ``"FP32"``) adds a GPU instance group and ONNX Runtime's TensorRT
+execution accelerator (Triton's ``onnxruntime`` backend: ``optimization {
+execution_accelerators { gpu_execution_accelerator: [{ name: "tensorrt" ... }] } }``), which
+builds TensorRT engines for the server's own GPU when the model loads and caches them. A
+TensorRT plan (``tensorrt_plan``) is not written: a plan is tied to the exact TensorRT version
+and GPU of the server, which segnode cannot know here.
 """
 
 from __future__ import annotations
@@ -64,8 +71,9 @@ def _block(kind: str, name: str, data_type: str, dims: list[int]) -> str:
     )
 
 
-def triton_config(unit: ModelManifest, name: str) -> tuple[str, int]:
-    """The ``config.pbtxt`` text of one ONNX file and its ``max_batch_size``.
+def triton_config(unit: ModelManifest, name: str, tensorrt: str | None = None) -> tuple[str, int]:
+    """The ``config.pbtxt`` text of one ONNX file and its ``max_batch_size``; ``tensorrt``
+    (``"FP16"`` or ``"FP32"``) asks for ONNX Runtime's TensorRT accelerator on the GPU.
 
     Raises
     ------
@@ -92,11 +100,36 @@ def triton_config(unit: ModelManifest, name: str) -> tuple[str, int]:
         + _block("input", unit.input_name, in_type, in_dims)
         + _block("output", unit.output_name, out_type, out_dims)
     )
+    if tensorrt is not None:
+        if tensorrt not in ("FP16", "FP32"):
+            raise EngineError(f"tensorrt precision must be FP16 or FP32, got {tensorrt!r}")
+        text += _TENSORRT.format(precision=tensorrt)
     return text, max_batch
 
 
+_TENSORRT = """instance_group [
+  {{
+    kind: KIND_GPU
+    count: 1
+  }}
+]
+optimization {{
+  execution_accelerators {{
+    gpu_execution_accelerator: [
+      {{
+        name: "tensorrt"
+        parameters {{ key: "precision_mode" value: "{precision}" }}
+        parameters {{ key: "max_workspace_size_bytes" value: "4294967296" }}
+        parameters {{ key: "trt_engine_cache_enable" value: "1" }}
+      }}
+    ]
+  }}
+}}
+"""
+
+
 def export_triton(
-    manifest: ModelManifest, folder: Path, name: str | None = None
+    manifest: ModelManifest, folder: Path, name: str | None = None, tensorrt: str | None = None
 ) -> list[ExportedModel]:
     """Write ``manifest``'s model(s) into the Triton repository ``folder``.
 
@@ -108,6 +141,9 @@ def export_triton(
         The repository; created if needed; a model folder already there is replaced.
     name
         The remote model's name (default: the manifest's name).
+    tensorrt
+        ``"FP16"`` or ``"FP32"``: run on the server's GPU through ONNX Runtime's TensorRT
+        accelerator (None: Triton's defaults for the ONNX Runtime backend).
 
     Raises
     ------
@@ -117,7 +153,7 @@ def export_triton(
     units = manifest.model_files() if manifest.is_trained else (manifest,)
     written = []
     for unit, remote in zip(units, remote_model_names(manifest, name), strict=True):
-        text, max_batch = triton_config(unit, remote)
+        text, max_batch = triton_config(unit, remote, tensorrt)
         target = Path(folder) / remote
         try:
             if target.exists():

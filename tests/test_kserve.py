@@ -285,6 +285,32 @@ def test_export_triton_writes_a_config_triton_parses(tmp_path: Path, tissue: Mod
         assert list(tensor.dims) == dims[1:]  # the batch axis is Triton's, from max_batch_size
 
 
+def test_export_triton_with_tensorrt_asks_for_the_gpu_accelerator(
+    tmp_path: Path, tissue: ModelManifest
+) -> None:
+    """``--tensorrt FP16``: a GPU instance group and ONNX Runtime's TensorRT accelerator in
+    FP16 with its engine cache, in a config Triton's own protobuf parses."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    out = subprocess.run(
+        [sys.executable, "-m", "segnode.node.ops.cli", "engine", "export-triton"]
+        + ["--model", "tissue", "--tensorrt", "FP16", str(tmp_path / "repo")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "repo" / "tissue" / "config.pbtxt").read_text()
+    config = text_format.Parse(text, model_config_pb2.ModelConfig())
+    [group] = config.instance_group
+    assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+    [accelerator] = config.optimization.execution_accelerators.gpu_execution_accelerator
+    assert accelerator.name == "tensorrt"
+    assert accelerator.parameters["precision_mode"] == "FP16"
+    assert accelerator.parameters["trt_engine_cache_enable"] == "1"
+
+
 # -- a whole node ------------------------------------------------------------------------------
 
 
