@@ -166,6 +166,26 @@ def orthanc_config(base: Path, dicom_port: int, http_port: int, **extra: Any) ->
     }
 
 
+def storescu_args(
+    port: int, *paths: Path, calling: str = "MODALITY", exe: str = "storescu"
+) -> list[str]:
+    """DCMTK ``storescu`` sending ``paths`` (files or folders, scanned recursively) to the node
+    on loopback ``port`` over one association."""
+    return [
+        exe,
+        "-aet",
+        calling,
+        "-aec",
+        "SEGNODE",
+        "+sd",
+        "+r",
+        "-R",
+        LOOPBACK,
+        str(port),
+        *map(str, paths),
+    ]
+
+
 def write_config(path: Path, data_dir: Path, port: int, **sections: dict[str, Any]) -> Path:
     """A TOML config for a node on loopback (values JSON-encoded, valid TOML for scalars)."""
     top = {"data_dir": str(data_dir), "log_level": "INFO", **sections.pop("top", {})}

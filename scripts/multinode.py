@@ -45,7 +45,7 @@ from pydicom import dcmread
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from scripts.harness import CountingSCP, NodeRunner, free_port, write_config
+from scripts.harness import CountingSCP, NodeRunner, free_port, storescu_args, write_config
 from tests.fixtures.postgres import PostgresCluster, postgres_bin
 from tests.fixtures.synthetic import write_synthetic_series
 
@@ -121,18 +121,7 @@ class Nodes:
 
 def storescu(port: int, calling: str, folder: Path) -> int:
     """DCMTK ``storescu``: one association with every file of ``folder``."""
-    cmd = [
-        "storescu",
-        "-aet",
-        calling,
-        "-aec",
-        "SEGNODE",
-        "+sd",
-        "+r",
-        LOOPBACK,
-        str(port),
-        str(folder),
-    ]
+    cmd = storescu_args(port, folder, calling=calling)
     return subprocess.run(cmd, capture_output=True, timeout=300).returncode
 
 

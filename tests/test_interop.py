@@ -16,6 +16,7 @@ import pytest
 from pydicom import dcmread
 from pydicom.filebase import DicomBytesIO
 
+from scripts.harness import storescu_args
 from segnode.engines.manifest import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL
@@ -42,19 +43,7 @@ def storescu(
     """Send files/folders with DCMTK storescu, one association."""
     exe = require_tool("storescu")
     return subprocess.run(
-        [
-            exe,
-            "-aet",
-            calling,
-            "-aec",
-            "SEGNODE",
-            "+sd",
-            "+r",
-            "-R",
-            LOOPBACK,
-            str(node.port),
-            *map(str, paths),
-        ],
+        storescu_args(node.port, *paths, calling=calling, exe=exe),
         capture_output=True,
         text=True,
         timeout=300,
