@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pydicom.uid import generate_uid
 from sqlalchemy import func, or_, select, update
+from sqlalchemy.orm import Session
 
 from segnode.storage.ledger.connection import utcnow
 from segnode.storage.ledger.nodes import NodeStore
@@ -95,12 +96,8 @@ class JobStore(Views, NodeStore):
         if not jobs:
             return []
         with self._tx() as s:
-            series = s.scalar(
-                select(Series)
-                .where(Series.series_instance_uid == series_instance_uid)
-                .with_for_update()
-            )
-            if series is None or series.pending_since is None:
+            series = _pending_series(s, series_instance_uid)
+            if series is None:
                 return []
             version = (
                 s.scalar(select(func.max(Job.version)).where(Job.series_id == series.id)) or 0
@@ -205,12 +202,8 @@ class JobStore(Views, NodeStore):
         """
         now = utcnow()
         with self._tx() as s:
-            series = s.scalar(
-                select(Series)
-                .where(Series.series_instance_uid == series_instance_uid)
-                .with_for_update()
-            )
-            if series is None or series.pending_since is None:
+            series = _pending_series(s, series_instance_uid)
+            if series is None:
                 return False
             series.pending_since = None
             series.ignored_reason = reason[:512]
@@ -478,3 +471,12 @@ class JobStore(Views, NodeStore):
         """Append an event."""
         with self._tx() as s:
             s.add(Event(at=utcnow(), kind=kind, job_id=job_id, message=message[:2048]))
+
+
+def _pending_series(s: Session, series_instance_uid: str) -> Series | None:
+    """The series, locked for the transaction, when it has instances no job has taken (two
+    nodes completing it at once take turns; the second finds nothing pending)."""
+    series = s.scalar(
+        select(Series).where(Series.series_instance_uid == series_instance_uid).with_for_update()
+    )
+    return None if series is None or series.pending_since is None else series
