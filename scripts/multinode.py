@@ -230,7 +230,10 @@ def _throughput(
             work = root / f"tp-{n}-{run}"
             series = write_series(work / "series", args.series, seed=1000 * n + 100 * run)
             orthanc = start_orthanc(work / "orthanc")
-            nodes = Nodes(pg.database(), work / "shared")
+            url = (
+                pg.database() if args.ledger == "postgresql" else f"sqlite:///{work}/ledger.sqlite"
+            )
+            nodes = Nodes(url, work / "shared")
             try:
                 nodes.start(n, orthanc.peer, args.lease_s, model)
                 t0 = time.monotonic()
@@ -255,6 +258,7 @@ def _throughput(
                 nodes.stop()
                 orthanc.stop()
             result = {
+                "ledger": args.ledger,
                 "engine": args.engine,
                 "nodes": n,
                 "run": run,
@@ -368,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--lease-s", type=float, default=3.0)
     ap.add_argument(
+        "--ledger",
+        choices=("postgresql", "sqlite"),
+        default="postgresql",
+        help="throughput: the shared PostgreSQL ledger, or one node's SQLite file (--nodes 1)",
+    )
+    ap.add_argument(
         "--engine",
         choices=("onnxruntime", "kserve"),
         default="onnxruntime",
@@ -376,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.ledger == "sqlite" and args.nodes != [1]:
+        ap.error("--ledger sqlite is one node's file: --nodes 1")
     bindir = postgres_bin()
     if bindir is None:
         raise SystemExit("PostgreSQL is not installed (apt-get install postgresql)")

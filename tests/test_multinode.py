@@ -24,6 +24,7 @@ def _args(**kw: Any) -> argparse.Namespace:
         "lease_s": 3.0,
         "seed": 7,
         "engine": "onnxruntime",
+        "ledger": "postgresql",
     }
     return argparse.Namespace(**{**defaults, **kw})
 
