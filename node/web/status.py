@@ -65,6 +65,7 @@ def node_status(node: Node) -> dict[str, Any]:
         "disk": disk,
         "destinations": destinations,
         "ledger": ledger,
+        "node_name": node.ledger.node_name,
     }
 
 

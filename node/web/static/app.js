@@ -171,6 +171,11 @@ function renderStatus(s) {
   const dests = document.getElementById("destinations");
   dests.replaceChildren(...(s.destinations.length ? [el("b", { text: "destinations: " })] : []),
     ...s.destinations.map((d) => el("span", { class: `breaker-${d.breaker}`, title: `breaker ${d.breaker}` }, `${d.name} (${d.breaker}) `)));
+  // A shared ledger: every node on it, alive or gone, and what it runs.
+  const nodes = s.ledger.nodes || [];
+  document.getElementById("nodes").replaceChildren(...(nodes.length > 1 ? [el("b", { text: "nodes: " })] : []),
+    ...(nodes.length > 1 ? nodes : []).map((n) => el("span", { class: n.alive ? "node-alive" : "node-gone", title: `${n.address}, heartbeat ${n.heartbeat_at}` },
+      `${n.name}${n.name === s.node_name ? " (this)" : ""} (${n.alive ? `alive, ${n.running_jobs} running` : "gone"}) `)));
   document.getElementById("summary").textContent =
     `${s.listening.ae_title} \u00b7 ${engine} \u00b7 queue ${s.queue.depth} \u00b7 outbox ${s.outbox.pending}`;
 }
@@ -207,7 +212,7 @@ async function renderDetail() {
   const facts = [
     ["state", j.state], ["reason", j.reason || ""], ["series", j.series], ["version", j.version],
     ["calling AE", j.calling_ae], ["rule", j.rule], ["model", `${j.model_name}: ${j.model}`],
-    ["trigger", j.trigger], ["attempts", j.attempts], ["SEG", j.seg_sop_uid], ["SR", j.sr_sop_uid],
+    ["trigger", j.trigger], ["attempts", j.attempts], ["node", j.node || ""], ["SEG", j.seg_sop_uid], ["SR", j.sr_sop_uid],
   ];
   for (const [k, v] of Object.entries(j.stages)) if (v) facts.push([k, new Date(time(v)).toISOString()]);
   document.getElementById("detail-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: String(v) })]));
