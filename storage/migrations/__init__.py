@@ -25,16 +25,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config as AlembicConfig
-from alembic.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, make_url, text
 from sqlalchemy.pool import NullPool
 
 from segnode.storage.models import SCHEMA_VERSION
+
+if TYPE_CHECKING:  # Alembic is imported only when a schema changes (0.1 s at every start)
+    from alembic.config import Config as AlembicConfig
+    from alembic.script import ScriptDirectory
 
 #: The folder of ``env.py`` and ``versions/``.
 SCRIPTS = Path(__file__).parent
@@ -68,6 +68,8 @@ HEAD = revision_of(SCHEMA_VERSION)
 
 
 def _config(connection: Connection) -> AlembicConfig:
+    from alembic.config import Config as AlembicConfig
+
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", str(SCRIPTS))
     cfg.attributes["connection"] = connection
@@ -75,6 +77,9 @@ def _config(connection: Connection) -> AlembicConfig:
 
 
 def _script() -> ScriptDirectory:
+    from alembic.config import Config as AlembicConfig
+    from alembic.script import ScriptDirectory
+
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", str(SCRIPTS))
     return ScriptDirectory.from_config(cfg)
@@ -84,7 +89,8 @@ def _read(connection: Connection) -> Revision:
     tables = set(inspect(connection).get_table_names())
     alembic = None
     if "alembic_version" in tables:
-        alembic = MigrationContext.configure(connection).get_current_revision()
+        row = connection.execute(text("SELECT version_num FROM alembic_version")).first()
+        alembic = None if row is None else str(row[0])
     version = None
     if "meta" in tables:
         row = connection.execute(
@@ -106,7 +112,9 @@ def _refuse_unknown(found: Revision, where: str) -> None:
             f"ledger {where} has schema version {found.version}, newer than this segnode's "
             f"{SCHEMA_VERSION}; upgrade segnode or use another ledger"
         )
-    if found.alembic is not None:
+    if found.alembic is not None and found.alembic != HEAD:
+        from alembic.util import CommandError
+
         try:
             known = _script().get_revision(found.alembic)
         except CommandError:
@@ -151,6 +159,11 @@ def upgrade(engine: Engine, where: str) -> Revision:
         If the ledger is newer than this code or has a revision it does not know; nothing is
         changed then.
     """
+    found = revision(engine) if _exists(engine) else Revision(None, None)
+    if found.alembic == HEAD and found.version == SCHEMA_VERSION:
+        return found  # current: nothing to lock, nothing to import
+    from alembic import command
+
     migrate = _migration_engine(engine)
     try:
         with migrate.begin() as conn:
@@ -168,6 +181,14 @@ def upgrade(engine: Engine, where: str) -> Revision:
     finally:
         if migrate is not engine:
             migrate.dispose()
+
+
+def _exists(engine: Engine) -> bool:
+    """Whether there may be a ledger to read (an SQLite file that is not empty)."""
+    if engine.dialect.name != "sqlite":
+        return True
+    path = engine.url.database
+    return path is not None and Path(path).exists() and Path(path).stat().st_size > 0
 
 
 def upgrade_database(url: str) -> Revision:
