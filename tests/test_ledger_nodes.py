@@ -280,3 +280,21 @@ def test_a_starting_node_drops_only_its_own_unwritten_rows(
     assert a.drop_unstored_instances(mine) == 1
     assert a.instance_file("1.2.6.1") is None
     assert a.instance_file("1.2.6.2") == (theirs / "1.2.6.2.dcm", 10)
+
+
+def test_an_idle_node_hears_of_a_new_job_at_once(nodes: list[Ledger], tmp_path: Path) -> None:
+    """b listens (LISTEN/NOTIFY): a job queued by a, and results a encodes, wake it within a
+    fraction of a second, not at its next poll."""
+    a, b, _ = nodes
+    woken = threading.Event()
+    b.listen(woken.set)
+    time.sleep(0.3)  # the listener's LISTEN is in place
+    t0 = time.monotonic()
+    jid = queued_job(a, tmp_path)
+    assert woken.wait(2.0), "no notification for the queued job"
+    queued_after = time.monotonic() - t0
+    woken.clear()
+    job = a.claim_next_job()
+    assert job is not None and a.save_results(jid, results(job, tmp_path), ["PACS@h:1"])
+    assert woken.wait(2.0), "no notification for the encoded results"
+    assert queued_after < 0.5, queued_after

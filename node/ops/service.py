@@ -185,6 +185,11 @@ class Node:
         if self.metrics is not None:
             self.metrics.instance_stored(arrival.size)
 
+    def _work_elsewhere(self) -> None:
+        """A node on the shared ledger queued a job or encoded results: look now."""
+        self.worker.wake.set()
+        self.dispatcher.wake.set()
+
     def _encoded(self, job_id: int) -> None:
         """Worker hook, a job's results are encoded: wake the outbox, queue the preview."""
         self.dispatcher.wake.set()
@@ -329,6 +334,7 @@ class Node:
         self.scp.start()
         self.worker.start()
         self.dispatcher.start()
+        self.ledger.listen(self._work_elsewhere)  # a shared ledger: other nodes' jobs wake us
         if self.web is not None:
             self.web.start()
         if self._unloaded is not None:  # once listening (a failed listen loads nothing)

@@ -105,6 +105,8 @@ class LedgerBase:
         self.node_name: str | None = None
         #: How long a node's heartbeat vouches for what it claimed (``join``).
         self.lease = timedelta(seconds=30)
+        self._listener: threading.Thread | None = None  # NodeStore.listen
+        self._listening = threading.Event()  # set: the listener stops
         self._datetime_bind: Any = None
         self._statements: dict[str, str] = {}
         try:
@@ -168,7 +170,12 @@ class LedgerBase:
         return done
 
     def close(self) -> None:
-        """Close the hot connection (and the node lock) and dispose of the connection pool."""
+        """Close the hot connection (and the node lock, and stop listening) and dispose of
+        the connection pool."""
+        self._listening.set()
+        if self._listener is not None:
+            self._listener.join(5)
+            self._listener = None
         with self._hot_lock:
             if self._hot is not None:
                 self._hot.close()

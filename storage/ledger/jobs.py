@@ -182,6 +182,7 @@ class JobStore(Views, NodeStore):
                 )
             series.pending_since = None
             series.ignored_reason = None
+            self._notify(s)
             for old_id in older:  # a late instance reopened the series: older results replaced
                 s.add(
                     Event(
@@ -381,6 +382,7 @@ class JobStore(Views, NodeStore):
                             )
                         )
             job.encoded_at = now
+            self._notify(s)
             done = f"{len(results)} objects"
             if destinations:
                 move(s, job, JobState.ENCODED, now, message=done)
@@ -425,6 +427,8 @@ class JobStore(Views, NodeStore):
                         s, job, JobState.QUEUED, now, kind="recovered", message=f"now queued{whose}"
                     )
                     n += 1
+            if n:
+                self._notify(s)
         return n
 
     def retry_job(self, job_id: int) -> bool:

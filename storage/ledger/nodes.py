@@ -14,11 +14,15 @@ Must not touch: the jobs and deliveries themselves (the jobs and outbox modules 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, func, or_, select, update
+from sqlalchemy import ColumnElement, func, make_url, or_, select, text, update
+from sqlalchemy.orm import Session
 
 from segnode.storage.ledger.connection import HotConnection, LedgerBase, LedgerInUse
 from segnode.storage.ledger.states import JobState
@@ -37,6 +41,11 @@ class NodeView:
     stopped_at: datetime | None
     alive: bool
     running_jobs: int
+
+
+#: The PostgreSQL notification channel for "a job was queued or results were encoded".
+CHANNEL = "segnode_work"
+log = logging.getLogger("segnode.storage.ledger")
 
 
 def _lock_key(name: str) -> int:
@@ -88,6 +97,39 @@ class NodeStore(LedgerBase):
                 row.address, row.pid = address[:256], os.getpid()
                 row.started_at = row.heartbeat_at = now
                 row.stopped_at = None
+
+    def listen(self, woken: Callable[[], None]) -> None:
+        """Call ``woken`` whenever any node queues a job or encodes results (PostgreSQL's
+        ``LISTEN``/``NOTIFY`` on :data:`CHANNEL`), so that an idle node starts at once
+        instead of at its next poll. A thread with a connection of its own; it reconnects
+        after a lost connection. SQLite (one node): nothing to do."""
+        if self.dialect != "postgresql" or self._listener is not None:
+            return
+        self._listening.clear()
+        self._listener = threading.Thread(
+            target=self._listen, args=(woken,), name="segnode-ledger-listen", daemon=True
+        )
+        self._listener.start()
+
+    def _listen(self, woken: Callable[[], None]) -> None:
+        import psycopg
+
+        conninfo = make_url(self.url).set(drivername="postgresql").render_as_string(False)
+        while not self._listening.is_set():
+            try:
+                with psycopg.connect(conninfo, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    while not self._listening.is_set():
+                        for _ in conn.notifies(timeout=0.5):
+                            woken()
+            except psycopg.Error as exc:
+                log.warning("ledger notifications lost (%s); polling until they are back", exc)
+                self._listening.wait(5.0)
+
+    def _notify(self, s: Session) -> None:
+        """Tell the other nodes there is work (delivered when ``s`` commits)."""
+        if self.dialect == "postgresql":
+            s.execute(text(f"NOTIFY {CHANNEL}"))
 
     def heartbeat(self) -> None:
         """Say this node is alive (every ``lease / 4``)."""
