@@ -472,7 +472,14 @@ def test_a_failed_write_takes_back_the_row_committed_beside_it(
     def failing(self: spool_module.StagingFile, chunks: list[bytes]) -> spool_module.Staged:
         calls.append(1)
         if len(calls) == 1:
-            os.close(self._fd)  # the write then fails with EBADF and the file is removed
+            # A read-only descriptor in its place: the write fails with EBADF and the file is
+            # removed. (Closing the file's own descriptor instead let another thread's new
+            # file, the ledger's, take its number, and the failing write then hit that.)
+            own, self._fd = self._fd, os.open(os.devnull, os.O_RDONLY)
+            try:
+                return real(self, chunks)
+            finally:
+                os.close(own)
         return real(self, chunks)
 
     monkeypatch.setattr(spool_module.StagingFile, "write_synced", failing)
