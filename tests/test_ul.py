@@ -417,9 +417,12 @@ def test_staged_file_is_written_and_synced_in_one_call(tmp_path: Path) -> None:
     staged = staging.write_synced([b"DICM", memoryview(bytearray(b"-data-"))[1:5]])
     assert staged.path.read_bytes() == b"DICMdata" and staged.size == 8
     failing = spool.open_staged()
-    os.close(failing._fd)  # the write then fails with EBADF
+    # A read-only descriptor in its place (not its own closed: a number another thread's
+    # new file may take): the write fails with EBADF.
+    own, failing._fd = failing._fd, os.open(os.devnull, os.O_RDONLY)
     with pytest.raises(SpoolError, match="cannot write to the spool"):
         failing.write_synced([b"x"])
+    os.close(own)
     assert not failing.path.exists()
 
 
