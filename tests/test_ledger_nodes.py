@@ -12,7 +12,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
+from pydicom import dcmread
 
 from scripts.harness import send_files
 from segnode.node.ingest.scp import record_from_file
@@ -298,3 +300,56 @@ def test_an_idle_node_hears_of_a_new_job_at_once(nodes: list[Ledger], tmp_path: 
     assert job is not None and a.save_results(jid, results(job, tmp_path), ["PACS@h:1"])
     assert woken.wait(2.0), "no notification for the encoded results"
     assert queued_after < 0.5, queued_after
+
+
+def test_the_hot_path_connects_again_after_the_server_dropped_it(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """The database server ends every connection (a restart, a failover): the next
+    per-instance statement may fail (the SCP answers 0xA700 and the sender retries), and
+    the ones after it run on a new connection."""
+    upgrade_database(pg_url)
+    led = Ledger(url=pg_url)
+    try:
+        assert led.record_instance(rec("1.2.7.1", "1.2.7"), tmp_path / "1", 10)
+        with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql")) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        stored = []
+        for n in range(2, 5):
+            try:
+                stored.append(
+                    led.record_instance(rec(f"1.2.7.{n}", "1.2.7"), tmp_path / str(n), 10)
+                )
+            except Exception as exc:  # the first use of the dropped connection
+                assert "terminat" in str(exc) or "closed" in str(exc), exc
+        assert stored[-2:] == [True, True], stored
+        assert led.counts()["instances"] == 1 + len(stored)
+    finally:
+        led.close()
+
+
+def test_an_own_row_whose_commit_was_not_confirmed_is_stored_again(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """On PostgreSQL a commit can happen without the node hearing of it (the connection
+    broke), so the C-STORE was answered as failed and no file was written. The sender's
+    retry is not taken for a duplicate: the node stores it, then answers success."""
+    upgrade_database(pg_url)
+    h = SCPHarness(tmp_path / "n", {"ledger": {"url": pg_url}})
+    try:
+        files = write_synthetic_series(tmp_path / "s", rows=32, columns=32, slices=2, seed=9)
+        lost = record_from_file(files[0])
+        path = h.spool.path_for(
+            lost.study_instance_uid, lost.series_instance_uid, lost.sop_instance_uid
+        )
+        assert h.ledger.record_instance(lost, path, files[0].stat().st_size)
+        assert not path.exists()
+        sent = send_files(files, h.port)
+        assert set(sent.statuses.values()) == {0}, sent
+        assert h.ledger.instance_file(lost.sop_instance_uid) == (path, path.stat().st_size)
+        assert dcmread(path).SOPInstanceUID == lost.sop_instance_uid
+    finally:
+        h.close()

@@ -542,9 +542,9 @@ class StoreSCP:
             if not self.ledger.record_instance(rec, path, incoming):
                 if self._stored_elsewhere(sop_uid, path):
                     return self._duplicate(info, series_uid)
-                # Recorded by another node on a shared ledger that has not made the file
-                # (it died, or it is still writing): this node stores it, and the row
-                # points at this copy, made durable before the answer.
+                # Recorded without its file (another node died, or this node's commit was
+                # not confirmed): this node stores it, and the row points at this copy,
+                # made durable before the answer.
                 # (When the row went meanwhile, its node's start-up dropped it: record anew.)
                 moved = self.ledger.move_instance(sop_uid, path, incoming)
                 if not moved and not self.ledger.record_instance(rec, path, incoming):
@@ -556,22 +556,25 @@ class StoreSCP:
         return _Admitted(rec, header, path)
 
     def _stored_elsewhere(self, sop_uid: str, path: Path) -> bool:
-        """Whether a recorded instance's bytes are complete where its row says.
+        """Whether a recorded instance's bytes are whole where its row says.
 
-        A row of this node's spool (``path``) is complete: this process's claim covered its
-        file until it was durable. Another node's row (a shared ledger) is complete when its
-        file has the recorded size; that node may have died after committing the row and
-        before writing the file, or be writing it now.
+        Its file may be missing: another node on a shared ledger committed the row and died
+        before writing the file (or is writing it now), or this node's row was committed
+        while the connection to a PostgreSQL ledger broke, so the write was answered as
+        failed. Under this process's claim no association of ours is writing it.
         """
         found = self.ledger.instance_file(sop_uid)
         if found is None:
             return False
-        if found[0] == path:
-            return True
+        if found[0] == path and self.ledger.dialect == "sqlite":
+            return True  # a local commit is never in doubt, and the claim covered the file
         try:
-            return found[0].stat().st_size == found[1]
+            if found[0].stat().st_size == found[1]:
+                return True
         except OSError:
-            return False
+            pass
+        # Retention deleted the files of a delivered series: a resend is a duplicate.
+        return self.ledger.instance_purged(sop_uid)
 
     def _duplicate(self, info: AssociationInfo, series_uid: str) -> _Status:
         log.info("duplicate instance from %s acknowledged, not stored again", info.calling_ae)

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 
+from sqlalchemy.exc import OperationalError
+
 from segnode.node import __version__
 from segnode.node.config import Config, load_config
 from segnode.node.errors import ConfigError, SegnodeError
@@ -490,6 +492,9 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     except (SchemaError, LedgerInUse) as exc:
         print(f"segnode: cannot open the ledger: {exc}", file=sys.stderr)
+        return 1
+    except OperationalError as exc:  # the ledger's database cannot be reached
+        print(f"segnode: cannot reach the ledger: {exc.orig or exc}", file=sys.stderr)
         return 1
 
 

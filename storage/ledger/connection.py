@@ -188,6 +188,10 @@ class LedgerBase:
     def _hot_connection(self) -> HotConnection:
         """The hot-path connection (autocommit mode: transactions are explicit); call under
         ``_hot_lock``."""
+        if self._hot is not None and self._hot.broken:
+            log.warning("ledger connection lost; connecting again")
+            self._hot.close()
+            self._hot = None
         if self._hot is None:
             if self.path is not None:
                 self._hot = HotConnection.sqlite(self.path)
@@ -241,6 +245,14 @@ class HotConnection:
     def execute(self, statement: str, params: Sequence[Any] = ()) -> Any:
         """Run one statement; returns the driver's cursor (``fetchone``)."""
         return self._conn.execute(statement, params)
+
+    @property
+    def broken(self) -> bool:
+        """Whether the connection is lost (a PostgreSQL server restarted or went away): it
+        is replaced at its next use."""
+        if isinstance(self._conn, sqlite3.Connection):
+            return False
+        return bool(self._conn.closed or self._conn.broken)
 
     def begin(self) -> None:
         """Start a transaction."""

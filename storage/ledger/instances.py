@@ -186,6 +186,12 @@ class InstanceStore(LedgerBase):
             )
         return None if row is None else (Path(row[0]), int(row[1]))
 
+    def instance_purged(self, sop_instance_uid: str) -> bool:
+        """Whether retention deleted the spool files of the instance's series."""
+        with self.engine.connect() as conn:
+            row = conn.exec_driver_sql(self._sql(_INSTANCE_PURGED), (sop_instance_uid,)).first()
+        return row is not None
+
     def move_instance(self, sop_instance_uid: str, path: Path, size: int) -> bool:
         """Point an instance's row at another copy of its bytes (a node storing an instance
         whose recorded file another node did not finish: it died, or it is still writing);
@@ -315,6 +321,10 @@ _INSTANCE_SERIES = "SELECT id, series_id FROM instances WHERE sop_instance_uid =
 _DELETE_INSTANCE = "DELETE FROM instances WHERE id = ?"
 _INSTANCE_FILE = "SELECT path, size FROM instances WHERE sop_instance_uid = ?"
 _MOVE_INSTANCE = "UPDATE instances SET path = ?, size = ? WHERE sop_instance_uid = ?"
+_INSTANCE_PURGED = (
+    "SELECT 1 FROM spool_purges p JOIN instances i ON i.series_id = p.series_id "
+    "WHERE i.sop_instance_uid = ?"
+)
 _SERIES_FORGOT = (
     "UPDATE series SET instance_count = "
     "CASE WHEN instance_count > 0 THEN instance_count - 1 ELSE 0 END WHERE id = ?"
