@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -269,3 +270,39 @@ def test_start_caches_the_sr_template_that_real_series_use(
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_ledger_outage_during_a_job_queues_it_again(
+    tmp_path: Path, engine: OrtEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger's database stops answering while a job runs (a PostgreSQL failover): the
+    job is not failed for it; once the ledger answers it is queued again (same result UIDs)
+    and then finished, and the worker thread keeps running."""
+    from sqlalchemy.exc import OperationalError
+
+    worker, ledger, spool = make(tmp_path, engine)
+    files = write_synthetic_series(tmp_path / "in", rows=96, columns=96, slices=10, seed=35)
+    uid = ingest(ledger, spool, files)
+    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
+    assert jid is not None
+    real_mark = Ledger.mark
+    outage = [1]
+
+    def mark(self: Ledger, job_id: int, stage: str) -> None:
+        if outage:
+            outage.pop()
+            raise OperationalError("UPDATE jobs ...", {}, Exception("server closed the connection"))
+        real_mark(self, job_id, stage)
+
+    monkeypatch.setattr(Ledger, "mark", mark)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while ledger.job_state(jid) not in ("done", "failed") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        view = ledger.job(jid)
+        assert view is not None and view.state == "done", view
+        assert view.attempts == 2 and view.reason is None and view.stages["encoded"] is not None
+        assert worker._thread is not None and worker._thread.is_alive()
+    finally:
+        worker.stop(10)

@@ -50,6 +50,7 @@ import numpy.typing as npt
 from pydicom import Dataset
 from pydicom.dataset import FileMetaDataset
 from pydicom.uid import UID, ExplicitVRLittleEndian, generate_uid
+from sqlalchemy.exc import SQLAlchemyError
 
 from segnode.engines.base import Engine, EngineError, LabelSums, SumsEngine
 from segnode.engines.manifest import ModelManifest
@@ -168,6 +169,8 @@ class Worker:
         self.engine_ready = threading.Event()
         self.engine_ready.set()
         self._stop = threading.Event()
+        #: Jobs a ledger outage interrupted, to put back in the queue (``_run``).
+        self._interrupted: list[int] = []
         self._thread: threading.Thread | None = None
         self.current_job: int | None = None
         self.last_result: str = "none yet"
@@ -199,9 +202,25 @@ class Worker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self.run_once():
+            try:
+                self._requeue_interrupted()
+                found = self.run_once()
+            except SQLAlchemyError as exc:  # the ledger's database is away (PostgreSQL)
+                log.error("the ledger cannot be reached (%s); jobs wait until it can", exc)
+                self._stop.wait(2.0)
+                continue
+            if not found:
                 self.wake.wait(1.0)
                 self.wake.clear()
+
+    def _requeue_interrupted(self) -> None:
+        """Put back in the queue the jobs a ledger outage interrupted (still ``running`` and
+        this node's), now that the ledger answers."""
+        while self._interrupted:
+            job_id = self._interrupted[0]
+            if self.ledger.requeue_job(job_id, "the ledger could not be reached while it ran"):
+                log.info("job %d queued again after a ledger outage", job_id)
+            self._interrupted.pop(0)
 
     def run_once(self) -> bool:
         """Take and run one job; return False when the queue was empty (or the engine is
@@ -214,6 +233,9 @@ class Worker:
         self.current_job = job.id
         try:
             self.process(job)
+        except SQLAlchemyError:
+            self._interrupted.append(job.id)
+            raise
         finally:
             self.current_job = None
             self._recycle_volume()
@@ -244,6 +266,8 @@ class Worker:
             self._fail(job, str(exc))
         except MemoryError:
             self._fail(job, "out of memory while processing the series")
+        except SQLAlchemyError:
+            raise  # not the job's fault: it is queued again once the ledger answers (_run)
         except Exception as exc:
             log.exception("job %d: unexpected error", job.id)
             self._fail(job, f"internal error: {type(exc).__name__}: {exc}")

@@ -431,6 +431,18 @@ class JobStore(Views, NodeStore):
                 self._notify(s)
         return n
 
+    def requeue_job(self, job_id: int, reason: str) -> bool:
+        """Put this node's running job back in the queue (same result UIDs), for a reason
+        that is not the job's (the ledger was unreachable while it ran); False when it is no
+        longer running here."""
+        with self._tx() as s:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job is None or job.state != JobState.RUNNING or not self._mine(job):
+                return False
+            move(s, job, JobState.QUEUED, utcnow(), kind="recovered", message=reason)
+            self._notify(s)
+            return True
+
     def retry_job(self, job_id: int) -> bool:
         """Requeue a failed or cancelled job (same result UIDs)."""
         with self._tx() as s:
