@@ -232,6 +232,18 @@ def test_status_lists_every_node_and_which_are_alive(nodes: list[Ledger]) -> Non
     assert seen["a"].alive and not seen["b"].alive
 
 
+def row_without_file(node: SCPHarness, file: Path) -> tuple[InstanceRecord, Path]:
+    """``node`` commits ``file``'s instance row and writes no file: what a node that died
+    (or whose commit was never confirmed) leaves. Returns the record and the row's path."""
+    lost = record_from_file(file)
+    path = node.spool.path_for(
+        lost.study_instance_uid, lost.series_instance_uid, lost.sop_instance_uid
+    )
+    assert node.ledger.record_instance(lost, path, file.stat().st_size)
+    assert not path.exists()
+    return lost, path
+
+
 def test_an_instance_another_node_recorded_without_its_file_is_stored_here(
     pg_url: str, tmp_path: Path
 ) -> None:
@@ -244,12 +256,7 @@ def test_an_instance_another_node_recorded_without_its_file_is_stored_here(
     a, b = SCPHarness(tmp_path / "a", raw), SCPHarness(tmp_path / "b", raw)
     try:
         files = write_synthetic_series(tmp_path / "s", rows=32, columns=32, slices=3, seed=5)
-        lost = record_from_file(files[0])
-        a_path = a.spool.path_for(
-            lost.study_instance_uid, lost.series_instance_uid, lost.sop_instance_uid
-        )
-        assert a.ledger.record_instance(lost, a_path, files[0].stat().st_size)
-        assert not a_path.exists()
+        lost, a_path = row_without_file(a, files[0])
         sent = send_files(files[1:2], a.port)
         assert sent.acknowledged == [str(record_from_file(files[1]).sop_instance_uid)]
         again = send_files(files, b.port)
@@ -341,12 +348,7 @@ def test_an_own_row_whose_commit_was_not_confirmed_is_stored_again(
     h = SCPHarness(tmp_path / "n", {"ledger": {"url": pg_url}})
     try:
         files = write_synthetic_series(tmp_path / "s", rows=32, columns=32, slices=2, seed=9)
-        lost = record_from_file(files[0])
-        path = h.spool.path_for(
-            lost.study_instance_uid, lost.series_instance_uid, lost.sop_instance_uid
-        )
-        assert h.ledger.record_instance(lost, path, files[0].stat().st_size)
-        assert not path.exists()
+        lost, path = row_without_file(h, files[0])
         sent = send_files(files, h.port)
         assert set(sent.statuses.values()) == {0}, sent
         assert h.ledger.instance_file(lost.sop_instance_uid) == (path, path.stat().st_size)
