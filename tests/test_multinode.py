@@ -50,4 +50,5 @@ def test_a_killed_nodes_jobs_finish_on_another_node_once(
     result = kill_trial(_args(), postgres_cluster, tmp_path, 0)
     assert result["problems"] == [], result
     assert result["killed_running_jobs"] + result["killed_claimed_deliveries"] >= 1
-    assert all(t >= 2.5 for t in result["taken_over_finished_after_kill_s"]), result
+    # Not before the lease: 3 s after the last heartbeat, which is at most 0.75 s old.
+    assert all(t >= 2.2 for t in result["taken_over_finished_after_kill_s"]), result
