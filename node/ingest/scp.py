@@ -540,7 +540,7 @@ class StoreSCP:
         # duplicate check: under the claim, a row that exists is one whose file is durable.
         try:
             if not self.ledger.record_instance(rec, path, incoming):
-                if self._stored_elsewhere(sop_uid, path):
+                if self._recorded_file_whole(sop_uid, path):
                     return self._duplicate(info, series_uid)
                 # Recorded without its file (another node died, or this node's commit was
                 # not confirmed): this node stores it, and the row points at this copy,
@@ -549,13 +549,16 @@ class StoreSCP:
                 moved = self.ledger.move_instance(sop_uid, path, incoming)
                 if not moved and not self.ledger.record_instance(rec, path, incoming):
                     return OUT_OF_RESOURCES, "instance being stored elsewhere; retry"
-                log.info("instance recorded by another node without its file: stored here")
+                log.info(
+                    "instance recorded without its file (a node died, or a commit went "
+                    "unconfirmed): stored here"
+                )
         except Exception as exc:
             log.error("ledger write failed: %s", exc)
             return OUT_OF_RESOURCES, "cannot record the instance"
         return _Admitted(rec, header, path)
 
-    def _stored_elsewhere(self, sop_uid: str, path: Path) -> bool:
+    def _recorded_file_whole(self, sop_uid: str, path: Path) -> bool:
         """Whether a recorded instance's bytes are whole where its row says.
 
         Its file may be missing: another node on a shared ledger committed the row and died

@@ -42,6 +42,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
+def libpq_conninfo(url: str) -> str:
+    """A ``postgresql+psycopg://`` SQLAlchemy URL as libpq (psycopg) takes it."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
 class LedgerInUse(RuntimeError):
     """Another process runs as this node on the ledger
     (:meth:`~segnode.storage.ledger.nodes.NodeStore.join`)."""
@@ -238,8 +243,7 @@ class HotConnection:
         """PostgreSQL through psycopg; each commit is durable (the server's settings)."""
         import psycopg  # the postgres extra; the engine of a postgresql URL already needs it
 
-        conninfo = make_url(url).set(drivername="postgresql").render_as_string(False)
-        conn = psycopg.connect(conninfo, autocommit=True)
+        conn = psycopg.connect(libpq_conninfo(url), autocommit=True)
         return cls(conn, "BEGIN", psycopg.IntegrityError)
 
     def execute(self, statement: str, params: Sequence[Any] = ()) -> Any:

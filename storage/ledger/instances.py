@@ -142,23 +142,30 @@ class InstanceStore(LedgerBase):
             if self.has_instance(rec.sop_instance_uid):
                 return False
         with self._write_lock:
-            with self._hot_lock:
-                hot = self._hot_connection()
-                hot.begin()
-                try:
-                    row = hot.execute(self._sql(_SERIES_ID), (rec.series_instance_uid,)).fetchone()
-                    if row is not None:
-                        hot.execute(self._sql(_INSERT_INSTANCE), (*values[:2], row[0], *values[3:]))
-                        hot.execute(self._sql(_SERIES_RECEIVED), (stamp, stamp, row[0]))
-                        hot.commit()
-                        return True
-                    hot.rollback()
-                except hot.IntegrityError:
-                    hot.rollback()
-                    return False
-                except BaseException:
-                    hot.rollback()
-                    raise
+            # SQLite: the same three statements in one BEGIN IMMEDIATE transaction. (On
+            # PostgreSQL the statement above found no series: its first instance.)
+            if self.dialect == "sqlite":
+                with self._hot_lock:
+                    hot = self._hot_connection()
+                    hot.begin()
+                    try:
+                        row = hot.execute(
+                            self._sql(_SERIES_ID), (rec.series_instance_uid,)
+                        ).fetchone()
+                        if row is not None:
+                            hot.execute(
+                                self._sql(_INSERT_INSTANCE), (*values[:2], row[0], *values[3:])
+                            )
+                            hot.execute(self._sql(_SERIES_RECEIVED), (stamp, stamp, row[0]))
+                            hot.commit()
+                            return True
+                        hot.rollback()
+                    except hot.IntegrityError:
+                        hot.rollback()
+                        return False
+                    except BaseException:
+                        hot.rollback()
+                        raise
             # The series' first instance: create the study and series rows.
             try:
                 with self.engine.begin() as sa:

@@ -21,10 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, func, make_url, or_, select, text, update
+from sqlalchemy import ColumnElement, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
-from segnode.storage.ledger.connection import HotConnection, LedgerBase, LedgerInUse
+from segnode.storage.ledger.connection import (
+    HotConnection,
+    LedgerBase,
+    LedgerInUse,
+    libpq_conninfo,
+)
 from segnode.storage.ledger.states import JobState
 from segnode.storage.models import Job, Node
 
@@ -114,10 +119,9 @@ class NodeStore(LedgerBase):
     def _listen(self, woken: Callable[[], None]) -> None:
         import psycopg
 
-        conninfo = make_url(self.url).set(drivername="postgresql").render_as_string(False)
         while not self._listening.is_set():
             try:
-                with psycopg.connect(conninfo, autocommit=True) as conn:
+                with psycopg.connect(libpq_conninfo(self.url), autocommit=True) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     while not self._listening.is_set():
                         for _ in conn.notifies(timeout=0.5):
