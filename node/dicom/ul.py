@@ -736,17 +736,17 @@ class _Association:
             Action.AR_2: self._ar2,
             Action.AR_3: self._ar3,
             Action.AR_4: self._ar4,
-            Action.AR_5: self._ar5,
+            Action.AR_5: self._end_artim_and_close,
             Action.AR_6: self._ar6,
             Action.AR_7: self._ar7,
             Action.AR_8: self._ar8,
             Action.AR_9: self._ar9,
             Action.AR_10: self._ar10,
             Action.AA_1: self._aa1,
-            Action.AA_2: self._aa2,
+            Action.AA_2: self._end_artim_and_close,
             Action.AA_3: self._aa3,
             Action.AA_4: self._aa4,
-            Action.AA_5: self._aa5,
+            Action.AA_5: self._end_artim_and_close,
             Action.AA_6: self._aa6,
             Action.AA_7: self._aa7,
             Action.AA_8: self._aa8,
@@ -834,11 +834,6 @@ class _Association:
         self._start_artim()
         return State.STA13
 
-    def _ar5(self, _: Any) -> State:
-        self.artim = None
-        self.close()
-        return State.STA1
-
     def _ar6(self, pdvs: list[tuple[int, int, memoryview]]) -> State:
         # P-DATA while our A-RELEASE-RQ is outstanding: the node may not answer (no P-DATA
         # request is possible in Sta7), so a request that arrives now is neither stored nor
@@ -866,7 +861,10 @@ class _Association:
         self._start_artim()
         return State.STA13
 
-    def _aa2(self, _: Any) -> State:
+    def _end_artim_and_close(self, _: Any) -> State:
+        """AR-5, AA-2 and AA-5: stop the ARTIM timer, close the connection, back to Sta1
+        (for AR-5 and AA-5 the peer has closed it already; closing our end is all that is
+        left)."""
         self.artim = None
         self.close()
         return State.STA1
@@ -879,11 +877,6 @@ class _Association:
     def _aa4(self, _: Any) -> State:
         if self.established:
             log.warning("connection from %s closed without release", self.info.address)
-        self.close()
-        return State.STA1
-
-    def _aa5(self, _: Any) -> State:
-        self.artim = None
         self.close()
         return State.STA1
 

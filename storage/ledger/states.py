@@ -97,8 +97,21 @@ class TransitionError(RuntimeError):
 _S = TypeVar("_S", JobState, DeliveryStatus)
 
 
-def _allowed(what: str, moves: Mapping[_S, frozenset[_S]], current: _S, to: _S) -> _S:
-    """``current``, once ``moves`` allows ``current -> to`` for ``what`` (a job or a delivery).
+def _transition(
+    s: Session,
+    now: datetime,
+    what: str,
+    moves: Mapping[_S, frozenset[_S]],
+    current: _S,
+    to: _S,
+    *,
+    job_id: int | None,
+    kind: str,
+    message: str | None,
+    prefix: str = "",
+) -> None:
+    """Check ``current -> to`` against ``moves`` for ``what`` (a job or a delivery) and add
+    its event to ``s``: ``prefix`` then ``message``, or the move itself without one.
 
     Raises
     ------
@@ -107,24 +120,30 @@ def _allowed(what: str, moves: Mapping[_S, frozenset[_S]], current: _S, to: _S) 
     """
     if to not in moves[current]:
         raise TransitionError(f"{what}: {current} -> {to} is not an allowed move")
-    return current
+    text = prefix + (message if message is not None else f"{current} -> {to}")
+    s.add(Event(at=now, kind=kind, job_id=job_id, message=text[:2048]))
 
 
 def move_delivery(
     s: Session, d: Delivery, to: DeliveryStatus, now: datetime, message: str = ""
 ) -> None:
-    """Move delivery ``d`` to ``to``, checked against :data:`DELIVERY_MOVES`, and record the
-    event (``delivery-<status>``, naming the destination).
-
-    Raises
-    ------
-    TransitionError
-        The move is not allowed from the delivery's status.
-    """
-    now_status = _allowed(f"delivery {d.id}", DELIVERY_MOVES, DeliveryStatus(d.status), to)
+    """Move delivery ``d`` to ``to``, checked against :data:`DELIVERY_MOVES` (else
+    :class:`TransitionError`), and record the event ``delivery-<status>``, which names the
+    destination."""
+    current = DeliveryStatus(d.status)
+    _transition(
+        s,
+        now,
+        f"delivery {d.id}",
+        DELIVERY_MOVES,
+        current,
+        to,
+        job_id=d.job_id,
+        kind=f"delivery-{to}",
+        message=message or None,
+        prefix=f"{d.destination}: ",
+    )
     d.status = to.value
-    text = f"{d.destination}: {message or f'{now_status} -> {to}'}"
-    s.add(Event(at=now, kind=f"delivery-{to}", job_id=d.job_id, message=text[:2048]))
 
 
 def move(
@@ -136,15 +155,19 @@ def move(
     kind: str | None = None,
     message: str | None = None,
 ) -> None:
-    """Move ``job`` to ``to`` in session ``s``, checked against :data:`TRANSITIONS`, and
-    record the event (``kind``, default ``job-<state>``, with ``message``).
-
-    Raises
-    ------
-    TransitionError
-        The move is not allowed from the job's state.
-    """
-    now_state = _allowed(f"job {job.id}", TRANSITIONS, JobState(job.state), to)
+    """Move ``job`` to ``to`` in session ``s``, checked against :data:`TRANSITIONS` (else
+    :class:`TransitionError`), and record the event (``kind``, default ``job-<state>``, with
+    ``message``)."""
+    current = JobState(job.state)
+    _transition(
+        s,
+        now,
+        f"job {job.id}",
+        TRANSITIONS,
+        current,
+        to,
+        job_id=job.id,
+        kind=kind or f"job-{to}",
+        message=message,
+    )
     job.state = to.value
-    text = message if message is not None else f"{now_state} -> {to}"
-    s.add(Event(at=now, kind=kind or f"job-{to}", job_id=job.id, message=text[:2048]))

@@ -37,6 +37,17 @@ def _str(name: str, length: int, nullable: bool = False) -> sa.Column[Any]:
     return sa.Column(name, sa.String(length), nullable=nullable)
 
 
+def _ref(name: str, target: str) -> sa.Column[Any]:
+    """A required foreign key ``name`` to ``target`` (``table.id``)."""
+    return sa.Column(name, sa.Integer(), sa.ForeignKey(target), nullable=False)
+
+
+def _index(table: str, *columns: str) -> None:
+    """One ``ix_<table>_<column>`` index on each of ``columns``."""
+    for column in columns:
+        op.create_index(f"ix_{table}_{column}", table, [column])
+
+
 def upgrade() -> None:
     """Schema version 1."""
     op.create_table("meta", sa.Column("key", sa.String(64), primary_key=True), _str("value", 256))
@@ -49,8 +60,7 @@ def upgrade() -> None:
         sa.Column("series_id", sa.Integer()),
         _str("message", 2048),
     )
-    op.create_index("ix_events_at", "events", ["at"])
-    op.create_index("ix_events_job_id", "events", ["job_id"])
+    _index("events", "at", "job_id")
     op.create_table(
         "senders",
         sa.Column("calling_ae", sa.String(16), primary_key=True),
@@ -71,7 +81,7 @@ def upgrade() -> None:
         "series",
         _id(),
         _uid("series_instance_uid"),
-        sa.Column("study_id", sa.Integer(), sa.ForeignKey("studies.id"), nullable=False),
+        _ref("study_id", "studies.id"),
         _str("modality", 16),
         _str("calling_ae", 16),
         _at("first_received_at", False),
@@ -86,7 +96,7 @@ def upgrade() -> None:
         _id(),
         _uid("sop_instance_uid"),
         _uid("sop_class_uid"),
-        sa.Column("series_id", sa.Integer(), sa.ForeignKey("series.id"), nullable=False),
+        _ref("series_id", "series.id"),
         _uid("transfer_syntax_uid"),
         _str("path", 1024),
         sa.Column("size", sa.BigInteger(), nullable=False),
@@ -94,11 +104,11 @@ def upgrade() -> None:
         _at("received_at", False),
         sa.UniqueConstraint("sop_instance_uid"),
     )
-    op.create_index("ix_instances_series_id", "instances", ["series_id"])
+    _index("instances", "series_id")
     op.create_table(
         "jobs",
         _id(),
-        sa.Column("series_id", sa.Integer(), sa.ForeignKey("series.id"), nullable=False),
+        _ref("series_id", "series.id"),
         _int("version"),
         _str("state", 16),
         _int("priority"),
@@ -120,12 +130,11 @@ def upgrade() -> None:
         sa.UniqueConstraint("series_id", "version", "model_name"),
         sa.UniqueConstraint("sr_sop_uid"),
     )
-    op.create_index("ix_jobs_series_id", "jobs", ["series_id"])
-    op.create_index("ix_jobs_state", "jobs", ["state"])
+    _index("jobs", "series_id", "state")
     op.create_table(
         "spool_purges",
         _id(),
-        sa.Column("series_id", sa.Integer(), sa.ForeignKey("series.id"), nullable=False),
+        _ref("series_id", "series.id"),
         _at("purged_at", False),
         _int("files"),
         sa.Column("size_bytes", sa.BigInteger(), nullable=False),
@@ -134,7 +143,7 @@ def upgrade() -> None:
     op.create_table(
         "results",
         _id(),
-        sa.Column("job_id", sa.Integer(), sa.ForeignKey("jobs.id"), nullable=False),
+        _ref("job_id", "jobs.id"),
         _str("kind", 8),
         _uid("sop_class_uid"),
         _uid("sop_instance_uid"),
@@ -143,12 +152,12 @@ def upgrade() -> None:
         _int("order"),
         sa.UniqueConstraint("sop_instance_uid"),
     )
-    op.create_index("ix_results_job_id", "results", ["job_id"])
+    _index("results", "job_id")
     op.create_table(
         "deliveries",
         _id(),
-        sa.Column("result_id", sa.Integer(), sa.ForeignKey("results.id"), nullable=False),
-        sa.Column("job_id", sa.Integer(), sa.ForeignKey("jobs.id"), nullable=False),
+        _ref("result_id", "results.id"),
+        _ref("job_id", "jobs.id"),
         _str("destination", 512),
         _str("status", 16),
         _int("attempts"),
@@ -160,6 +169,5 @@ def upgrade() -> None:
         sa.UniqueConstraint("result_id", "destination"),
     )
     op.create_index("ix_deliveries_due", "deliveries", ["status", "next_attempt_at"])
-    op.create_index("ix_deliveries_job_id", "deliveries", ["job_id"])
-    op.create_index("ix_deliveries_result_id", "deliveries", ["result_id"])
+    _index("deliveries", "job_id", "result_id")
     set_version(op.get_bind(), 1)
