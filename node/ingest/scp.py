@@ -117,8 +117,6 @@ class StoreSCP:
     tracker
         Told of every association start and end and of each series an association delivers
         (:class:`~segnode.node.ingest.series.CompletionLoop`: it only queues them).
-    on_stored
-        Called with the series UID after each stored instance; may be None.
     on_instance
         Called with every stored (durable, recorded) CT instance, after its response:
         streaming assembly and metrics; may be None.
@@ -136,7 +134,6 @@ class StoreSCP:
         ledger: Ledger,
         spool: Spool,
         tracker: SeriesEvents,
-        on_stored: Callable[[str], None] | None = None,
         *,
         on_instance: Callable[[Arrival], None] | None = None,
         busy_elsewhere: Callable[[], bool] | None = None,
@@ -145,7 +142,6 @@ class StoreSCP:
         self.ledger = ledger
         self.spool = spool
         self.tracker = tracker
-        self.on_stored = on_stored
         self.on_instance = on_instance
         self.busy_elsewhere: Callable[[], bool] = busy_elsewhere or (lambda: False)
         nc = config.node
@@ -610,8 +606,6 @@ class StoreSCP:
 
     def _stored(self, arrival: Arrival) -> None:
         """After the response: tell metrics and the streaming decoder."""
-        if self.on_stored is not None:
-            self.on_stored(arrival.series_uid)
         if self.on_instance is not None:
             self.on_instance(arrival)
 
