@@ -57,14 +57,15 @@ from tests.fixtures.synthetic import SAGITTAL, phantom_labels, write_enhanced_ct
 from tests.test_results import (
     MANIFEST,
     OBLIQUE,
+    SEG_EQUIPMENT,
     SOURCE_WARNINGS,
+    SR_EQUIPMENT,
     UIDS,
     evidence,
     small_volume,
     truth,
 )
 
-VERSION = "0.1.0"
 KINDS = ("BINARY", "LABELMAP")
 
 # dicom3tools of 2022 predates Label Map Segmentation Storage (2024): it knows no such IOD
@@ -114,13 +115,13 @@ def pin(seg: Dataset, plan: SegPlan) -> None:
 def highdicom_seg(volume: Volume, labels: npt.NDArray[np.integer], plan: SegPlan) -> Dataset:
     """highdicom's SEG of ``labels`` as ``plan`` encodes them (its model, UIDs and clock)."""
     with building("LABELMAP" if plan.labelmap else "BINARY"):
-        seg = build_seg(volume, labels, plan.manifest, plan.uids, software_version=VERSION)
+        seg = build_seg(volume, labels, plan.manifest, plan.uids, equipment=SEG_EQUIPMENT)
     pin(seg, plan)
     return seg
 
 
 def prepare(volume: Volume, kind: str, manifest: ModelManifest = MANIFEST) -> SegPlan:
-    return SegPlan.prepare(volume, manifest, UIDS, software_version=VERSION, segmentation_type=kind)
+    return SegPlan.prepare(volume, manifest, UIDS, equipment=SEG_EQUIPMENT, segmentation_type=kind)
 
 
 def differences(ours: bytes, theirs: bytes) -> list[str]:
@@ -358,7 +359,7 @@ def test_prepare_does_not_read_the_voxels() -> None:
             blank,
             MANIFEST,
             UIDS,
-            software_version=VERSION,
+            equipment=SEG_EQUIPMENT,
             segmentation_type=kind,
             created=plan.created,
         )
@@ -383,7 +384,7 @@ def test_reference_dataset(kind: str) -> None:
         full.pop(tag, None)
     assert reference == full
     if kind == "BINARY":
-        sr = build_sr(volume, labels, MANIFEST, reference, UIDS, software_version=VERSION)
+        sr = build_sr(volume, labels, MANIFEST, reference, UIDS, equipment=SR_EQUIPMENT)
         assert UIDS.seg_sop_uid in {uid for _, _, uid in evidence(sr)}
 
 
@@ -480,7 +481,7 @@ def test_no_segments() -> None:
     with pytest.raises(NoSegmentsError) as ours:
         prepare(volume, "BINARY").encode(zeros)
     with pytest.raises(NoSegmentsError) as theirs:
-        build_seg(volume, zeros, MANIFEST, UIDS, software_version=VERSION)
+        build_seg(volume, zeros, MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
     assert str(ours.value) == str(theirs.value)
 
 
@@ -508,19 +509,18 @@ def test_invalid_label_maps_as_build_seg(change: str) -> None:
     with pytest.raises(ResultError) as ours:
         prepare(volume, "BINARY", manifest).encode(labels)
     with pytest.raises(ResultError) as theirs:
-        build_seg(volume, labels, manifest, UIDS, software_version=VERSION)
+        build_seg(volume, labels, manifest, UIDS, equipment=SEG_EQUIPMENT)
     assert str(ours.value) == str(theirs.value)
 
 
 def test_invalid_equipment_values_as_build_seg() -> None:
     volume = small_volume()
     long_name = "x" * 65  # LO holds 64 characters
+    equipment = dataclasses.replace(SEG_EQUIPMENT, manufacturer=long_name)
     with pytest.raises(ResultError) as ours:
-        SegPlan.prepare(volume, MANIFEST, UIDS, software_version=VERSION, manufacturer=long_name)
+        SegPlan.prepare(volume, MANIFEST, UIDS, equipment=equipment)
     with pytest.raises(ResultError) as theirs:
-        build_seg(
-            volume, truth(volume), MANIFEST, UIDS, software_version=VERSION, manufacturer=long_name
-        )
+        build_seg(volume, truth(volume), MANIFEST, UIDS, equipment=equipment)
     assert str(ours.value) == str(theirs.value)
 
 
@@ -763,7 +763,7 @@ def test_laterality_and_anatomic_region(tmp_path: Path, kind: str) -> None:
         errors, warnings = dciodvfy(encoded.data, tmp_path / "lateral.dcm")
         assert errors == [] and warnings == []
     sr = build_sr(volume, labels, manifest, pydicom.dcmread(io.BytesIO(encoded.data)), UIDS,
-                  software_version=VERSION)  # fmt: skip
+                  equipment=SR_EQUIPMENT)  # fmt: skip
     report = hd.sr.srread(io.BytesIO(_bytes(sr))).content
     lateralities = sorted(
         str(site.laterality.meaning) if site.laterality else "-"

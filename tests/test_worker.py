@@ -236,7 +236,7 @@ def test_start_caches_the_sr_template_that_real_series_use(
     from segnode.node import __version__
     from segnode.node.ingest.volume import assemble_from_datasets
     from segnode.node.results import sr_encode
-    from segnode.node.results.build import ResultUIDs
+    from segnode.node.results.build import Equipment, ResultUIDs
     from segnode.node.results.seg_encode import SegPlan
     from segnode.node.results.sr_encode import SrPlan
 
@@ -250,13 +250,14 @@ def test_start_caches_the_sr_template_that_real_series_use(
         volume = assemble_from_datasets(synthetic_datasets(rows=16, columns=16, slices=3))
         manifest = load_manifest(DEFAULT_MODEL)
         uids = ResultUIDs.new()
-        seg = SegPlan.prepare(volume, manifest, uids, software_version=__version__)
+        seg = SegPlan.prepare(volume, manifest, uids, equipment=Equipment.for_seg(__version__))
         SrPlan.prepare(
             volume,
             manifest,
             uids,
             seg_sop_class_uid=seg.sop_class_uid,
-            software_version=__version__,
+            equipment=Equipment.for_sr(__version__),
+            seg_equipment=Equipment.for_seg(__version__),
         )
         assert len(sr_encode._TEMPLATES) == 2  # the same key as the Latin-1 one: a hit
     finally:

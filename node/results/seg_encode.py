@@ -177,12 +177,7 @@ class SegPlan:
         uids: ResultUIDs,
         *,
         segmentation_type: str = "BINARY",
-        manufacturer: str = "segnode",
-        software_version: str,
-        series_number: int = 9901,
-        device_serial: str = "segnode",
-        manufacturer_model_name: str = "segnode",
-        instance_number: int = 1,
+        equipment: Equipment,
         created: datetime.datetime | None = None,
     ) -> SegPlan:
         """Encode everything but the frames; uses the volume's headers, geometry and shape
@@ -190,8 +185,7 @@ class SegPlan:
 
         Parameters
         ----------
-        volume, manifest, uids, manufacturer, software_version, series_number, device_serial,
-        manufacturer_model_name, instance_number
+        volume, manifest, uids, equipment
             As for :func:`segnode.node.results.build.build_seg`.
         segmentation_type
             ``"BINARY"`` (Segmentation Storage, one 1-bit frame per segment and slice) or
@@ -228,14 +222,7 @@ class SegPlan:
                 created=created,
                 dimension_organization_uid=dim_uid,
                 charset=charset,
-                equipment=Equipment(
-                    software_version,
-                    series_number,
-                    manufacturer,
-                    manufacturer_model_name,
-                    device_serial,
-                    instance_number,
-                ),
+                equipment=equipment,
             )
             geometry = Geometry.of(volume, sources)
             meta = Dataset()
