@@ -45,12 +45,9 @@ from segnode.node.results.build import (
 from segnode.node.results.seg_check import check_encoded, elements, items
 from segnode.node.results.seg_encode import EncodedSeg, SegPlan
 from segnode.node.results.seg_header import (
-    DIMENSION_ORGANIZATION_TYPE,
     LABEL_MAP_SEGMENTATION_STORAGE,
-    PER_FRAME_FUNCTIONAL_GROUPS,
-    PIXEL_DATA,
     SEGMENTATION_STORAGE,
-    SHARED_FUNCTIONAL_GROUPS,
+    Tag,
 )
 from tests.conftest import LIVER, PHANTOM, require_data, require_tool
 from tests.fixtures.synthetic import SAGITTAL, phantom_labels, write_enhanced_ct
@@ -376,10 +373,10 @@ def test_reference_dataset(kind: str) -> None:
     reference = plan.reference(encoded)
     full = pydicom.dcmread(io.BytesIO(encoded.data))
     for tag in (
-        SHARED_FUNCTIONAL_GROUPS,
-        PER_FRAME_FUNCTIONAL_GROUPS,
-        PIXEL_DATA,
-        DIMENSION_ORGANIZATION_TYPE,
+        Tag.SHARED_FUNCTIONAL_GROUPS,
+        Tag.PER_FRAME_FUNCTIONAL_GROUPS,
+        Tag.PIXEL_DATA,
+        Tag.DIMENSION_ORGANIZATION_TYPE,
     ):
         full.pop(tag, None)
     assert reference == full
@@ -538,7 +535,7 @@ def _value(data: bytes, tag: int) -> tuple[int, int]:
 
 
 def _frame_items(data: bytes) -> list[tuple[int, int, int]]:
-    start, end = _value(data, PER_FRAME_FUNCTIONAL_GROUPS)
+    start, end = _value(data, Tag.PER_FRAME_FUNCTIONAL_GROUPS)
     return items(memoryview(data), start, end)
 
 
@@ -576,7 +573,7 @@ def swapped(data: bytes, a: tuple[int, int], b: tuple[int, int]) -> bytearray:
 def test_check_catches_a_flipped_bit(encoded_binary: Any) -> None:
     plan, encoded, labels = encoded_binary
     data = bytearray(encoded.data)
-    start, _ = _value(encoded.data, PIXEL_DATA)
+    start, _ = _value(encoded.data, Tag.PIXEL_DATA)
     frame_bytes = labels[0].size // 8
     data[start + 3 * frame_bytes + frame_bytes // 2] ^= 0x10
     assert_rejected(plan, encoded, data, labels, match="frame 4 does not reproduce the label map")
@@ -584,7 +581,7 @@ def test_check_catches_a_flipped_bit(encoded_binary: Any) -> None:
 
 def test_check_catches_wrong_frame_order(encoded_binary: Any) -> None:
     plan, encoded, labels = encoded_binary
-    start, _ = _value(encoded.data, PIXEL_DATA)
+    start, _ = _value(encoded.data, Tag.PIXEL_DATA)
     size = labels[0].size // 8
     a, b = start + 2 * size, start + 20 * size  # two frames of different segments
     data = swapped(encoded.data, (a, a + size), (b, b + size))
@@ -614,7 +611,7 @@ def test_check_catches_truncated_pixel_data(encoded_binary: Any) -> None:
     plan, encoded, labels = encoded_binary
     assert_rejected(plan, encoded, encoded.data[:-100], labels, match="do not parse")
     # a consistent element, one frame short
-    start, end = _value(encoded.data, PIXEL_DATA)
+    start, end = _value(encoded.data, Tag.PIXEL_DATA)
     size = labels[0].size // 8
     data = bytearray(encoded.data[: end - size])
     struct.pack_into("<I", data, start - 4, end - size - start)
@@ -673,7 +670,7 @@ def test_check_catches_a_flipped_bit_across_frame_boundaries(kind: str) -> None:
     plan = prepare(volume, kind)
     encoded = plan.encode(labels)
     check_encoded(plan, encoded, labels)
-    start, end = _value(encoded.data, PIXEL_DATA)
+    start, end = _value(encoded.data, Tag.PIXEL_DATA)
     data = bytearray(encoded.data)
     data[(start + end) // 2] ^= 0x04
     assert_rejected(plan, encoded, data, labels, match="does not reproduce the label map")
@@ -685,7 +682,7 @@ def test_check_labelmap_catches_a_changed_voxel() -> None:
     plan = prepare(volume, "LABELMAP")
     encoded = plan.encode(labels)
     check_encoded(plan, encoded, labels)
-    start, _ = _value(encoded.data, PIXEL_DATA)
+    start, _ = _value(encoded.data, Tag.PIXEL_DATA)
     data = bytearray(encoded.data)
     data[start + 3 * labels[0].size + 100] ^= 0x01
     assert_rejected(plan, encoded, data, labels, match="frame 4 does not reproduce")
