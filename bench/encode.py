@@ -144,7 +144,6 @@ def measure(
             uids,
             seg_sop_class_uid=plan.sop_class_uid,
             equipment=Equipment.for_sr(__version__),
-            seg_equipment=Equipment.for_seg(__version__),
         ),
         runs,
     )

@@ -100,12 +100,7 @@ def run(slices: int, size: int, runs: int) -> dict[str, Any]:
 
     def prepare() -> SrPlan:
         return SrPlan.prepare(
-            volume,
-            MANIFEST,
-            uids,
-            seg_sop_class_uid=SEGMENTATION_STORAGE,
-            equipment=SR_EQUIPMENT,
-            seg_equipment=SEG_EQUIPMENT,
+            volume, MANIFEST, uids, seg_sop_class_uid=SEGMENTATION_STORAGE, equipment=SR_EQUIPMENT
         )
 
     stats = segment_statistics(volume, labels, MANIFEST)

@@ -222,12 +222,7 @@ def _reference_bytes(
 
 def _plan(volume: Volume, seg_class: str = SEGMENTATION_STORAGE) -> SrPlan:
     return SrPlan.prepare(
-        volume,
-        MANIFEST,
-        UIDS,
-        seg_sop_class_uid=seg_class,
-        equipment=SR_EQUIPMENT,
-        seg_equipment=SEG_EQUIPMENT,
+        volume, MANIFEST, UIDS, seg_sop_class_uid=seg_class, equipment=SR_EQUIPMENT
     )
 
 
@@ -379,12 +374,7 @@ def test_plans_for_other_uids_differ() -> None:
     stats = segment_statistics(volume, _labels(volume, PRESENT[1]), MANIFEST)
     other = ResultUIDs.new()
     data = SrPlan.prepare(
-        volume,
-        MANIFEST,
-        other,
-        seg_sop_class_uid=SEGMENTATION_STORAGE,
-        equipment=SR_EQUIPMENT,
-        seg_equipment=SEG_EQUIPMENT,
+        volume, MANIFEST, other, seg_sop_class_uid=SEGMENTATION_STORAGE, equipment=SR_EQUIPMENT
     ).encode(stats, now=NOW)
     ds = pydicom.dcmread(io.BytesIO(data))
     assert ds.SOPInstanceUID == other.sr_sop_uid

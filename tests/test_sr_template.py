@@ -38,12 +38,7 @@ def _reference_for(volume: Volume, labels: npt.NDArray[np.integer], uids: Result
 
 def _prepare(volume: Volume, uids: ResultUIDs) -> SrPlan:
     return SrPlan.prepare(
-        volume,
-        MANIFEST,
-        uids,
-        seg_sop_class_uid=SEGMENTATION_STORAGE,
-        equipment=SR_EQUIPMENT,
-        seg_equipment=SEG_EQUIPMENT,
+        volume, MANIFEST, uids, seg_sop_class_uid=SEGMENTATION_STORAGE, equipment=SR_EQUIPMENT
     )
 
 

@@ -400,7 +400,7 @@ class SrPlan:
         *,
         seg_sop_class_uid: str,
         equipment: Equipment,
-        seg_equipment: Equipment,
+        seg_equipment: Equipment | None = None,
     ) -> SrPlan:
         """Encode everything of the SR that does not depend on the label map.
 
@@ -419,7 +419,9 @@ class SrPlan:
             As for :func:`segnode.node.results.build.build_sr`.
         seg_equipment
             That SEG's, as given to ``build_seg`` or :meth:`SegPlan.prepare
-            <segnode.node.results.seg_encode.SegPlan.prepare>`.
+            <segnode.node.results.seg_encode.SegPlan.prepare>`; default ``equipment``: the
+            SEG of the same equipment (its series and instance numbers are not among what
+            the SR reads of it).
 
         Raises
         ------
@@ -437,6 +439,8 @@ class SrPlan:
             raise ResultError(f"{seg_sop_class_uid} is not a Segmentation SOP Class")
         sources = _source_headers(volume)
         charset = _character_set(volume)
+        if seg_equipment is None:
+            seg_equipment = equipment
         seg = _seg_header(sources[0], uids, seg_sop_class_uid, seg_equipment, charset)
         # The keywords sr_document gives Comprehensive3DSR that its base class keeps.
         base_kwargs: dict[str, Any] = {
