@@ -47,6 +47,7 @@ from segnode.node import __version__
 from segnode.node.ingest.volume import Volume, assemble_from_datasets
 from segnode.node.pipeline.worker import encode
 from segnode.node.results.build import (
+    Equipment,
     ResultUIDs,
     build_seg,
     build_sr,
@@ -103,7 +104,9 @@ def measure(
     if baseline and segmentation_type == "BINARY":
 
         def build_and_write() -> tuple[Any, bytes]:
-            seg = build_seg(volume, labels, manifest, uids, software_version=__version__)
+            seg = build_seg(
+                volume, labels, manifest, uids, equipment=Equipment.for_seg(__version__)
+            )
             return seg, encode(seg)
 
         seg_out["highdicom build+write"], (seg, data) = timed(build_and_write, runs)
@@ -112,7 +115,9 @@ def measure(
         )
         sr_out["highdicom build_sr+write"], _ = timed(
             lambda: encode(
-                build_sr(volume, labels, manifest, seg, uids, software_version=__version__)
+                build_sr(
+                    volume, labels, manifest, seg, uids, equipment=Equipment.for_sr(__version__)
+                )
             ),
             runs,
         )
@@ -121,7 +126,7 @@ def measure(
             volume,
             manifest,
             uids,
-            software_version=__version__,
+            equipment=Equipment.for_seg(__version__),
             segmentation_type=segmentation_type,
         ),
         runs,
@@ -138,7 +143,7 @@ def measure(
             manifest,
             uids,
             seg_sop_class_uid=plan.sop_class_uid,
-            software_version=__version__,
+            equipment=Equipment.for_sr(__version__),
         ),
         runs,
     )

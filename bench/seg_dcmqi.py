@@ -20,7 +20,7 @@ import numpy as np
 
 from segnode.engines.manifest import load_manifest
 from segnode.node.ingest.volume import assemble_volume
-from segnode.node.results.build import ResultUIDs
+from segnode.node.results.build import Equipment, ResultUIDs
 from segnode.node.results.seg_check import check_encoded
 from segnode.node.results.seg_encode import SegPlan
 from tests.fixtures.synthetic import AXIAL, SAGITTAL, phantom_labels, write_synthetic_series
@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         write_synthetic_series(ct, rows=256, columns=256, slices=64, orientation=orientation)
         volume = assemble_volume(sorted(ct.glob("*.dcm")))
         labels = phantom_labels(256, 256, 64)
-        plan = SegPlan.prepare(volume, manifest, ResultUIDs.new(), software_version="bench")
+        plan = SegPlan.prepare(
+            volume, manifest, ResultUIDs.new(), equipment=Equipment.for_seg("bench")
+        )
         encoded = plan.encode(labels)
         check_encoded(plan, encoded, labels)
         seg = args.out / name / "seg.dcm"

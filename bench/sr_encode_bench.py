@@ -62,7 +62,8 @@ from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
 
 #: The phantom's five labels (tests.fixtures.synthetic), as a model would describe them.
 MANIFEST = dataclasses.replace(RESULTS_MANIFEST, labels=PHANTOM_LABELS)
-VERSION = "bench"
+SEG_EQUIPMENT = Equipment.for_seg("bench")
+SR_EQUIPMENT = Equipment.for_sr("bench")
 
 
 def _medians_ms(fn: Callable[[], object], runs: int) -> tuple[float, float]:
@@ -82,16 +83,14 @@ def run(slices: int, size: int, runs: int) -> dict[str, Any]:
     volume = assemble_from_datasets(synthetic_datasets(rows=size, columns=size, slices=slices))
     labels = phantom_labels(size, size, slices)
     uids = ResultUIDs.new()
-    seg = build_seg(volume, labels, MANIFEST, uids, software_version=VERSION)
+    seg = build_seg(volume, labels, MANIFEST, uids, equipment=SEG_EQUIPMENT)
 
     def baseline() -> bytes:
         stats = bincount_statistics(volume, labels, MANIFEST)
-        return encode(
-            sr_of_statistics(stats, volume, MANIFEST, seg, uids, Equipment(VERSION, 9902))
-        )
+        return encode(sr_of_statistics(stats, volume, MANIFEST, seg, uids, SR_EQUIPMENT))
 
     def build_sr_now() -> bytes:
-        return encode(build_sr(volume, labels, MANIFEST, seg, uids, software_version=VERSION))
+        return encode(build_sr(volume, labels, MANIFEST, seg, uids, equipment=SR_EQUIPMENT))
 
     def slabs() -> list[SegmentStatistics]:
         accumulator = SegmentStatsAccumulator(MANIFEST)
@@ -101,7 +100,7 @@ def run(slices: int, size: int, runs: int) -> dict[str, Any]:
 
     def prepare() -> SrPlan:
         return SrPlan.prepare(
-            volume, MANIFEST, uids, seg_sop_class_uid=SEGMENTATION_STORAGE, software_version=VERSION
+            volume, MANIFEST, uids, seg_sop_class_uid=SEGMENTATION_STORAGE, equipment=SR_EQUIPMENT
         )
 
     stats = segment_statistics(volume, labels, MANIFEST)
@@ -145,7 +144,7 @@ def _pinned_build_sr(
 ) -> bytes:
     """build_sr's bytes with highdicom's clock stopped at ``when``."""
     with highdicom_clock(when):
-        return encode(build_sr(volume, labels, MANIFEST, seg, uids, software_version=VERSION))
+        return encode(build_sr(volume, labels, MANIFEST, seg, uids, equipment=SR_EQUIPMENT))
 
 
 def main(argv: list[str] | None = None) -> int:

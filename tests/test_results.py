@@ -18,6 +18,7 @@ from pydicom.uid import generate_uid
 
 from segnode.node.ingest.volume import Volume, assemble_from_datasets, assemble_volume
 from segnode.node.results.build import (
+    Equipment,
     NoSegmentsError,
     ResultError,
     ResultUIDs,
@@ -44,6 +45,8 @@ UIDS = ResultUIDs(
     sr_series_uid="2.25.1003",
     sr_sop_uid="2.25.1004",
 )
+SEG_EQUIPMENT = Equipment.for_seg("0.1.0")
+SR_EQUIPMENT = Equipment.for_sr("0.1.0")
 OBLIQUE = (
     float(np.cos(np.radians(30))),
     float(np.sin(np.radians(30))),
@@ -68,9 +71,9 @@ def truth(volume: Volume) -> npt.NDArray[np.uint8]:
 def encode_both(
     volume: Volume, labels: npt.NDArray[np.integer], uids: ResultUIDs = UIDS
 ) -> tuple[Dataset, Dataset]:
-    seg = build_seg(volume, labels, MANIFEST, uids, software_version="0.1.0")
+    seg = build_seg(volume, labels, MANIFEST, uids, equipment=SEG_EQUIPMENT)
     verify_seg(seg, volume, labels, with_highdicom=True)
-    sr = build_sr(volume, labels, MANIFEST, seg, uids, software_version="0.1.0")
+    sr = build_sr(volume, labels, MANIFEST, seg, uids, equipment=SR_EQUIPMENT)
     return seg, sr
 
 
@@ -235,7 +238,7 @@ def test_all_empty_labels() -> None:
     volume = small_volume()
     labels = np.zeros(volume.shape, dtype=np.uint8)
     with pytest.raises(NoSegmentsError, match="found no segment"):
-        build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
+        build_seg(volume, labels, MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
     assert issubclass(NoSegmentsError, ResultError)
 
 
@@ -244,20 +247,20 @@ def test_unknown_label_value() -> None:
     labels = truth(volume)
     labels[0, 0, 0] = 9
     with pytest.raises(ResultError, match=r"values \[9\] that model phantom"):
-        build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
+        build_seg(volume, labels, MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
 
 
 def test_label_shape_mismatch() -> None:
     volume = small_volume()
     with pytest.raises(ResultError, match="shape"):
-        build_seg(volume, truth(volume)[1:], MANIFEST, UIDS, software_version="0.1.0")
+        build_seg(volume, truth(volume)[1:], MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
 
 
 @pytest.mark.parametrize("with_highdicom", [False, True])
 def test_verify_detects_wrong_labels(with_highdicom: bool) -> None:
     volume = small_volume()
     labels = truth(volume)
-    seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
+    seg = build_seg(volume, labels, MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
     changed = labels.copy()
     changed[2, 20, 20] = 0 if changed[2, 20, 20] else 1
     with pytest.raises(ResultError, match="1 voxels differ, first at"):
@@ -269,7 +272,7 @@ def test_verify_detects_a_wrong_source_reference_without_highdicom() -> None:
     frame that derives from the wrong source instance."""
     volume = small_volume()
     labels = truth(volume)
-    seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
+    seg = build_seg(volume, labels, MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
     verify_seg(seg, volume, labels)
     swapped = copy.deepcopy(seg)
     source = swapped.PerFrameFunctionalGroupsSequence[0].DerivationImageSequence[0]
@@ -282,7 +285,7 @@ def test_verify_detects_a_wrong_source_reference_without_highdicom() -> None:
 def test_verify_detects_wrong_geometry(with_highdicom: bool) -> None:
     volume = small_volume()
     labels = truth(volume)
-    seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
+    seg = build_seg(volume, labels, MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
     moved = copy.deepcopy(seg)
     frame = moved.PerFrameFunctionalGroupsSequence[0].PlanePositionSequence[0]
     x, y, z = (float(v) for v in frame.ImagePositionPatient)
@@ -377,11 +380,11 @@ def test_segment_statistics_match_numpy() -> None:
 def test_sr_rejects_foreign_seg() -> None:
     volume = small_volume()
     labels = truth(volume)
-    seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
+    seg = build_seg(volume, labels, MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
     fewer = labels.copy()
     fewer[fewer == 5] = 0
     with pytest.raises(ResultError, match="do not match the label map"):
-        build_sr(volume, fewer, MANIFEST, seg, UIDS, software_version="0.1.0")
+        build_sr(volume, fewer, MANIFEST, seg, UIDS, equipment=SR_EQUIPMENT)
 
 
 # ------------------------------------------------------------------ dciodvfy, real data

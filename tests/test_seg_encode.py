@@ -45,26 +45,24 @@ from segnode.node.results.build import (
 from segnode.node.results.seg_check import check_encoded, elements, items
 from segnode.node.results.seg_encode import EncodedSeg, SegPlan
 from segnode.node.results.seg_header import (
-    DIMENSION_ORGANIZATION_TYPE,
     LABEL_MAP_SEGMENTATION_STORAGE,
-    PER_FRAME_FUNCTIONAL_GROUPS,
-    PIXEL_DATA,
     SEGMENTATION_STORAGE,
-    SHARED_FUNCTIONAL_GROUPS,
+    Tag,
 )
 from tests.conftest import LIVER, PHANTOM, require_data, require_tool
 from tests.fixtures.synthetic import SAGITTAL, phantom_labels, write_enhanced_ct
 from tests.test_results import (
     MANIFEST,
     OBLIQUE,
+    SEG_EQUIPMENT,
     SOURCE_WARNINGS,
+    SR_EQUIPMENT,
     UIDS,
     evidence,
     small_volume,
     truth,
 )
 
-VERSION = "0.1.0"
 KINDS = ("BINARY", "LABELMAP")
 
 # dicom3tools of 2022 predates Label Map Segmentation Storage (2024): it knows no such IOD
@@ -114,13 +112,13 @@ def pin(seg: Dataset, plan: SegPlan) -> None:
 def highdicom_seg(volume: Volume, labels: npt.NDArray[np.integer], plan: SegPlan) -> Dataset:
     """highdicom's SEG of ``labels`` as ``plan`` encodes them (its model, UIDs and clock)."""
     with building("LABELMAP" if plan.labelmap else "BINARY"):
-        seg = build_seg(volume, labels, plan.manifest, plan.uids, software_version=VERSION)
+        seg = build_seg(volume, labels, plan.manifest, plan.uids, equipment=SEG_EQUIPMENT)
     pin(seg, plan)
     return seg
 
 
 def prepare(volume: Volume, kind: str, manifest: ModelManifest = MANIFEST) -> SegPlan:
-    return SegPlan.prepare(volume, manifest, UIDS, software_version=VERSION, segmentation_type=kind)
+    return SegPlan.prepare(volume, manifest, UIDS, equipment=SEG_EQUIPMENT, segmentation_type=kind)
 
 
 def differences(ours: bytes, theirs: bytes) -> list[str]:
@@ -358,7 +356,7 @@ def test_prepare_does_not_read_the_voxels() -> None:
             blank,
             MANIFEST,
             UIDS,
-            software_version=VERSION,
+            equipment=SEG_EQUIPMENT,
             segmentation_type=kind,
             created=plan.created,
         )
@@ -375,15 +373,15 @@ def test_reference_dataset(kind: str) -> None:
     reference = plan.reference(encoded)
     full = pydicom.dcmread(io.BytesIO(encoded.data))
     for tag in (
-        SHARED_FUNCTIONAL_GROUPS,
-        PER_FRAME_FUNCTIONAL_GROUPS,
-        PIXEL_DATA,
-        DIMENSION_ORGANIZATION_TYPE,
+        Tag.SHARED_FUNCTIONAL_GROUPS,
+        Tag.PER_FRAME_FUNCTIONAL_GROUPS,
+        Tag.PIXEL_DATA,
+        Tag.DIMENSION_ORGANIZATION_TYPE,
     ):
         full.pop(tag, None)
     assert reference == full
     if kind == "BINARY":
-        sr = build_sr(volume, labels, MANIFEST, reference, UIDS, software_version=VERSION)
+        sr = build_sr(volume, labels, MANIFEST, reference, UIDS, equipment=SR_EQUIPMENT)
         assert UIDS.seg_sop_uid in {uid for _, _, uid in evidence(sr)}
 
 
@@ -480,7 +478,7 @@ def test_no_segments() -> None:
     with pytest.raises(NoSegmentsError) as ours:
         prepare(volume, "BINARY").encode(zeros)
     with pytest.raises(NoSegmentsError) as theirs:
-        build_seg(volume, zeros, MANIFEST, UIDS, software_version=VERSION)
+        build_seg(volume, zeros, MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
     assert str(ours.value) == str(theirs.value)
 
 
@@ -508,19 +506,18 @@ def test_invalid_label_maps_as_build_seg(change: str) -> None:
     with pytest.raises(ResultError) as ours:
         prepare(volume, "BINARY", manifest).encode(labels)
     with pytest.raises(ResultError) as theirs:
-        build_seg(volume, labels, manifest, UIDS, software_version=VERSION)
+        build_seg(volume, labels, manifest, UIDS, equipment=SEG_EQUIPMENT)
     assert str(ours.value) == str(theirs.value)
 
 
 def test_invalid_equipment_values_as_build_seg() -> None:
     volume = small_volume()
     long_name = "x" * 65  # LO holds 64 characters
+    equipment = dataclasses.replace(SEG_EQUIPMENT, manufacturer=long_name)
     with pytest.raises(ResultError) as ours:
-        SegPlan.prepare(volume, MANIFEST, UIDS, software_version=VERSION, manufacturer=long_name)
+        SegPlan.prepare(volume, MANIFEST, UIDS, equipment=equipment)
     with pytest.raises(ResultError) as theirs:
-        build_seg(
-            volume, truth(volume), MANIFEST, UIDS, software_version=VERSION, manufacturer=long_name
-        )
+        build_seg(volume, truth(volume), MANIFEST, UIDS, equipment=equipment)
     assert str(ours.value) == str(theirs.value)
 
 
@@ -538,7 +535,7 @@ def _value(data: bytes, tag: int) -> tuple[int, int]:
 
 
 def _frame_items(data: bytes) -> list[tuple[int, int, int]]:
-    start, end = _value(data, PER_FRAME_FUNCTIONAL_GROUPS)
+    start, end = _value(data, Tag.PER_FRAME_FUNCTIONAL_GROUPS)
     return items(memoryview(data), start, end)
 
 
@@ -576,7 +573,7 @@ def swapped(data: bytes, a: tuple[int, int], b: tuple[int, int]) -> bytearray:
 def test_check_catches_a_flipped_bit(encoded_binary: Any) -> None:
     plan, encoded, labels = encoded_binary
     data = bytearray(encoded.data)
-    start, _ = _value(encoded.data, PIXEL_DATA)
+    start, _ = _value(encoded.data, Tag.PIXEL_DATA)
     frame_bytes = labels[0].size // 8
     data[start + 3 * frame_bytes + frame_bytes // 2] ^= 0x10
     assert_rejected(plan, encoded, data, labels, match="frame 4 does not reproduce the label map")
@@ -584,7 +581,7 @@ def test_check_catches_a_flipped_bit(encoded_binary: Any) -> None:
 
 def test_check_catches_wrong_frame_order(encoded_binary: Any) -> None:
     plan, encoded, labels = encoded_binary
-    start, _ = _value(encoded.data, PIXEL_DATA)
+    start, _ = _value(encoded.data, Tag.PIXEL_DATA)
     size = labels[0].size // 8
     a, b = start + 2 * size, start + 20 * size  # two frames of different segments
     data = swapped(encoded.data, (a, a + size), (b, b + size))
@@ -614,7 +611,7 @@ def test_check_catches_truncated_pixel_data(encoded_binary: Any) -> None:
     plan, encoded, labels = encoded_binary
     assert_rejected(plan, encoded, encoded.data[:-100], labels, match="do not parse")
     # a consistent element, one frame short
-    start, end = _value(encoded.data, PIXEL_DATA)
+    start, end = _value(encoded.data, Tag.PIXEL_DATA)
     size = labels[0].size // 8
     data = bytearray(encoded.data[: end - size])
     struct.pack_into("<I", data, start - 4, end - size - start)
@@ -673,7 +670,7 @@ def test_check_catches_a_flipped_bit_across_frame_boundaries(kind: str) -> None:
     plan = prepare(volume, kind)
     encoded = plan.encode(labels)
     check_encoded(plan, encoded, labels)
-    start, end = _value(encoded.data, PIXEL_DATA)
+    start, end = _value(encoded.data, Tag.PIXEL_DATA)
     data = bytearray(encoded.data)
     data[(start + end) // 2] ^= 0x04
     assert_rejected(plan, encoded, data, labels, match="does not reproduce the label map")
@@ -685,7 +682,7 @@ def test_check_labelmap_catches_a_changed_voxel() -> None:
     plan = prepare(volume, "LABELMAP")
     encoded = plan.encode(labels)
     check_encoded(plan, encoded, labels)
-    start, _ = _value(encoded.data, PIXEL_DATA)
+    start, _ = _value(encoded.data, Tag.PIXEL_DATA)
     data = bytearray(encoded.data)
     data[start + 3 * labels[0].size + 100] ^= 0x01
     assert_rejected(plan, encoded, data, labels, match="frame 4 does not reproduce")
@@ -763,7 +760,7 @@ def test_laterality_and_anatomic_region(tmp_path: Path, kind: str) -> None:
         errors, warnings = dciodvfy(encoded.data, tmp_path / "lateral.dcm")
         assert errors == [] and warnings == []
     sr = build_sr(volume, labels, manifest, pydicom.dcmread(io.BytesIO(encoded.data)), UIDS,
-                  software_version=VERSION)  # fmt: skip
+                  equipment=SR_EQUIPMENT)  # fmt: skip
     report = hd.sr.srread(io.BytesIO(_bytes(sr))).content
     lateralities = sorted(
         str(site.laterality.meaning) if site.laterality else "-"

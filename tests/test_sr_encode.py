@@ -42,7 +42,14 @@ from tests.conftest import PHANTOM, require_data, require_tool
 from tests.fixtures.highdicom_clock import highdicom_clock
 from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
-from tests.test_results import MANIFEST, SOURCE_WARNINGS, UIDS, evidence
+from tests.test_results import (
+    MANIFEST,
+    SEG_EQUIPMENT,
+    SOURCE_WARNINGS,
+    SR_EQUIPMENT,
+    UIDS,
+    evidence,
+)
 from tests.test_seg_encode import building
 
 NOW = datetime.datetime(2026, 12, 4, 3, 4, 5, 678901)
@@ -208,14 +215,14 @@ def _reference_bytes(
     """build_seg, build_sr and segnode.node.pipeline.worker.encode, as the worker writes the SR
     today."""
     with building("LABELMAP" if seg_class == LABEL_MAP_SEGMENTATION_STORAGE else "BINARY"):
-        seg = build_seg(volume, labels, MANIFEST, UIDS, software_version="0.1.0")
+        seg = build_seg(volume, labels, MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
     assert seg.SOPClassUID == seg_class
-    return encode(build_sr(volume, labels, MANIFEST, seg, UIDS, software_version="0.1.0"))
+    return encode(build_sr(volume, labels, MANIFEST, seg, UIDS, equipment=SR_EQUIPMENT))
 
 
 def _plan(volume: Volume, seg_class: str = SEGMENTATION_STORAGE) -> SrPlan:
     return SrPlan.prepare(
-        volume, MANIFEST, UIDS, seg_sop_class_uid=seg_class, software_version="0.1.0"
+        volume, MANIFEST, UIDS, seg_sop_class_uid=seg_class, equipment=SR_EQUIPMENT
     )
 
 
@@ -367,7 +374,7 @@ def test_plans_for_other_uids_differ() -> None:
     stats = segment_statistics(volume, _labels(volume, PRESENT[1]), MANIFEST)
     other = ResultUIDs.new()
     data = SrPlan.prepare(
-        volume, MANIFEST, other, seg_sop_class_uid=SEGMENTATION_STORAGE, software_version="0.1.0"
+        volume, MANIFEST, other, seg_sop_class_uid=SEGMENTATION_STORAGE, equipment=SR_EQUIPMENT
     ).encode(stats, now=NOW)
     ds = pydicom.dcmread(io.BytesIO(data))
     assert ds.SOPInstanceUID == other.sr_sop_uid

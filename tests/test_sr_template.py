@@ -26,19 +26,19 @@ from segnode.node.results.build import (
 )
 from segnode.node.results.sr_encode import SrPlan
 from tests.fixtures.synthetic import synthetic_datasets
-from tests.test_results import MANIFEST
+from tests.test_results import MANIFEST, SEG_EQUIPMENT, SR_EQUIPMENT
 from tests.test_sr_encode import NOW, PRESENT, _enhanced, _labels, _phantom, _synthetic
 from tests.test_sr_encode import pinned_clock as pinned_clock
 
 
 def _reference_for(volume: Volume, labels: npt.NDArray[np.integer], uids: ResultUIDs) -> bytes:
-    seg = build_seg(volume, labels, MANIFEST, uids, software_version="0.1.0")
-    return encode(build_sr(volume, labels, MANIFEST, seg, uids, software_version="0.1.0"))
+    seg = build_seg(volume, labels, MANIFEST, uids, equipment=SEG_EQUIPMENT)
+    return encode(build_sr(volume, labels, MANIFEST, seg, uids, equipment=SR_EQUIPMENT))
 
 
 def _prepare(volume: Volume, uids: ResultUIDs) -> SrPlan:
     return SrPlan.prepare(
-        volume, MANIFEST, uids, seg_sop_class_uid=SEGMENTATION_STORAGE, software_version="0.1.0"
+        volume, MANIFEST, uids, seg_sop_class_uid=SEGMENTATION_STORAGE, equipment=SR_EQUIPMENT
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from segnode.engines.manifest import ModelManifest, load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL, from_dict
 from segnode.node.pipeline.worker import Worker, result_paths
-from segnode.node.results.build import ResultError
+from segnode.node.results.build import ResultError, ResultUIDs
 from segnode.storage.ledger import InstanceRecord, JobView, Ledger
 from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
@@ -233,12 +234,8 @@ def test_start_caches_the_sr_template_that_real_series_use(
     import subprocess
     import sys
 
-    from segnode.node import __version__
     from segnode.node.ingest.volume import assemble_from_datasets
     from segnode.node.results import sr_encode
-    from segnode.node.results.build import ResultUIDs
-    from segnode.node.results.seg_encode import SegPlan
-    from segnode.node.results.sr_encode import SrPlan
 
     sr_encode._TEMPLATES.clear()
     worker, ledger, _ = make(tmp_path, engine)
@@ -248,16 +245,7 @@ def test_start_caches_the_sr_template_that_real_series_use(
         wait.result(30)
         assert len(sr_encode._TEMPLATES) == 2  # ASCII and Latin-1
         volume = assemble_from_datasets(synthetic_datasets(rows=16, columns=16, slices=3))
-        manifest = load_manifest(DEFAULT_MODEL)
-        uids = ResultUIDs.new()
-        seg = SegPlan.prepare(volume, manifest, uids, software_version=__version__)
-        SrPlan.prepare(
-            volume,
-            manifest,
-            uids,
-            seg_sop_class_uid=seg.sop_class_uid,
-            software_version=__version__,
-        )
+        worker._prepare(volume, load_manifest(DEFAULT_MODEL), ResultUIDs.new(), datetime.now())
         assert len(sr_encode._TEMPLATES) == 2  # the same key as the Latin-1 one: a hit
     finally:
         worker.stop(10)

@@ -68,6 +68,7 @@ from segnode.node.ingest.volume import (
 from segnode.node.peers import Peer
 from segnode.node.pipeline.engine_pool import EnginePool
 from segnode.node.results.build import (
+    Equipment,
     NoSegmentsError,
     ResultError,
     ResultUIDs,
@@ -409,12 +410,13 @@ class Worker:
         self, volume: Volume, manifest: ModelManifest, uids: ResultUIDs, created: datetime
     ) -> tuple[SegPlan, SrPlan]:
         """The SEG and SR of ``volume`` encoded but for what the label map decides."""
+        seg_equipment = Equipment.for_seg(__version__)
         seg = SegPlan.prepare(
             volume,
             manifest,
             uids,
             segmentation_type=self.segmentation_type,
-            software_version=__version__,
+            equipment=seg_equipment,
             created=created,
         )
         sr = SrPlan.prepare(
@@ -422,7 +424,8 @@ class Worker:
             manifest,
             uids,
             seg_sop_class_uid=seg.sop_class_uid,
-            software_version=__version__,
+            equipment=Equipment.for_sr(__version__),
+            seg_equipment=seg_equipment,
         )
         return seg, sr
 

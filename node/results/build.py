@@ -94,6 +94,11 @@ class ResultUIDs:
         return cls(*(str(generate_uid(prefix=None)) for _ in range(4)))
 
 
+#: Series Number of the node's SEG and of its SR (PS3.3 C.7.3.1).
+SEG_SERIES_NUMBER = 9901
+SR_SERIES_NUMBER = 9902
+
+
 @dataclass(frozen=True)
 class Equipment:
     """General Equipment, General Series and General Image values of one SEG or SR: the
@@ -105,6 +110,16 @@ class Equipment:
     manufacturer_model_name: str = "segnode"
     device_serial: str = "segnode"
     instance_number: int = 1
+
+    @classmethod
+    def for_seg(cls, software_version: str) -> Equipment:
+        """The node's SEG: Series Number :data:`SEG_SERIES_NUMBER`, the other defaults."""
+        return cls(software_version, SEG_SERIES_NUMBER)
+
+    @classmethod
+    def for_sr(cls, software_version: str) -> Equipment:
+        """The node's SR: Series Number :data:`SR_SERIES_NUMBER`, the other defaults."""
+        return cls(software_version, SR_SERIES_NUMBER)
 
     def arguments(self) -> dict[str, Any]:
         """These values as the keyword arguments of highdicom's ``SOPClass`` (and of
@@ -249,12 +264,7 @@ def build_seg(
     manifest: ModelManifest,
     uids: ResultUIDs,
     *,
-    manufacturer: str = "segnode",
-    software_version: str,
-    series_number: int = 9901,
-    device_serial: str = "segnode",
-    manufacturer_model_name: str = "segnode",
-    instance_number: int = 1,
+    equipment: Equipment,
     workers: int = 0,
 ) -> Dataset:
     """Encode ``labels`` as a BINARY DICOM Segmentation of ``volume``.
@@ -270,9 +280,9 @@ def build_seg(
         Model that produced the labels (segment codes, colours, algorithm name/version).
     uids
         Series and SOP Instance UIDs of the SEG.
-    manufacturer, software_version, series_number, device_serial, manufacturer_model_name,
-    instance_number
-        General Equipment / General Series / General Image values of the SEG.
+    equipment
+        General Equipment / General Series / General Image values of the SEG (the node's:
+        :meth:`Equipment.for_seg`).
     workers
         Passed to highdicom (processes for frame encoding; 0 encodes in this process).
 
@@ -320,14 +330,6 @@ def build_seg(
         hd.PlanePositionSequence(hd.CoordinateSystemNames.PATIENT, list(p))
         for p in volume.slice_positions
     ]
-    equipment = Equipment(
-        software_version,
-        series_number,
-        manufacturer,
-        manufacturer_model_name,
-        device_serial,
-        instance_number,
-    )
     try:
         seg = hd.seg.Segmentation(
             source_images=_source_headers(volume),
@@ -367,11 +369,7 @@ def build_sr(
     seg: Dataset,
     uids: ResultUIDs,
     *,
-    manufacturer: str = "segnode",
-    software_version: str,
-    series_number: int = 9902,
-    device_serial: str = "segnode",
-    instance_number: int = 1,
+    equipment: Equipment,
 ) -> Dataset:
     """Encode the segment measurements as a TID 1500 Comprehensive 3D SR.
 
@@ -388,9 +386,10 @@ def build_sr(
         BINARY, or LABELMAP (Label Map Segmentation Storage).
     uids
         Series and SOP Instance UIDs of the SR (tracking UIDs derive from them).
-    manufacturer, software_version, series_number, device_serial, instance_number
-        Equipment and series values; the observer device (TID 1004) is named after
-        ``manufacturer`` and ``device_serial``.
+    equipment
+        Equipment and series values of the SR (the node's: :meth:`Equipment.for_sr`); the
+        observer device (TID 1004) is named after its ``manufacturer`` and
+        ``device_serial``.
 
     Returns
     -------
@@ -404,13 +403,6 @@ def build_sr(
     ResultError
         ``seg`` does not describe the segments of ``labels``.
     """
-    equipment = Equipment(
-        software_version,
-        series_number,
-        manufacturer,
-        device_serial=device_serial,
-        instance_number=instance_number,
-    )
     return sr_of_statistics(
         segment_statistics(volume, labels, manifest), volume, manifest, seg, uids, equipment
     )
@@ -450,8 +442,7 @@ def sr_of_statistics(
         uids,
         seg_sop_class_uid=str(seg.SOPClassUID),
         source_series_uid=volume.series_instance_uid,
-        manufacturer=equipment.manufacturer,
-        device_serial=equipment.device_serial,
+        equipment=equipment,
     )
     return sr_document(
         [seg, *_source_headers(volume)],
@@ -470,22 +461,22 @@ def measurement_report(
     *,
     seg_sop_class_uid: str,
     source_series_uid: str,
-    manufacturer: str,
-    device_serial: str,
+    equipment: Equipment,
 ) -> MeasurementReport:
     """The TID 1500 content of :func:`build_sr`: one TID 1411 group per entry of ``stats``.
 
     Each group references segment ``segment_number`` of the SEG ``uids.seg_sop_uid`` (of
     class ``seg_sop_class_uid``) and holds the volume (mL, 6 decimals), mean and standard
     deviation (HU, 4 decimals); its tracking UID derives from ``uids.sr_sop_uid`` and the
-    segment number.
+    segment number. The observer device is named after the SR's ``equipment`` (its
+    manufacturer and device serial number).
     """
     device = DeviceObserverIdentifyingAttributes(
-        uid=derived_uid("segnode-device", manufacturer, device_serial),
+        uid=derived_uid("segnode-device", equipment.manufacturer, equipment.device_serial),
         name="segnode",
-        manufacturer_name=manufacturer,
+        manufacturer_name=equipment.manufacturer,
         model_name=f"{manifest.name} {manifest.version}"[:64],
-        serial_number=device_serial,
+        serial_number=equipment.device_serial,
     )
     context = ObservationContext(
         observer_device_context=ObserverContext(

@@ -35,18 +35,7 @@ from segnode.node.pipeline.parallel import map_blocks
 from segnode.node.results.build import POSITION_TOLERANCE_MM, ResultError
 from segnode.node.results.seg_encode import EncodedSeg, SegPlan
 from segnode.node.results.seg_header import (
-    DERIVATION_IMAGE_SEQUENCE,
-    DIMENSION_INDEX_VALUES,
-    DIMENSION_ORGANIZATION_TYPE,
-    FRAME_CONTENT_SEQUENCE,
-    NUMBER_OF_FRAMES,
-    PER_FRAME_FUNCTIONAL_GROUPS,
-    PIXEL_DATA,
-    PLANE_POSITION_SEQUENCE,
-    REFERENCED_SEGMENT_NUMBER,
-    SEGMENT_IDENTIFICATION_SEQUENCE,
-    SEGMENT_SEQUENCE,
-    SHARED_FUNCTIONAL_GROUPS,
+    Tag,
     item_header,
     long_header,
     short_element,
@@ -59,12 +48,12 @@ _LONG_VRS = frozenset(
 _ITEM, _ITEM_END, _SEQUENCE_END = 0xFFFEE000, 0xFFFEE00D, 0xFFFEE0DD
 _VARIABLE = frozenset(
     {
-        NUMBER_OF_FRAMES,
-        DIMENSION_ORGANIZATION_TYPE,
-        SEGMENT_SEQUENCE,
-        SHARED_FUNCTIONAL_GROUPS,
-        PER_FRAME_FUNCTIONAL_GROUPS,
-        PIXEL_DATA,
+        Tag.NUMBER_OF_FRAMES,
+        Tag.DIMENSION_ORGANIZATION_TYPE,
+        Tag.SEGMENT_SEQUENCE,
+        Tag.SHARED_FUNCTIONAL_GROUPS,
+        Tag.PER_FRAME_FUNCTIONAL_GROUPS,
+        Tag.PIXEL_DATA,
     }
 )
 
@@ -214,7 +203,7 @@ def _check(plan: SegPlan, encoded: EncodedSeg, labels: npt.NDArray[np.integer]) 
         if tag not in top or buf[top[tag][1] : top[tag][3]] != expected:
             raise _fail(f"{_name(tag)} differs from the prepared header")
     unexpected = set(top) - set(plan.fixed) - _VARIABLE
-    missing = (_VARIABLE - {DIMENSION_ORGANIZATION_TYPE}) - set(top)
+    missing = (_VARIABLE - {Tag.DIMENSION_ORGANIZATION_TYPE}) - set(top)
     if unexpected or missing:
         names = [_name(t) for t in sorted(unexpected | missing)]
         raise _fail(f"unexpected or missing elements {names}")
@@ -222,13 +211,15 @@ def _check(plan: SegPlan, encoded: EncodedSeg, labels: npt.NDArray[np.integer]) 
     def value(tag: int) -> memoryview:
         return buf[top[tag][2] : top[tag][3]]
 
-    count = int(bytes(value(NUMBER_OF_FRAMES)).decode("ascii").strip())
-    segments = _segments(plan, buf, top[SEGMENT_SEQUENCE])
+    count = int(bytes(value(Tag.NUMBER_OF_FRAMES)).decode("ascii").strip())
+    segments = _segments(plan, buf, top[Tag.SEGMENT_SEQUENCE])
     channels = 1 if plan.labelmap else len(segments)
     shared = plan.shared_single_segment if channels == 1 and not plan.labelmap else plan.shared
-    if buf[top[SHARED_FUNCTIONAL_GROUPS][1] : top[SHARED_FUNCTIONAL_GROUPS][3]] != shared:
+    if buf[top[Tag.SHARED_FUNCTIONAL_GROUPS][1] : top[Tag.SHARED_FUNCTIONAL_GROUPS][3]] != shared:
         raise _fail("Shared Functional Groups differ from the prepared ones")
-    frame_segments, frame_slices = _frames(plan, buf, top[PER_FRAME_FUNCTIONAL_GROUPS], channels)
+    frame_segments, frame_slices = _frames(
+        plan, buf, top[Tag.PER_FRAME_FUNCTIONAL_GROUPS], channels
+    )
     if len(frame_slices) != count:
         raise _fail(f"Number of Frames {count}, {len(frame_slices)} per-frame items")
     if not (
@@ -245,11 +236,11 @@ def _check(plan: SegPlan, encoded: EncodedSeg, labels: npt.NDArray[np.integer]) 
             raise _fail(f"frames use segments {used}, the SEG describes 1..{channels}")
         planes = np.unique(frame_slices)
     three_d = plan.is_3d(np.sort(planes), channels)
-    has_type = DIMENSION_ORGANIZATION_TYPE in top
-    if has_type != three_d or (has_type and bytes(value(DIMENSION_ORGANIZATION_TYPE)) != b"3D"):
+    has_type = Tag.DIMENSION_ORGANIZATION_TYPE in top
+    if has_type != three_d or (has_type and bytes(value(Tag.DIMENSION_ORGANIZATION_TYPE)) != b"3D"):
         raise _fail("Dimension Organization Type does not match the frames' planes")
     flat = np.ascontiguousarray(labels).reshape(plan.shape[0], -1)
-    _check_pixels(plan, value(PIXEL_DATA), frame_segments, frame_slices, segments, flat)
+    _check_pixels(plan, value(Tag.PIXEL_DATA), frame_segments, frame_slices, segments, flat)
 
 
 def _segments(plan: SegPlan, buf: memoryview, element: Element) -> dict[int, int]:
@@ -284,18 +275,23 @@ def _frames(
     rank_of[plan.plane_order] = np.arange(plan.shape[0])
     identification = {
         _sequence(
-            SEGMENT_IDENTIFICATION_SEQUENCE,
-            short_element(REFERENCED_SEGMENT_NUMBER, b"US", struct.pack("<H", n)),
+            Tag.SEGMENT_IDENTIFICATION_SEQUENCE,
+            short_element(Tag.REFERENCED_SEGMENT_NUMBER, b"US", struct.pack("<H", n)),
         ): n
         for n in range(1, channels + 1)
     }
     with_identification = not plan.labelmap and channels > 1
-    layout = [DERIVATION_IMAGE_SEQUENCE, FRAME_CONTENT_SEQUENCE, PLANE_POSITION_SEQUENCE]
+    layout = [
+        Tag.DERIVATION_IMAGE_SEQUENCE,
+        Tag.FRAME_CONTENT_SEQUENCE,
+        Tag.PLANE_POSITION_SEQUENCE,
+    ]
     if with_identification:
-        layout.append(SEGMENT_IDENTIFICATION_SEQUENCE)
+        layout.append(Tag.SEGMENT_IDENTIFICATION_SEQUENCE)
     dims = 1 if plan.labelmap else 2
     content_prefix = _sequence(
-        FRAME_CONTENT_SEQUENCE, short_element(DIMENSION_INDEX_VALUES, b"UL", b"\x00" * 4 * dims)
+        Tag.FRAME_CONTENT_SEQUENCE,
+        short_element(Tag.DIMENSION_INDEX_VALUES, b"UL", b"\x00" * 4 * dims),
     )[: -4 * dims]
     unpack = struct.Struct(f"<{dims}I").unpack_from
     segments, slices, indices = [], [], []

@@ -52,20 +52,9 @@ from segnode.node.results.build import (
     derived_uid,
 )
 from segnode.node.results.seg_header import (
-    DIMENSION_INDEX_VALUES,
-    DIMENSION_ORGANIZATION_TYPE,
-    FRAME_CONTENT_SEQUENCE,
-    NUMBER_OF_FRAMES,
-    PER_FRAME_FUNCTIONAL_GROUPS,
-    PIXEL_DATA,
-    REFERENCED_SEGMENT_NUMBER,
-    SEGMENT_IDENTIFICATION_SEQUENCE,
-    SEGMENT_NUMBER,
-    SEGMENT_SEQUENCE,
-    SHARED_FUNCTIONAL_GROUPS,
-    TRACKING_UID,
     Geometry,
     SegmentItem,
+    Tag,
     background_item,
     build_header,
     encode_element,
@@ -177,12 +166,7 @@ class SegPlan:
         uids: ResultUIDs,
         *,
         segmentation_type: str = "BINARY",
-        manufacturer: str = "segnode",
-        software_version: str,
-        series_number: int = 9901,
-        device_serial: str = "segnode",
-        manufacturer_model_name: str = "segnode",
-        instance_number: int = 1,
+        equipment: Equipment,
         created: datetime.datetime | None = None,
     ) -> SegPlan:
         """Encode everything but the frames; uses the volume's headers, geometry and shape
@@ -190,8 +174,7 @@ class SegPlan:
 
         Parameters
         ----------
-        volume, manifest, uids, manufacturer, software_version, series_number, device_serial,
-        manufacturer_model_name, instance_number
+        volume, manifest, uids, equipment
             As for :func:`segnode.node.results.build.build_seg`.
         segmentation_type
             ``"BINARY"`` (Segmentation Storage, one 1-bit frame per segment and slice) or
@@ -228,14 +211,7 @@ class SegPlan:
                 created=created,
                 dimension_organization_uid=dim_uid,
                 charset=charset,
-                equipment=Equipment(
-                    software_version,
-                    series_number,
-                    manufacturer,
-                    manufacturer_model_name,
-                    device_serial,
-                    instance_number,
-                ),
+                equipment=equipment,
             )
             geometry = Geometry.of(volume, sources)
             meta = Dataset()
@@ -296,9 +272,9 @@ class SegPlan:
         body = b"".join(
             (
                 parts.head,
-                short_element(SEGMENT_NUMBER, b"US", struct.pack("<H", number)),
+                short_element(Tag.SEGMENT_NUMBER, b"US", struct.pack("<H", number)),
                 parts.middle,
-                short_element(TRACKING_UID, b"UI", text_value(uid, b"\x00")),
+                short_element(Tag.TRACKING_UID, b"UI", text_value(uid, b"\x00")),
                 parts.tail,
             )
         )
@@ -368,20 +344,20 @@ class SegPlan:
             pixels = _binary_frames(frames, flat.shape[1])
         channels = 1 if self.labelmap else len(present)
         variable: dict[int, list[Chunk]] = {
-            NUMBER_OF_FRAMES: [
-                short_element(NUMBER_OF_FRAMES, b"IS", text_value(str(len(slices))))
+            Tag.NUMBER_OF_FRAMES: [
+                short_element(Tag.NUMBER_OF_FRAMES, b"IS", text_value(str(len(slices))))
             ],
-            SEGMENT_SEQUENCE: [self._segment_sequence(numbers)],
-            SHARED_FUNCTIONAL_GROUPS: [
+            Tag.SEGMENT_SEQUENCE: [self._segment_sequence(numbers)],
+            Tag.SHARED_FUNCTIONAL_GROUPS: [
                 self.shared_single_segment if channels == 1 and not self.labelmap else self.shared
             ],
-            PER_FRAME_FUNCTIONAL_GROUPS: self._per_frame(segments, slices, rank, channels),
-            PIXEL_DATA: pixels,
+            Tag.PER_FRAME_FUNCTIONAL_GROUPS: self._per_frame(segments, slices, rank, channels),
+            Tag.PIXEL_DATA: pixels,
         }
         nonempty_ascending = np.flatnonzero(nonempty)
         if self.is_3d(nonempty_ascending, channels):
-            variable[DIMENSION_ORGANIZATION_TYPE] = [
-                short_element(DIMENSION_ORGANIZATION_TYPE, b"CS", b"3D")
+            variable[Tag.DIMENSION_ORGANIZATION_TYPE] = [
+                short_element(Tag.DIMENSION_ORGANIZATION_TYPE, b"CS", b"3D")
             ]
         parts: list[Chunk] = [self.file_meta]
         for tag in sorted({*self.fixed, *variable}):
@@ -406,10 +382,10 @@ class SegPlan:
         numbers = encoded.segment_numbers
         elements = {
             **self.fixed,
-            NUMBER_OF_FRAMES: short_element(
-                NUMBER_OF_FRAMES, b"IS", text_value(str(encoded.number_of_frames))
+            Tag.NUMBER_OF_FRAMES: short_element(
+                Tag.NUMBER_OF_FRAMES, b"IS", text_value(str(encoded.number_of_frames))
             ),
-            SEGMENT_SEQUENCE: self._segment_sequence(numbers),
+            Tag.SEGMENT_SEQUENCE: self._segment_sequence(numbers),
         }
         data = self.file_meta + b"".join(elements[t] for t in sorted(elements))
         return pydicom.dcmread(BytesIO(data))
@@ -444,7 +420,7 @@ class SegPlan:
         if self.labelmap:
             items.insert(0, self.background_item)
         body = b"".join(items)
-        return long_header(SEGMENT_SEQUENCE, b"SQ", len(body)) + body
+        return long_header(Tag.SEGMENT_SEQUENCE, b"SQ", len(body)) + body
 
     def _per_frame(
         self,
@@ -458,13 +434,13 @@ class SegPlan:
         (segment number and plane rank, or plane rank for LABELMAP) and, with more than one
         segment, the Segment Identification."""
         values = 1 if self.labelmap else 2
-        content = short_element(DIMENSION_INDEX_VALUES, b"UL", b"\x00" * 4 * values)
-        frame_content = sequence(FRAME_CONTENT_SEQUENCE, [content])
+        content = short_element(Tag.DIMENSION_INDEX_VALUES, b"UL", b"\x00" * 4 * values)
+        frame_content = sequence(Tag.FRAME_CONTENT_SEQUENCE, [content])
         prefix = frame_content[: -4 * values]
         identification = {
             n: sequence(
-                SEGMENT_IDENTIFICATION_SEQUENCE,
-                [short_element(REFERENCED_SEGMENT_NUMBER, b"US", struct.pack("<H", n))],
+                Tag.SEGMENT_IDENTIFICATION_SEQUENCE,
+                [short_element(Tag.REFERENCED_SEGMENT_NUMBER, b"US", struct.pack("<H", n))],
             )
             for n in range(1, channels + 1)
         }
@@ -483,7 +459,7 @@ class SegPlan:
             if with_identification:
                 parts.append(identification[n])
         total = sum(len(p) for p in parts)
-        return [long_header(PER_FRAME_FUNCTIONAL_GROUPS, b"SQ", total), *parts]
+        return [long_header(Tag.PER_FRAME_FUNCTIONAL_GROUPS, b"SQ", total), *parts]
 
 
 # ------------------------------------------------------------------------------ frames
@@ -542,7 +518,7 @@ def _binary_frames(frames: list[npt.NDArray[np.generic]], pixels: int) -> list[C
     if length % 2:
         body.append(b"0")  # highdicom appends the character "0", not a null byte
         length += 1
-    return [long_header(PIXEL_DATA, b"OB", length), *body]
+    return [long_header(Tag.PIXEL_DATA, b"OB", length), *body]
 
 
 def _labelmap_frames(
@@ -564,4 +540,4 @@ def _labelmap_frames(
     if length % 2:
         frames.append(b"0")
         length += 1
-    return [long_header(PIXEL_DATA, b"OB", length), *frames]
+    return [long_header(Tag.PIXEL_DATA, b"OB", length), *frames]

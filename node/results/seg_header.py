@@ -16,6 +16,7 @@ import datetime
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import highdicom as hd
@@ -47,22 +48,27 @@ from segnode.node.results.build import (
 #: highdicom matches a frame to a source plane closer than this (mm)
 MATCH_TOLERANCE_MM = 1e-3
 
-# Tags of the elements written per encode (PS3.6).
-NUMBER_OF_FRAMES = 0x00280008
-DIMENSION_ORGANIZATION_TYPE = 0x00209311
-SEGMENT_SEQUENCE = 0x00620002
-SHARED_FUNCTIONAL_GROUPS = 0x52009229
-PER_FRAME_FUNCTIONAL_GROUPS = 0x52009230
-PIXEL_DATA = 0x7FE00010
-DERIVATION_IMAGE_SEQUENCE = 0x00089124
-FRAME_CONTENT_SEQUENCE = 0x00209111
-DIMENSION_INDEX_VALUES = 0x00209157
-PLANE_POSITION_SEQUENCE = 0x00209113
-SEGMENT_IDENTIFICATION_SEQUENCE = 0x0062000A
-REFERENCED_SEGMENT_NUMBER = 0x0062000B
-SEGMENT_NUMBER = 0x00620004
-TRACKING_UID = 0x00620021
-ITEM = 0xFFFEE000
+
+class Tag(IntEnum):
+    """Tags of the elements the fast path writes per encode and checks, and the item tag
+    (PS3.6; PS3.5 7.5)."""
+
+    NUMBER_OF_FRAMES = 0x00280008
+    DIMENSION_ORGANIZATION_TYPE = 0x00209311
+    SEGMENT_SEQUENCE = 0x00620002
+    SHARED_FUNCTIONAL_GROUPS = 0x52009229
+    PER_FRAME_FUNCTIONAL_GROUPS = 0x52009230
+    PIXEL_DATA = 0x7FE00010
+    DERIVATION_IMAGE_SEQUENCE = 0x00089124
+    FRAME_CONTENT_SEQUENCE = 0x00209111
+    DIMENSION_INDEX_VALUES = 0x00209157
+    PLANE_POSITION_SEQUENCE = 0x00209113
+    SEGMENT_IDENTIFICATION_SEQUENCE = 0x0062000A
+    REFERENCED_SEGMENT_NUMBER = 0x0062000B
+    SEGMENT_NUMBER = 0x00620004
+    TRACKING_UID = 0x00620021
+    ITEM = 0xFFFEE000
+
 
 _DERIVATION_CODE = CodedConcept.from_code(codes.cid7203.SegmentationImageDerivation)
 _PURPOSE_CODE = CodedConcept.from_code(codes.cid7202.SourceImageForImageProcessingOperation)
@@ -88,7 +94,7 @@ def long_header(tag: int, vr: bytes, length: int) -> bytes:
 
 def item_header(length: int) -> bytes:
     """Header of a sequence item of defined length (PS3.5 7.5.1)."""
-    return tag_bytes(ITEM) + struct.pack("<I", length)
+    return tag_bytes(Tag.ITEM) + struct.pack("<I", length)
 
 
 def text_value(value: str, pad: bytes = b" ") -> bytes:
@@ -258,7 +264,7 @@ def _image_modules(
 def _dimension_index(uid: str, labelmap: bool) -> list[Dataset]:
     """Dimension Index Sequence (C.7.6.17): segment number (BINARY), then position."""
     pointers = [] if labelmap else [(0x0062000B, 0x0062000A, "Referenced Segment Number")]
-    pointers.append((0x00200032, PLANE_POSITION_SEQUENCE, "Image Position Patient"))
+    pointers.append((0x00200032, Tag.PLANE_POSITION_SEQUENCE, "Image Position Patient"))
     items = []
     for pointer, group, label in pointers:
         item = Dataset()
@@ -294,9 +300,9 @@ def segment_item_parts(
     elements = encode_elements(_description(spec, 1, algorithm), encoding)
     tags = sorted(elements)
     return SegmentItem(
-        head=b"".join(elements[t] for t in tags if t < SEGMENT_NUMBER),
-        middle=b"".join(elements[t] for t in tags if SEGMENT_NUMBER < t < TRACKING_UID),
-        tail=b"".join(elements[t] for t in tags if t > TRACKING_UID),
+        head=b"".join(elements[t] for t in tags if t < Tag.SEGMENT_NUMBER),
+        middle=b"".join(elements[t] for t in tags if Tag.SEGMENT_NUMBER < t < Tag.TRACKING_UID),
+        tail=b"".join(elements[t] for t in tags if t > Tag.TRACKING_UID),
     )
 
 
@@ -412,9 +418,9 @@ class Geometry:
         item.PixelMeasuresSequence = self.measures
         if single_segment:
             identification = Dataset()
-            identification.add(DataElement(REFERENCED_SEGMENT_NUMBER, "US", 1))
-            item.add(DataElement(SEGMENT_IDENTIFICATION_SEQUENCE, "SQ", [identification]))
-        return DataElement(SHARED_FUNCTIONAL_GROUPS, "SQ", [item])
+            identification.add(DataElement(Tag.REFERENCED_SEGMENT_NUMBER, "US", 1))
+            item.add(DataElement(Tag.SEGMENT_IDENTIFICATION_SEQUENCE, "SQ", [identification]))
+        return DataElement(Tag.SHARED_FUNCTIONAL_GROUPS, "SQ", [item])
 
     def derivations(self, encoding: str | list[str]) -> tuple[bytes, ...]:
         """Each slice's Derivation Image Sequence element (C.7.6.16.2.6): the constant code
@@ -432,7 +438,7 @@ class Geometry:
             if self.multiframe:
                 body += short_element(0x00081160, b"IS", text_value(str(self.source_frames[k])))
             item = sequence(0x00082112, [body + tail]) + code
-            out.append(sequence(DERIVATION_IMAGE_SEQUENCE, [item]))
+            out.append(sequence(Tag.DERIVATION_IMAGE_SEQUENCE, [item]))
         for k in {0, len(out) - 1}:
             if out[k] != encode_element(self._derivation(k), encoding):
                 raise AssertionError(f"spliced Derivation Image item of slice {k} differs")
@@ -451,11 +457,11 @@ class Geometry:
         derivation = Dataset()
         derivation.add(DataElement(0x00089215, "SQ", [_DERIVATION_CODE]))
         derivation.add(DataElement(0x00082112, "SQ", [source]))
-        return DataElement(DERIVATION_IMAGE_SEQUENCE, "SQ", [derivation])
+        return DataElement(Tag.DERIVATION_IMAGE_SEQUENCE, "SQ", [derivation])
 
     def positions(self, encoding: str | list[str]) -> tuple[bytes, ...]:
         """Each slice's Plane Position Sequence element (C.7.6.16.2.3)."""
         return tuple(
-            sequence(PLANE_POSITION_SEQUENCE, [encode_element(item[0][0x00200032], encoding)])
+            sequence(Tag.PLANE_POSITION_SEQUENCE, [encode_element(item[0][0x00200032], encoding)])
             for item in self.position_items
         )

@@ -399,12 +399,8 @@ class SrPlan:
         uids: ResultUIDs,
         *,
         seg_sop_class_uid: str,
-        manufacturer: str = "segnode",
-        software_version: str,
-        series_number: int = 9902,
-        device_serial: str = "segnode",
-        instance_number: int = 1,
-        seg_manufacturer_model_name: str = "segnode",
+        equipment: Equipment,
+        seg_equipment: Equipment | None = None,
     ) -> SrPlan:
         """Encode everything of the SR that does not depend on the label map.
 
@@ -419,12 +415,13 @@ class SrPlan:
         seg_sop_class_uid
             SOP Class of that SEG: Segmentation Storage, or Label Map Segmentation Storage
             (``LABEL_MAP_SEGMENTATION_STORAGE``).
-        manufacturer, software_version, series_number, device_serial, instance_number
-            As for :func:`segnode.node.results.build.build_sr`; the SEG is taken to come from the
-            same equipment (``build_seg`` with these ``manufacturer``, ``software_version`` and
-            ``device_serial``), as the worker builds it.
-        seg_manufacturer_model_name
-            The SEG's Manufacturer's Model Name (``build_seg``'s default).
+        equipment
+            As for :func:`segnode.node.results.build.build_sr`.
+        seg_equipment
+            That SEG's, as given to ``build_seg`` or :meth:`SegPlan.prepare
+            <segnode.node.results.seg_encode.SegPlan.prepare>`; default ``equipment``: the
+            SEG of the same equipment (its series and instance numbers are not among what
+            the SR reads of it).
 
         Raises
         ------
@@ -442,18 +439,9 @@ class SrPlan:
             raise ResultError(f"{seg_sop_class_uid} is not a Segmentation SOP Class")
         sources = _source_headers(volume)
         charset = _character_set(volume)
-        # The SEG's series and instance numbers are not among what the SR reads of it.
-        seg_equipment = Equipment(
-            software_version, 1, manufacturer, seg_manufacturer_model_name, device_serial, 1
-        )
+        if seg_equipment is None:
+            seg_equipment = equipment
         seg = _seg_header(sources[0], uids, seg_sop_class_uid, seg_equipment, charset)
-        equipment = Equipment(
-            software_version,
-            series_number,
-            manufacturer,
-            device_serial=device_serial,
-            instance_number=instance_number,
-        )
         # The keywords sr_document gives Comprehensive3DSR that its base class keeps.
         base_kwargs: dict[str, Any] = {
             **equipment.arguments(),
@@ -465,7 +453,7 @@ class SrPlan:
             manifest.version,
             manifest.labels,
             seg_sop_class_uid,
-            seg_manufacturer_model_name,
+            seg_equipment,
             *((k, v if not isinstance(v, list) else tuple(v)) for k, v in base_kwargs.items()),
         )
         evidence = [seg, *sources]
@@ -498,8 +486,7 @@ class SrPlan:
             uids,
             seg_sop_class_uid=seg_sop_class_uid,
             source_series_uid=source_series_uid,
-            manufacturer=manufacturer,
-            device_serial=device_serial,
+            equipment=equipment,
         )
         model = sr_document(
             evidence,
