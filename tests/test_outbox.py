@@ -27,7 +27,7 @@ from sqlalchemy import select
 
 from scripts.harness import CountingSCP, free_port
 from segnode.node.config import Config, from_dict
-from segnode.node.outbox.scu import CircuitBreakers, Dispatcher, jittered_backoff
+from segnode.node.outbox.scu import Backoff, CircuitBreakers, Dispatcher
 from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.models import Event
 from segnode.storage.spool import write_atomic
@@ -109,18 +109,18 @@ def events(ledger: Ledger, kind: str) -> list[Event]:
 
 
 def test_jittered_backoff_bounds_and_spread() -> None:
-    rng = random.Random(1)
+    backoff = Backoff(0.5, 10.0, random.Random(1))
     for attempts in range(12):
         base = min(10.0, 0.5 * 2**attempts)
-        values = [jittered_backoff(attempts, 0.5, 10.0, rng) for _ in range(200)]
+        values = [backoff.delay(attempts) for _ in range(200)]
         assert all(base / 2 <= v <= base for v in values)
         assert max(values) - min(values) > base / 4  # really jittered
-    assert jittered_backoff(10_000, 1.0, 300.0, rng) <= 300.0  # no overflow
+    assert Backoff(1.0, 300.0, random.Random(1)).delay(10_000) <= 300.0  # no overflow
 
 
 def test_circuit_breaker_opens_after_n_and_closes_on_success() -> None:
     now = [100.0]
-    b = CircuitBreakers(3, 30.0, 1.0, 8.0, random.Random(0), clock=lambda: now[0])
+    b = CircuitBreakers(3, 30.0, Backoff(1.0, 8.0, random.Random(0)), clock=lambda: now[0])
     assert b.blocked_for("P") == 0
     w1, opened = b.failure("P")
     assert not opened and 0.5 <= w1 <= 1.0 and b.blocked_for("P") == pytest.approx(w1)

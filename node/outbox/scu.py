@@ -40,7 +40,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -139,14 +139,24 @@ def file_bytes_sends() -> Iterator[None]:
                 pynetdicom_config.STORE_SEND_CHUNKED_DATASET = _chunked_saved
 
 
-def jittered_backoff(attempts: int, initial: float, maximum: float, rng: random.Random) -> float:
-    """Seconds to wait after ``attempts`` failures: "equal jitter" exponential backoff.
+@dataclass(frozen=True)
+class Backoff:
+    """The outbox's retry delays: "equal jitter" exponential backoff.
 
     The exponential delay ``min(maximum, initial * 2**attempts)`` is split in half: one half
-    is always waited, the other is uniformly random.
+    is always waited, the other is uniformly random (from ``rng``), so that many nodes or
+    objects do not retry in step. One backoff serves a delivery's retries and a destination's
+    connection attempts while its breaker is closed.
     """
-    base = min(maximum, initial * (2 ** min(max(0, attempts), 62)))
-    return float(base / 2 + rng.uniform(0, base / 2))
+
+    initial: float
+    maximum: float
+    rng: random.Random = field(default_factory=random.Random, compare=False)
+
+    def delay(self, attempts: int) -> float:
+        """Seconds to wait after ``attempts`` failures."""
+        base = min(self.maximum, self.initial * (2 ** min(max(0, attempts), 62)))
+        return float(base / 2 + self.rng.uniform(0, base / 2))
 
 
 @dataclass
@@ -164,10 +174,9 @@ class CircuitBreakers:
         Consecutive connection failures that open the breaker.
     cooldown
         Seconds an open breaker skips its destination before one probe is allowed.
-    initial, maximum
-        Backoff between connection attempts while the breaker is still closed.
-    rng
-        Source of jitter.
+    backoff
+        Waits between connection attempts while the breaker is still closed (its ``rng``
+        also jitters the cooldown).
     clock
         Monotonic clock (seconds).
     """
@@ -176,16 +185,12 @@ class CircuitBreakers:
         self,
         threshold: int,
         cooldown: float,
-        initial: float,
-        maximum: float,
-        rng: random.Random,
+        backoff: Backoff,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.threshold = threshold
         self.cooldown = cooldown
-        self.initial = initial
-        self.maximum = maximum
-        self._rng = rng
+        self.backoff = backoff
         self._clock = clock or time.monotonic
         self._state: dict[str, _BreakerState] = defaultdict(_BreakerState)
         self._lock = threading.Lock()
@@ -208,10 +213,10 @@ class CircuitBreakers:
             st = self._state[dest]
             st.failures += 1
             if st.failures >= self.threshold:
-                wait = self.cooldown * self._rng.uniform(0.9, 1.1)
+                wait = self.cooldown * self.backoff.rng.uniform(0.9, 1.1)
                 opened = st.failures == self.threshold
             else:
-                wait = jittered_backoff(st.failures - 1, self.initial, self.maximum, self._rng)
+                wait = self.backoff.delay(st.failures - 1)
                 opened = False
             st.open_until = self._clock() + wait
             return wait, opened
@@ -369,15 +374,9 @@ class Dispatcher:
         # Every destination the configuration names, by ledger name (with TLS and credentials).
         self._targets: dict[str, Target] = index(config.configured_destinations())
         self._tls: dict[str, tuple[ssl.SSLContext, str] | None] = {}
-        self._rng = rng or random.Random()
         dc = config.dispatch
-        self.breakers = CircuitBreakers(
-            dc.breaker_failures,
-            dc.breaker_cooldown_s,
-            dc.retry_initial_s,
-            dc.retry_max_s,
-            self._rng,
-        )
+        self.backoff = Backoff(dc.retry_initial_s, dc.retry_max_s, rng or random.Random())
+        self.breakers = CircuitBreakers(dc.breaker_failures, dc.breaker_cooldown_s, self.backoff)
         self._last_expiry = -1e9
         self.kept = KeptAssociations(dc.keep_open_s)
         self._msg_id = 0
@@ -476,7 +475,7 @@ class Dispatcher:
             )
             self.ledger.delivery_failed(d.id, error)
             return
-        delay = jittered_backoff(d.attempts, dc.retry_initial_s, dc.retry_max_s, self._rng)
+        delay = self.backoff.delay(d.attempts)
         self.ledger.delivery_retry(d.id, error, utcnow() + timedelta(seconds=delay), status)
         log.warning(
             "delivery of job %d %s to %s: %s; retry in %.1f s",
@@ -718,6 +717,6 @@ __all__ = [
     "KeptAssociations",
     "echo",
     "file_bytes_sends",
-    "jittered_backoff",
+    "Backoff",
     "make_ae",
 ]
