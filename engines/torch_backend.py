@@ -56,6 +56,7 @@ from segnode.engines.base import (
     LabelSums,
     PatchPredictor,
     check_version_1,
+    loaded,
     out_of_gpu_memory,
 )
 
@@ -731,8 +732,7 @@ class TorchEngine:
         ``(N, 1, *patch)`` tensors on the device in, float32 scores on the device out (cast to
         FP16 inside where the engine runs in half precision; a compiled or graphed module's
         batch is split or padded to its static size)."""
-        if self.manifest is None:
-            raise EngineError("torch engine used before load()")
+        loaded(self.manifest, self.name)
         if not self.fold_engines:
             self._adopt_compiled()
             return [self._predict]
@@ -746,9 +746,8 @@ class TorchEngine:
 
     def to_device(self, hu: npt.NDArray[np.float32]) -> Any:
         """The volume as a float32 tensor on the engine's device (one copy)."""
-        if self._torch is None:
-            raise EngineError("torch engine used before load()")
-        host = self._torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32))
+        torch = loaded(self._torch, self.name)
+        host = torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32))
         return host.to(self._dev)
 
     def to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
@@ -759,9 +758,7 @@ class TorchEngine:
     def device_scope(self) -> Iterator[None]:
         """``torch.inference_mode`` on the engine's device; out of GPU memory becomes an
         :class:`EngineError`."""
-        torch = self._torch
-        if torch is None:
-            raise EngineError("torch engine used before load()")
+        torch = loaded(self._torch, self.name)
         with (
             out_of_gpu_memory(torch.cuda.OutOfMemoryError, "running a trained model"),
             torch.inference_mode(),
@@ -797,13 +794,12 @@ class TorchEngine:
     ) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
         from segnode.engines.sliding_window import segment_with_manifest
 
-        if self.manifest is None:
-            raise EngineError("torch engine used before load()")
-        check_version_1(self.manifest)
+        m = loaded(self.manifest, self.name)
+        check_version_1(m)
         if hu.ndim != 3:
             raise EngineError(f"expected a (z, y, x) volume, got shape {hu.shape}")
         self._adopt_compiled()
-        torch, m = self._torch, self.manifest
+        torch = self._torch
         with (
             out_of_gpu_memory(torch.cuda.OutOfMemoryError, f"segmenting a {hu.shape} volume"),
             torch.inference_mode(),
