@@ -21,7 +21,7 @@ import importlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +32,17 @@ if TYPE_CHECKING:
 
 class EngineError(Exception):
     """A model or backend cannot be loaded or run; the message says why."""
+
+
+T = TypeVar("T")
+
+
+def loaded(value: T | None, engine: str) -> T:
+    """``value``, something the ``engine`` backend's ``load`` sets: an :class:`EngineError`
+    (``<engine> engine used before load()``) while it is still ``None``."""
+    if value is None:
+        raise EngineError(f"{engine} engine used before load()")
+    return value
 
 
 @contextlib.contextmanager

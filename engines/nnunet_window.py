@@ -48,9 +48,11 @@ Everything goes through the array-API namespace of the image (NumPy, torch, CuPy
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -238,33 +240,22 @@ def maybe_mirror_and_predict(
     return prediction
 
 
-def sliding_window_logits(
-    image: Array,
-    fold_predictors: Sequence[PatchPredictor],
-    *,
-    patch_size: Sequence[int],
-    tile_step_size: float | Sequence[float] = 0.5,
-    mirror_axes: Sequence[int] = (),
-    sigma_scale: float = 1.0 / 8,
-    value_scaling_factor: float = 10.0,
-    use_gaussian: bool = True,
-    gaussian_dtype: str = "float16",
-    batch_size: int = 1,
-    channels: int | None = None,
-    accumulator_dtype: str = "float32",
-) -> Array:
-    """nnU-Net's blended logits of a preprocessed image, averaged over folds and mirrors.
+@dataclass(frozen=True)
+class WindowSettings:
+    """How :func:`sliding_window_logits` runs: everything but the image and the folds.
 
-    Parameters
+    Sequences are stored as tuples (``patch_size`` and ``mirror_axes`` of ints,
+    ``tile_step_size`` of floats when it is one per axis); the patch, the number of steps and
+    the mirror axes are checked here, the values of the steps and of the Gaussian's settings
+    where they are used.
+
+    Attributes
     ----------
-    image
-        Preprocessed float ``(z, y, x)`` image on the model's grid, any array-API namespace.
-    fold_predictors
-        One :data:`PatchPredictor` per fold (at least one), in the image's namespace.
     patch_size
         The model's patch ``(pz, py, px)``.
     tile_step_size
-        nnU-Net's ``tile_step_size`` (``1 - overlap``): 0.5 by default, TotalSegmentator 0.8.
+        nnU-Net's ``tile_step_size`` (``1 - overlap``): 0.5 by default, TotalSegmentator 0.8;
+        one for every axis or one per axis.
     mirror_axes
         Spatial axes for test-time mirroring (nnU-Net's ``allowed_mirroring_axes``); empty for
         none.
@@ -283,6 +274,58 @@ def sliding_window_logits(
         where nnU-Net averages float16 volumes). Up to about 0.1 apart for logits of a few
         units, mostly where only Gaussian tails cover a voxel: float16's subnormal steps.
 
+    Raises
+    ------
+    ValueError
+        On a patch that is not three positive sizes, a step count other than one or three,
+        malformed mirror axes, a batch size below 1 or an unknown accumulator dtype.
+    """
+
+    patch_size: tuple[int, ...]
+    tile_step_size: float | tuple[float, ...] = 0.5
+    mirror_axes: tuple[int, ...] = ()
+    sigma_scale: float = 1.0 / 8
+    value_scaling_factor: float = 10.0
+    use_gaussian: bool = True
+    gaussian_dtype: str = "float16"
+    batch_size: int = 1
+    channels: int | None = None
+    accumulator_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        patch = tuple(int(p) for p in self.patch_size)
+        if len(patch) != 3 or min(patch) < 1:
+            raise ValueError(f"patch {patch} must be 3-D, non-empty")
+        step = self.tile_step_size
+        _per_axis(step, 3)  # validates the count
+        axes = tuple(int(a) for a in self.mirror_axes)
+        mirror_combinations(axes)  # validates
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.accumulator_dtype not in ("float32", "float16"):
+            raise ValueError(
+                f"accumulator_dtype: float32 or float16, got {self.accumulator_dtype!r}"
+            )
+        object.__setattr__(self, "patch_size", patch)
+        if not isinstance(step, int | float):
+            object.__setattr__(self, "tile_step_size", tuple(float(s) for s in step))
+        object.__setattr__(self, "mirror_axes", axes)
+
+
+def sliding_window_logits(
+    image: Array, fold_predictors: Sequence[PatchPredictor], settings: WindowSettings
+) -> Array:
+    """nnU-Net's blended logits of a preprocessed image, averaged over folds and mirrors.
+
+    Parameters
+    ----------
+    image
+        Preprocessed float ``(z, y, x)`` image on the model's grid, any array-API namespace.
+    fold_predictors
+        One :data:`PatchPredictor` per fold (at least one), in the image's namespace.
+    settings
+        Patch, step, mirroring, Gaussian, batch and accumulator (:class:`WindowSettings`).
+
     Returns
     -------
     array
@@ -291,21 +334,16 @@ def sliding_window_logits(
     Raises
     ------
     ValueError
-        On a malformed argument, a prediction of the wrong shape, or non-finite logits.
+        On a malformed image, no folds, a prediction of the wrong shape, or non-finite logits.
     """
     xp = array_namespace(image)
     dev = array_device(image)
-    patch = tuple(int(p) for p in patch_size)
-    if image.ndim != 3 or len(patch) != 3 or min(image.shape) < 1 or min(patch) < 1:
-        raise ValueError(f"image {tuple(image.shape)} and patch {patch} must be 3-D, non-empty")
+    patch = settings.patch_size
+    if image.ndim != 3 or min(image.shape) < 1:
+        raise ValueError(f"image {tuple(image.shape)} must be 3-D, non-empty")
     if not fold_predictors:
         raise ValueError("at least one fold predictor is needed")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    mirror_combinations(mirror_axes)  # validates
-    if accumulator_dtype not in ("float32", "float16"):
-        raise ValueError(f"accumulator_dtype: float32 or float16, got {accumulator_dtype!r}")
-    acc_dtype = getattr(xp, accumulator_dtype)
+    acc_dtype = getattr(xp, settings.accumulator_dtype)
 
     size = tuple(int(n) for n in image.shape)
     padded_shape, inner = pad_to_patch(size, patch)
@@ -313,25 +351,26 @@ def sliding_window_logits(
     if padded_shape != size:
         data = xp.zeros(padded_shape, dtype=xp.float32, device=dev)
         data[inner] = xp.astype(image, xp.float32)
-    steps = compute_steps_for_sliding_window(padded_shape, patch, tile_step_size)
+    steps = compute_steps_for_sliding_window(padded_shape, patch, settings.tile_step_size)
     tiles = [
         tuple(slice(s, s + p) for s, p in zip(starts, patch, strict=True))
         for starts in itertools.product(*steps)
     ]
-    if use_gaussian:
-        weights = compute_gaussian(patch, sigma_scale, value_scaling_factor, gaussian_dtype)
+    if settings.use_gaussian:
+        weights = compute_gaussian(
+            patch, settings.sigma_scale, settings.value_scaling_factor, settings.gaussian_dtype
+        )
         gaussian = xp.asarray(weights.astype(np.float32), device=dev)
     else:
         gaussian = xp.ones(patch, dtype=xp.float32, device=dev)
 
     passes: list[Sequence[PatchPredictor]] = [fold_predictors]
-    if accumulator_dtype == "float16" and len(fold_predictors) > 1:
+    if settings.accumulator_dtype == "float16" and len(fold_predictors) > 1:
         passes = [[predictor] for predictor in fold_predictors]  # nnU-Net: a volume per fold
     logits: Array = None
+    channels = settings.channels
     for predictors in passes:
-        window, channels = _blend(
-            data, tiles, predictors, gaussian, acc_dtype, mirror_axes, batch_size, channels
-        )
+        window, channels = _blend(data, tiles, predictors, gaussian, acc_dtype, settings, channels)
         logits = window if logits is None else logits + window
     if len(passes) > 1:
         logits /= float(len(passes))
@@ -349,12 +388,12 @@ def _blend(
     fold_predictors: Sequence[PatchPredictor],
     gaussian: Array,
     acc_dtype: Any,
-    mirror_axes: Sequence[int],
-    batch_size: int,
+    settings: WindowSettings,
     channels: int | None,
 ) -> tuple[Array, int]:
     """``sum_t g p_t / sum_t g`` over ``tiles`` of the padded ``data`` (``acc_dtype``), with
-    ``p_t`` the mirror-averaged prediction averaged over ``fold_predictors``."""
+    ``p_t`` the mirror-averaged prediction averaged over ``fold_predictors`` (the mirror axes
+    and the batch size of ``settings``)."""
     xp = array_namespace(data)
     dev = array_device(data)
     patch = tuple(int(n) for n in gaussian.shape)
@@ -363,12 +402,13 @@ def _blend(
     weight_sum = xp.zeros(tuple(int(n) for n in data.shape), dtype=acc_dtype, device=dev)
     tile_weight = xp.astype(gaussian, acc_dtype)
     folds = len(fold_predictors)
+    batch_size = settings.batch_size
     for first in range(0, len(tiles), batch_size):
         group = tiles[first : first + batch_size]
         batch = xp.stack([data[t] for t in group])[:, None, ...]
         prediction: Array = None
         for predictor in fold_predictors:
-            fold = maybe_mirror_and_predict(batch, predictor, mirror_axes)
+            fold = maybe_mirror_and_predict(batch, predictor, settings.mirror_axes)
             if channels is None:
                 channels = int(fold.shape[1]) if fold.ndim == 5 else -1
             want = (len(group), channels, *patch)
@@ -407,39 +447,15 @@ def tile_step_size_from_overlap(
 
 
 def make_predict(
-    fold_predictors: Sequence[PatchPredictor],
-    *,
-    patch_size: Sequence[int],
-    tile_step_size: float | Sequence[float] = 0.5,
-    mirror_axes: Sequence[int] = (),
-    sigma_scale: float = 1.0 / 8,
-    batch_size: int = 1,
-    channels: int | None = None,
+    fold_predictors: Sequence[PatchPredictor], settings: WindowSettings
 ) -> ImagePredictor:
     """``predict(image) -> (C, z, y, x)`` logits for
     :func:`segnode.engines.preprocess.pipeline.run_model`, from per-fold patch predictors
-    (:func:`sliding_window_logits` with nnU-Net's Gaussian settings)."""
+    (:func:`sliding_window_logits` with ``settings``)."""
     folds = tuple(fold_predictors)
     if not folds:
         raise ValueError("at least one fold predictor is needed")
-    patch = tuple(int(p) for p in patch_size)
-    axes = tuple(int(a) for a in mirror_axes)
-    mirror_combinations(axes)
-    _per_axis(tile_step_size, 3)
-
-    def predict(image: Array) -> Array:
-        return sliding_window_logits(
-            image,
-            folds,
-            patch_size=patch,
-            tile_step_size=tile_step_size,
-            mirror_axes=axes,
-            sigma_scale=sigma_scale,
-            batch_size=batch_size,
-            channels=channels,
-        )
-
-    return predict
+    return functools.partial(sliding_window_logits, fold_predictors=folds, settings=settings)
 
 
 def predict_for_manifest(
@@ -458,8 +474,7 @@ def predict_for_manifest(
         )
     if manifest.output_kind == "labels":
         raise ValueError(f"{manifest.name}: nnU-Net's window blends scores, not labels")
-    return make_predict(
-        fold_predictors,
+    settings = WindowSettings(
         patch_size=manifest.patch_size,
         tile_step_size=tile_step_size_from_overlap(manifest.overlap),
         mirror_axes=contract.mirror_axes,
@@ -467,6 +482,7 @@ def predict_for_manifest(
         batch_size=batch_size,
         channels=manifest.output_channels,
     )
+    return make_predict(fold_predictors, settings)
 
 
 def _per_axis(value: float | Sequence[float], dims: int) -> list[float]:

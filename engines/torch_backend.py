@@ -44,6 +44,7 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,11 +56,13 @@ from segnode.engines.base import (
     LabelSums,
     PatchPredictor,
     check_version_1,
+    loaded,
     out_of_gpu_memory,
 )
 
 if TYPE_CHECKING:
     from segnode.engines.manifest import ModelManifest
+    from segnode.engines.torch_cache import TorchKey
 
 logger = logging.getLogger(__name__)
 
@@ -517,32 +520,34 @@ class TorchEngine:
         if not self.compile or self.cache_dir is None:
             return False
         from segnode.engines.torch_cache import SUBDIR, TorchCache
+
+        cache = TorchCache(self.cache_dir / SUBDIR)
+        key = self._cache_key(batch)
+        kinds = ("aoti", "inductor") if key.kind == "aoti" else ("inductor",)
+        return any(cache.lookup(replace(key, kind=kind))[0] is not None for kind in kinds)
+
+    def _cache_key(self, batch: int) -> TorchKey:
+        """The compiled-artefact cache key of this engine's model at ``batch``, of the kind
+        asked for (``compile_cache``)."""
         from segnode.engines.torch_compile import runtime_facts, torch_key
 
         assert self.manifest is not None
-        cache = TorchCache(self.cache_dir / SUBDIR)
-        facts = runtime_facts(self._torch, self._dev)
-        kinds = ("aoti", "inductor") if self.compile_cache == "aoti" else ("inductor",)
-        for kind in kinds:
-            key = torch_key(
-                self.manifest,
-                facts,
-                kind=kind,
-                precision="fp16" if self._dtype == self._torch.float16 else "fp32",
-                batch=batch,
-                channels_last=bool(self.channels_last),
-                compile_mode=self.compile_mode,
-            )
-            if cache.lookup(key)[0] is not None:
-                return True
-        return False
+        return torch_key(
+            self.manifest,
+            runtime_facts(self._torch, self._dev),
+            kind=self.compile_cache,
+            precision="fp16" if self.half else "fp32",
+            batch=batch,
+            channels_last=bool(self.channels_last),
+            compile_mode=self.compile_mode,
+        )
 
     def _compiled(self, example: Any) -> Any:
         """The :class:`segnode.engines.torch_compile.Compiled` predictor from the artefact
         cache (built on a miss); raises when nothing can be compiled. Changes nothing of the
         engine, so that it can run on the background thread."""
         from segnode.engines.torch_cache import SUBDIR, TorchCache
-        from segnode.engines.torch_compile import compile_cached, runtime_facts
+        from segnode.engines.torch_compile import compile_cached
 
         assert self.manifest is not None and self.cache_dir is not None
         return compile_cached(
@@ -552,11 +557,7 @@ class TorchEngine:
             lambda fn: self._run_once(fn, example),
             cache=TorchCache(self.cache_dir / SUBDIR),
             manifest=self.manifest,
-            facts=runtime_facts(self._torch, self._dev),
-            precision="fp16" if self._dtype == self._torch.float16 else "fp32",
-            channels_last=bool(self.channels_last),
-            compile_mode=self.compile_mode,
-            kind=self.compile_cache,
+            key=self._cache_key(int(example.shape[0])),
         )
 
     def _compile_cached(self, example: Any) -> Callable[[Any], Any] | None:
@@ -731,8 +732,7 @@ class TorchEngine:
         ``(N, 1, *patch)`` tensors on the device in, float32 scores on the device out (cast to
         FP16 inside where the engine runs in half precision; a compiled or graphed module's
         batch is split or padded to its static size)."""
-        if self.manifest is None:
-            raise EngineError("torch engine used before load()")
+        loaded(self.manifest, self.name)
         if not self.fold_engines:
             self._adopt_compiled()
             return [self._predict]
@@ -746,9 +746,8 @@ class TorchEngine:
 
     def to_device(self, hu: npt.NDArray[np.float32]) -> Any:
         """The volume as a float32 tensor on the engine's device (one copy)."""
-        if self._torch is None:
-            raise EngineError("torch engine used before load()")
-        host = self._torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32))
+        torch = loaded(self._torch, self.name)
+        host = torch.from_numpy(np.ascontiguousarray(hu, dtype=np.float32))
         return host.to(self._dev)
 
     def to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
@@ -759,9 +758,7 @@ class TorchEngine:
     def device_scope(self) -> Iterator[None]:
         """``torch.inference_mode`` on the engine's device; out of GPU memory becomes an
         :class:`EngineError`."""
-        torch = self._torch
-        if torch is None:
-            raise EngineError("torch engine used before load()")
+        torch = loaded(self._torch, self.name)
         with (
             out_of_gpu_memory(torch.cuda.OutOfMemoryError, "running a trained model"),
             torch.inference_mode(),
@@ -797,13 +794,12 @@ class TorchEngine:
     ) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
         from segnode.engines.sliding_window import segment_with_manifest
 
-        if self.manifest is None:
-            raise EngineError("torch engine used before load()")
-        check_version_1(self.manifest)
+        m = loaded(self.manifest, self.name)
+        check_version_1(m)
         if hu.ndim != 3:
             raise EngineError(f"expected a (z, y, x) volume, got shape {hu.shape}")
         self._adopt_compiled()
-        torch, m = self._torch, self.manifest
+        torch = self._torch
         with (
             out_of_gpu_memory(torch.cuda.OutOfMemoryError, f"segmenting a {hu.shape} volume"),
             torch.inference_mode(),

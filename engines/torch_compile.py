@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,11 +82,10 @@ def torch_key(
     batch: int,
     channels_last: bool,
     compile_mode: str,
-    model_sha256: str | None = None,
 ) -> TorchKey:
     """The cache key of ``manifest`` compiled as ``kind`` with these options."""
     return TorchKey(
-        model_sha256=model_sha256 or manifest.sha256(),
+        model_sha256=manifest.sha256(),
         model_name=manifest.name,
         kind=kind,
         facts=facts,
@@ -200,11 +199,7 @@ def compile_cached(
     *,
     cache: TorchCache,
     manifest: ModelManifest,
-    facts: RuntimeFacts,
-    precision: str,
-    channels_last: bool,
-    compile_mode: str,
-    kind: str = "inductor",
+    key: TorchKey,
 ) -> Compiled:
     """Return the compiled predictor of ``manifest`` from ``cache``, building it on a miss.
 
@@ -220,32 +215,21 @@ def compile_cached(
     warm_up
         Runs a predictor once (cuDNN autotuning, lazy initialisation); a failure counts as a
         load failure (the artefact is rebuilt once).
-    cache, manifest, facts, precision, channels_last, compile_mode
-        Cache folder and the key's ingredients.
-    kind
-        ``"aoti"`` (falls back to ``"inductor"`` when the model cannot be exported or
-        compiled ahead of time) or ``"inductor"``.
+    cache, manifest
+        Cache folder and the model.
+    key
+        The artefact's key (:func:`torch_key`), at ``example``'s batch; its ``kind`` is the one
+        tried first: ``"aoti"`` falls back to ``"inductor"`` when the model cannot be exported
+        or compiled ahead of time.
 
     Raises
     ------
     EngineError
-        If neither kind can be built and loaded.
+        If neither kind can be built and loaded, or ``key`` is not at ``example``'s batch.
     """
-    sha = manifest.sha256()
-    batch = int(example.shape[0])
-
-    def key(k: str) -> TorchKey:
-        return torch_key(
-            manifest,
-            facts,
-            kind=k,
-            precision=precision,
-            batch=batch,
-            channels_last=channels_last,
-            compile_mode=compile_mode,
-            model_sha256=sha,
-        )
-
+    if key.batch != int(example.shape[0]):
+        raise EngineError(f"a key for batch {key.batch} and an example of {example.shape[0]}")
+    compile_mode, kind = key.compile_mode, key.kind
     extra = {"onnx_path": str(manifest.onnx_path)}
     if kind == "aoti" and compile_mode not in _AOTI_MODES:
         logger.info("compile mode %r has no ahead-of-time form; using inductor", compile_mode)
@@ -254,9 +238,11 @@ def compile_cached(
         try:
             loaded = load_or_build(
                 cache,
-                key("aoti"),
+                key,
                 lambda tmp: probe_aoti(
-                    _build_aoti(torch, module(), example, tmp, compile_mode), example, channels_last
+                    _build_aoti(torch, module(), example, tmp, compile_mode),
+                    example,
+                    key.channels_last,
                 ),
                 lambda path: _load_aoti(torch, path, example, warm_up),
                 **extra,
@@ -270,8 +256,6 @@ def compile_cached(
                 type(exc).__name__,
                 str(exc)[:1500],
             )
-    if kind not in ("aoti", "inductor"):
-        raise EngineError(f"unknown compiled-artefact kind {kind!r}")
     state: dict[str, Any] = {}
 
     def build(tmp: Path) -> bytes:
@@ -292,7 +276,7 @@ def compile_cached(
         warm_up(fn)
         return fn  # type: ignore[no-any-return]
 
-    loaded = load_or_build(cache, key("inductor"), build, load, **extra)
+    loaded = load_or_build(cache, replace(key, kind="inductor"), build, load, **extra)
     return Compiled(loaded.value, "inductor", loaded)
 
 

@@ -43,7 +43,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from segnode.engines.base import EngineError, PatchPredictor, check_version_1, out_of_gpu_memory
+from segnode.engines.base import (
+    EngineError,
+    PatchPredictor,
+    check_version_1,
+    loaded,
+    out_of_gpu_memory,
+)
 from segnode.engines.engine_cache import CachedEngine, EngineCache, EngineRecord, atomic_write
 from segnode.engines.trt_build import (
     PORTABLE,
@@ -413,10 +419,9 @@ class TensorRTEngine:
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Label map of ``hu`` (``(z, y, x)`` HU), computed on the GPU."""
-        if self._runner is None or self.manifest is None:
-            raise EngineError("tensorrt engine used before load()")
-        check_version_1(self.manifest)
-        return self._runner.segment(hu)
+        runner = loaded(self._runner, self.name)
+        check_version_1(loaded(self.manifest, self.name))
+        return runner.segment(hu)
 
     def fold_predictors(self) -> list[PatchPredictor]:
         """One predictor per fold file (:class:`segnode.engines.base.TrainedEngine`): CuPy patches
@@ -442,15 +447,11 @@ class TensorRTEngine:
 
     def window_batch(self) -> int:
         """Tiles per predictor call: the runners' batch (``batch.opt`` unless configured)."""
-        if self._runner is None:
-            raise EngineError("tensorrt engine used before load()")
-        return self._runner.batch_size
+        return loaded(self._runner, self.name).batch_size
 
     def to_device(self, hu: npt.NDArray[np.float32]) -> Any:
         """The volume on the GPU (through the first runner's pinned buffers and stream)."""
-        if self._runner is None:
-            raise EngineError("tensorrt engine used before load()")
-        return self._runner.upload(hu)
+        return loaded(self._runner, self.name).upload(hu)
 
     def to_host(self, labels: Any) -> npt.NDArray[np.uint8]:
         """The uint8 label map from the GPU; the runtime caches are saved after the first."""
@@ -467,9 +468,7 @@ class TensorRTEngine:
     def device_scope(self) -> Iterator[None]:
         """The engine's device and the first runner's stream; out of GPU memory becomes an
         :class:`EngineError`."""
-        runner = self._runner
-        if runner is None:
-            raise EngineError("tensorrt engine used before load()")
+        runner = loaded(self._runner, self.name)
         cp = runner._cp
         with (
             out_of_gpu_memory(cp.cuda.memory.OutOfMemoryError, "running a trained model"),

@@ -33,6 +33,7 @@ from scripts.make_nnunet_window_golden import (
 )
 from segnode.engines.manifest import load_manifest
 from segnode.engines.nnunet_window import (
+    WindowSettings,
     compute_gaussian,
     compute_steps_for_sliding_window,
     make_predict,
@@ -96,14 +97,10 @@ def _torch_folds(golden: Any, case: Case) -> list[Any]:
 
 
 def _ours(image: Any, folds: list[Any], case: Case, **kwargs: Any) -> Any:
-    return sliding_window_logits(
-        image,
-        folds,
-        patch_size=case.patch,
-        tile_step_size=case.step,
-        mirror_axes=case.mirror_axes,
-        **kwargs,
+    settings = WindowSettings(
+        patch_size=case.patch, tile_step_size=case.step, mirror_axes=case.mirror_axes, **kwargs
     )
+    return sliding_window_logits(image, folds, settings)
 
 
 # -- golden: tiling, padding, Gaussian ----------------------------------------------------------
@@ -183,7 +180,7 @@ def test_mirroring_and_folds_change_the_result() -> None:
     case = next(c for c in CASES if c.name == "mirror_2folds")
     golden = _golden(case)
     folds = _numpy_folds(golden, case)
-    no_mirror = sliding_window_logits(golden["image"], folds, patch_size=case.patch)
+    no_mirror = sliding_window_logits(golden["image"], folds, WindowSettings(case.patch))
     one_fold = _ours(golden["image"], folds[:1], case)
     assert np.abs(no_mirror - golden["loop"]).max() > 0.05
     assert np.abs(one_fold - golden["loop"]).max() > 0.05
@@ -285,13 +282,31 @@ def test_make_predict_rejects_bad_predictions() -> None:
         return np.full((batch.shape[0], 2, *batch.shape[2:]), np.inf, dtype=np.float32)
 
     with pytest.raises(ValueError, match="expected"):
-        make_predict([wrong_shape], patch_size=(4, 6, 5))(image)
+        make_predict([wrong_shape], WindowSettings((4, 6, 5)))(image)
     with pytest.raises(ValueError, match="finite"):
-        make_predict([not_finite], patch_size=(4, 6, 5))(image)
+        make_predict([not_finite], WindowSettings((4, 6, 5)))(image)
     with pytest.raises(ValueError, match="at least the tile"):
         compute_steps_for_sliding_window((3, 10, 10), (4, 6, 5), 0.5)
     with pytest.raises(ValueError, match="tile_step_size"):
         compute_steps_for_sliding_window((8, 10, 10), (4, 6, 5), 0.0)
+
+
+def test_window_settings_check() -> None:
+    settings = WindowSettings((4, 6, 5), (0.5, 0.8, 1), mirror_axes=(2, 0))
+    assert isinstance(settings.tile_step_size, tuple)
+    assert all(isinstance(s, float) for s in settings.tile_step_size)
+    assert settings == WindowSettings((4, 6, 5), (0.5, 0.8, 1.0), (2, 0))
+    assert hash(settings) == hash(WindowSettings((4, 6, 5), (0.5, 0.8, 1.0), (2, 0)))
+    for bad in (
+        {"patch_size": (4, 6)},
+        {"patch_size": (4, 0, 5)},
+        {"patch_size": (4, 6, 5), "tile_step_size": (0.5, 0.5)},
+        {"patch_size": (4, 6, 5), "mirror_axes": (0, 0)},
+        {"patch_size": (4, 6, 5), "batch_size": 0},
+        {"patch_size": (4, 6, 5), "accumulator_dtype": "float64"},
+    ):
+        with pytest.raises(ValueError):
+            WindowSettings(**bad)
 
 
 def test_tile_step_size_from_overlap() -> None:
