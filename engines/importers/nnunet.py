@@ -148,15 +148,13 @@ def import_nnunet(
 
     Parameters
     ----------
-    folder
-        ``<results>/DatasetXXX_Name/<Trainer>__<Plans>__<configuration>``.
+    folder, folds, checkpoint, configuration
+        The trained-model folder and which of it to import, as
+        :func:`segnode.engines.importers.nnunet_plans.read_model_folder` reads them.
     out_dir
         The model folder to write (created; existing files of the same names are replaced).
     name
         The model's name; the manifest is ``<name>.json`` unless ``manifest_filename``.
-    folds, checkpoint, configuration
-        Which folds, ``"final"`` or ``"best"``, and the configuration (default: from the
-        folder name).
     codes, codes_source, allow_generic
         The parsed label CSV (``None``: every label generic), its name, and whether labels
         it does not name may take the generic code.
