@@ -131,32 +131,34 @@ class SeriesHints:
 
 
 @dataclass(frozen=True)
-class Opened:
-    """An association was accepted (posted by its thread)."""
+class _OfAssociation:
+    """An event of one association, posted by its thread."""
 
     assoc_id: int
-    calling_ae: str
-    #: ``time.monotonic()`` when it was accepted (not when the loop got to the event).
-    at: float
+    #: ``time.monotonic()`` when its thread posted it (not when the loop got to the event).
+    at: float = field(default_factory=time.monotonic, kw_only=True)
 
 
 @dataclass(frozen=True)
-class Touched:
-    """An association delivered an instance of a series (posted by a ``store-admit`` thread
+class Opened(_OfAssociation):
+    """The association was accepted."""
+
+    calling_ae: str
+
+
+@dataclass(frozen=True)
+class Touched(_OfAssociation):
+    """The association delivered an instance of a series (posted by a ``store-admit`` thread
     before the instance's response, hence before the same association's :class:`Closed`)."""
 
-    assoc_id: int
     series_uid: str
 
 
 @dataclass(frozen=True)
-class Closed:
-    """An association ended: released normally, or aborted / dropped."""
+class Closed(_OfAssociation):
+    """The association ended: released normally, or aborted / dropped."""
 
-    assoc_id: int
     released: bool
-    #: ``time.monotonic()`` when it ended.
-    at: float
 
 
 @dataclass(frozen=True)
@@ -405,7 +407,7 @@ class CompletionLoop:
 
     def opened(self, assoc_id: int, calling_ae: str = "") -> None:
         """An association was accepted."""
-        self._post(Opened(assoc_id, calling_ae.strip(), time.monotonic()))
+        self._post(Opened(assoc_id, calling_ae.strip()))
 
     def touched(self, assoc_id: int, series_uid: str) -> None:
         """An association delivered an instance of ``series_uid``."""
@@ -422,7 +424,7 @@ class CompletionLoop:
             release completes series (an aborted transfer waits for the quiet period), and
             only for senders whose policy counts the release.
         """
-        self._post(Closed(assoc_id, released, time.monotonic()))
+        self._post(Closed(assoc_id, released))
 
     def geometry_complete(self, series_uid: str, calling_ae: str) -> bool:
         """The series is geometrically complete: complete it (on the completion thread) if
