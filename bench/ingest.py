@@ -53,7 +53,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def series(name: str, slices: int, seed: int, hint: bool) -> Path:
     """A cached synthetic 512x512 series under bench/generated/."""
-    from tests.fixtures.synthetic import write_synthetic_series
+    from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
     out = ROOT / "bench" / "generated" / name
     done = out.with_name(f"{name}.done")
@@ -61,7 +61,10 @@ def series(name: str, slices: int, seed: int, hint: bool) -> Path:
         shutil.rmtree(out, ignore_errors=True)
         print(f"generating {name} ({slices} slices)...", flush=True)
         write_synthetic_series(
-            out, rows=512, columns=512, slices=slices, seed=seed, images_in_acquisition=hint
+            out,
+            PhantomGeometry(rows=512, columns=512, slices=slices),
+            seed=seed,
+            images_in_acquisition=hint,
         )
         done.write_text("")
     return out

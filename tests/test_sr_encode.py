@@ -42,7 +42,7 @@ from tests.conftest import PHANTOM, require_data, require_tool
 from tests.fixtures.highdicom_clock import highdicom_clock
 from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
-from tests.test_results import MANIFEST, SOURCE_WARNINGS, UIDS, evidence
+from tests.test_results import MANIFEST, SMALL, SOURCE_WARNINGS, UIDS, evidence
 from tests.test_seg_encode import building
 
 NOW = datetime.datetime(2026, 12, 4, 3, 4, 5, 678901)
@@ -58,11 +58,11 @@ def pinned_clock() -> Iterator[datetime.datetime]:
 
 
 def _synthetic() -> Volume:
-    return assemble_from_datasets(synthetic_datasets(rows=48, columns=40, slices=8))
+    return assemble_from_datasets(synthetic_datasets(SMALL))
 
 
 def _enhanced(tmp_path: Path) -> Volume:
-    path = write_enhanced_ct(tmp_path / "enhanced.dcm", rows=48, columns=40, slices=8)
+    path = write_enhanced_ct(tmp_path / "enhanced.dcm", SMALL)
     return assemble_volume([path])
 
 
