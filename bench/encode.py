@@ -57,7 +57,7 @@ from segnode.node.results.build import (
 from segnode.node.results.seg_check import check_encoded
 from segnode.node.results.seg_encode import SegPlan
 from segnode.node.results.sr_encode import SrPlan
-from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
+from tests.fixtures.synthetic import PhantomGeometry, phantom_labels, synthetic_datasets
 
 MANIFEST = "engines/models/tissue/tissue.json"
 
@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write encode.json here")
     args = parser.parse_args(argv)
 
-    volume = assemble_from_datasets(synthetic_datasets(rows=512, columns=512, slices=args.slices))
+    volume = assemble_from_datasets(
+        synthetic_datasets(PhantomGeometry(rows=512, columns=512, slices=args.slices))
+    )
     manifest = load_manifest(MANIFEST)
     if args.labels == "tissue":
         engine = create_engine("onnxruntime")

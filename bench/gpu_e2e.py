@@ -195,9 +195,9 @@ def wait_log(path: Path, offset: int, text: str, timeout: float, *others: str) -
 
 def make_series(slices: int, seed: int) -> list[Any]:
     """A synthetic CT series in memory (UIDs derived from ``seed``: new for every seed)."""
-    from tests.fixtures.synthetic import synthetic_datasets
+    from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets
 
-    return synthetic_datasets(rows=512, columns=512, slices=slices, seed=seed)
+    return synthetic_datasets(PhantomGeometry(rows=512, columns=512, slices=slices), seed=seed)
 
 
 def send(port: int, datasets: list[Any]) -> float:

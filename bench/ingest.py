@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.harness import orthanc_config, query_ledger
+from segnode.node.ops import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -53,7 +54,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def series(name: str, slices: int, seed: int, hint: bool) -> Path:
     """A cached synthetic 512x512 series under bench/generated/."""
-    from tests.fixtures.synthetic import write_synthetic_series
+    from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
     out = ROOT / "bench" / "generated" / name
     done = out.with_name(f"{name}.done")
@@ -61,7 +62,10 @@ def series(name: str, slices: int, seed: int, hint: bool) -> Path:
         shutil.rmtree(out, ignore_errors=True)
         print(f"generating {name} ({slices} slices)...", flush=True)
         write_synthetic_series(
-            out, rows=512, columns=512, slices=slices, seed=seed, images_in_acquisition=hint
+            out,
+            PhantomGeometry(rows=512, columns=512, slices=slices),
+            seed=seed,
+            images_in_acquisition=hint,
         )
         done.write_text("")
     return out
@@ -416,13 +420,21 @@ def completion(folder: Path, runs: int, tmp: Path, label: str) -> dict[str, Any]
     return out
 
 
+#: The jobs-table column of each :attr:`segnode.storage.ledger.JobView.stages` key we use.
+STAGE_COLUMNS = {
+    "first_instance": "first_instance_at",
+    "last_instance": "last_instance_at",
+    "queued": "created_at",
+    "started": "started_at",
+    "volume": "volume_at",
+    "inference": "inference_at",
+    "encoded": "encoded_at",
+}
+#: The node's stages (its metrics' ``segnode_stage_seconds``) from the last instance to the
+#: encoded results, then delivery up to the last acknowledgement; receive and total apart.
 STAGES = (
-    ("completion", "last response", "created_at"),
-    ("queue", "created_at", "started_at"),
-    ("volume", "started_at", "volume_at"),
-    ("inference", "volume_at", "inference_at"),
-    ("encode", "inference_at", "encoded_at"),
-    ("delivery", "encoded_at", "last ack"),
+    *(s for s in metrics.STAGES if s[0] not in ("receive", "total")),
+    ("delivery", "encoded", "last ack"),
 )
 
 
@@ -516,11 +528,9 @@ def end_to_end_all(runs: int, tmp: Path) -> list[dict[str, Any]]:
 
 
 def _e2e_run(job: dict[str, Any]) -> dict[str, Any]:
-    keys = ("created_at", "started_at", "volume_at", "inference_at", "encoded_at")
-    t: dict[str, float | None] = {k: epoch(job[k]) for k in keys}
-    last = epoch(job["last_instance_at"])
+    t: dict[str, float | None] = {k: epoch(job[c]) for k, c in STAGE_COLUMNS.items()}
+    last, first = t["last_instance"], t["first_instance"]
     assert last is not None
-    t["last response"] = last
     acked = max(a for a in (epoch(x) for x in job["acks"]) if a is not None)
     t["last ack"] = acked
     total = acked - last
@@ -536,7 +546,6 @@ def _e2e_run(job: dict[str, Any]) -> dict[str, Any]:
                 "share": round((end - start) / total, 4),
             }
         )
-    first = epoch(job["first_instance_at"])
     return {
         "total_s": round(total, 3),
         "receive_s": round(last - first, 3) if first is not None else None,

@@ -4,7 +4,7 @@
 
 Starts KServe's model server (``tests/fixtures/kserve_server.py``, ONNX Runtime behind the v2
 protocol) on free loopback ports, builds the synthetic series
-(``tests.fixtures.synthetic.synthetic_datasets(slices=N, seed=0)``) and, when
+(``tests.fixtures.synthetic.synthetic_datasets(PhantomGeometry(slices=N), seed=0)``) and, when
 ``../shared/data`` has it, reads the CT phantom; then segments each volume with the local
 ``onnxruntime`` engine and with the ``kserve`` engine over HTTP and gRPC, one warm-up and
 ``--runs`` timed runs each, and prints the median seconds, patches per second and whether the
@@ -28,7 +28,7 @@ from segnode.engines.models import default_manifest_path
 from segnode.engines.sliding_window import patch_grid
 from segnode.node.ingest.volume import assemble_from_datasets
 from tests.conftest import PHANTOM
-from tests.fixtures.synthetic import synthetic_datasets
+from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets
 from tests.test_kserve import KServeServer, _read_series
 
 
@@ -49,7 +49,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="patches per request")
     args = parser.parse_args()
     manifest = load_manifest(default_manifest_path())
-    volumes = {"synthetic": assemble_from_datasets(synthetic_datasets(slices=args.slices)).hu}
+    volumes = {
+        "synthetic": assemble_from_datasets(
+            synthetic_datasets(PhantomGeometry(slices=args.slices))
+        ).hu
+    }
     if PHANTOM.is_dir():
         volumes["phantom"] = _read_series(PHANTOM)
     log = Path("/tmp") / f"kserve-bench-{time.time_ns()}.log"

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from scripts.harness import LOOPBACK, NodeRunner, free_port, peak_rss_mb, write_config
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
 
 @dataclass
@@ -99,9 +99,11 @@ def run_load(
         folder = workdir / "series" / f"a{i}"
         if not folder.exists():
             write_synthetic_series(
-                folder, rows=rows, columns=rows, slices=instances, seed=70000 + i,
+                folder,
+                PhantomGeometry(rows=rows, columns=rows, slices=instances),
+                seed=70000 + i,
                 patient_id=f"LOAD{i}",
-            )  # fmt: skip
+            )
         folders.append(folder)
     sent_bytes = sum(f.stat().st_size for d in folders for f in d.iterdir())
     say(

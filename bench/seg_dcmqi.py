@@ -23,7 +23,13 @@ from segnode.node.ingest.volume import assemble_volume
 from segnode.node.results.build import Equipment, ResultUIDs
 from segnode.node.results.seg_check import check_encoded
 from segnode.node.results.seg_encode import SegPlan
-from tests.fixtures.synthetic import AXIAL, SAGITTAL, phantom_labels, write_synthetic_series
+from tests.fixtures.synthetic import (
+    AXIAL,
+    SAGITTAL,
+    PhantomGeometry,
+    phantom_labels,
+    write_synthetic_series,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     for name, orientation in (("axial", AXIAL), ("sagittal", SAGITTAL)):
         ct = args.out / name / "ct"
-        write_synthetic_series(ct, rows=256, columns=256, slices=64, orientation=orientation)
+        write_synthetic_series(
+            ct, PhantomGeometry(rows=256, columns=256, slices=64, orientation=orientation)
+        )
         volume = assemble_volume(sorted(ct.glob("*.dcm")))
         labels = phantom_labels(256, 256, 64)
         plan = SegPlan.prepare(

@@ -58,7 +58,7 @@ from tests.fixtures.highdicom_clock import highdicom_clock
 from tests.fixtures.phantom_model import MANIFEST as RESULTS_MANIFEST
 from tests.fixtures.phantom_model import PHANTOM_LABELS
 from tests.fixtures.statistics import bincount_statistics
-from tests.fixtures.synthetic import phantom_labels, synthetic_datasets
+from tests.fixtures.synthetic import PhantomGeometry, phantom_labels, synthetic_datasets
 
 #: The phantom's five labels (tests.fixtures.synthetic), as a model would describe them.
 MANIFEST = dataclasses.replace(RESULTS_MANIFEST, labels=PHANTOM_LABELS)
@@ -80,7 +80,9 @@ def _medians_ms(fn: Callable[[], object], runs: int) -> tuple[float, float]:
 
 def run(slices: int, size: int, runs: int) -> dict[str, Any]:
     """Time each step; return the medians (ms) and the ratio."""
-    volume = assemble_from_datasets(synthetic_datasets(rows=size, columns=size, slices=slices))
+    volume = assemble_from_datasets(
+        synthetic_datasets(PhantomGeometry(rows=size, columns=size, slices=slices))
+    )
     labels = phantom_labels(size, size, slices)
     uids = ResultUIDs.new()
     seg = build_seg(volume, labels, MANIFEST, uids, equipment=SEG_EQUIPMENT)

@@ -4,7 +4,7 @@
 
 Each tree (this one, and ``--baseline``, another checkout such as ``git archive <commit> | tar
 -x -C DIR``) gets a worker process that builds the synthetic series
-(``tests.fixtures.synthetic.synthetic_datasets(slices=N, seed=0)`` assembled by
+(``tests.fixtures.synthetic.synthetic_datasets(PhantomGeometry(slices=N), seed=0)`` assembled by
 ``segnode.node.ingest.volume.assemble_from_datasets``), loads the tree's default model with
 ``segnode.engines.base.create_engine("onnxruntime")`` (default threads) and segments once to warm
 up. The runs then alternate between the workers, one ``segment`` at a time, so that both see the
@@ -32,7 +32,14 @@ from segnode.engines.models import default_manifest_path
 from tests.fixtures.synthetic import synthetic_datasets
 from segnode.node.ingest.volume import assemble_from_datasets
 
-hu = assemble_from_datasets(synthetic_datasets(slices=int(sys.argv[1]), seed=0)).hu
+slices = int(sys.argv[1])
+try:
+    from tests.fixtures.synthetic import PhantomGeometry
+except ImportError:  # a baseline tree from before PhantomGeometry
+    datasets = synthetic_datasets(slices=slices, seed=0)
+else:
+    datasets = synthetic_datasets(PhantomGeometry(slices=slices), seed=0)
+hu = assemble_from_datasets(datasets).hu
 engine = create_engine("onnxruntime")
 engine.load(load_manifest(default_manifest_path()))
 labels = engine.segment(hu)

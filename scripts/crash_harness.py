@@ -47,10 +47,11 @@ from typing import Any
 from pydicom import dcmread
 
 from scripts.harness import CountingSCP, NodeRunner, free_port, send_files, write_config
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
 STAGES = ("association", "released", "volume", "inference", "encoding", "sending", "after")
 ACTIVE = ("queued", "running", "encoded")
+SERIES = PhantomGeometry(rows=96, columns=96, slices=16)
 
 
 def _epoch(text: str | None) -> float | None:
@@ -177,8 +178,8 @@ class CrashHarness:
     ----------
     workdir
         Where the node's data, config, log and the series go.
-    rows, slices
-        Size of each synthetic series.
+    geometry
+        Matrix and slices of each synthetic series.
     scp_delay
         Seconds the destination waits before answering each C-STORE.
     quiet_period_s
@@ -192,8 +193,7 @@ class CrashHarness:
         self,
         workdir: Path,
         *,
-        rows: int = 96,
-        slices: int = 16,
+        geometry: PhantomGeometry = SERIES,
         scp_delay: float = 0.25,
         quiet_period_s: float = 15.0,
         staging_pool_mb: int = 8,
@@ -202,8 +202,7 @@ class CrashHarness:
         stages: tuple[str, ...] = STAGES,
     ) -> None:
         self.workdir = workdir
-        self.rows = rows
-        self.slices = slices
+        self.geometry = geometry
         self.rng = rng or random.Random()
         self.log = log
         self.stages = stages
@@ -237,12 +236,7 @@ class CrashHarness:
 
     def _series(self, seed: int) -> list[Path]:
         return write_synthetic_series(
-            self.workdir / "series" / str(seed),
-            rows=self.rows,
-            columns=self.rows,
-            slices=self.slices,
-            seed=seed,
-            patient_id=f"CRASH{seed}",
+            self.workdir / "series" / str(seed), self.geometry, seed=seed, patient_id=f"CRASH{seed}"
         )
 
     def _settle(self, series_uid: str, timeout: float) -> str | None:
@@ -417,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=50)
     p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
-    p.add_argument("--rows", type=int, default=96, help="rows = columns of each slice")
-    p.add_argument("--slices", type=int, default=16)
+    p.add_argument("--rows", type=int, default=SERIES.rows, help="rows = columns of each slice")
+    p.add_argument("--slices", type=int, default=SERIES.slices)
     p.add_argument("--workdir", type=Path, help="keep the node's data here (default: temp)")
     p.add_argument("--out", type=Path, help="write the report as JSON")
     p.add_argument(
@@ -442,8 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"seed {seed}; work dir {work}")
     h = CrashHarness(
         work,
-        rows=args.rows,
-        slices=args.slices,
+        geometry=PhantomGeometry(rows=args.rows, columns=args.rows, slices=args.slices),
         rng=random.Random(seed),
         stages=stages,
         staging_pool_mb=args.staging_pool_mb,

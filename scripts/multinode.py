@@ -47,7 +47,7 @@ from sqlalchemy.pool import NullPool
 
 from scripts.harness import CountingSCP, NodeRunner, free_port, storescu_args, write_config
 from tests.fixtures.postgres import PostgresCluster, postgres_bin
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
 LOOPBACK = "127.0.0.1"
 
@@ -66,7 +66,10 @@ def write_series(root: Path, count: int, seed: int) -> list[Series]:
     out = []
     for k in range(count):
         files = write_synthetic_series(
-            root / f"s{k:03d}", rows=64, columns=64, slices=12, patient_id=f"MN{k}", seed=seed + k
+            root / f"s{k:03d}",
+            PhantomGeometry(rows=64, columns=64, slices=12),
+            patient_id=f"MN{k}",
+            seed=seed + k,
         )
         ds = dcmread(files[0], stop_before_pixels=True)
         out.append(Series(files[0].parent, str(ds.StudyInstanceUID), str(ds.SeriesInstanceUID)))

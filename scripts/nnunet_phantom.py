@@ -215,20 +215,22 @@ def oracle_cases() -> tuple[OracleCase, ...]:
 
 def write_dicom_case(case: OracleCase, folder: Path, seed: int) -> list[Path]:
     """The case's phantom written as a CT series (one file per slice) with the case's geometry."""
-    from tests.fixtures.synthetic import write_synthetic_series  # noqa: PLC0415 - only this helper needs it
+    from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series  # noqa: PLC0415 - only this helper needs it
 
     hu, _ = sample(case.grid, case.anatomy)
     g = case.grid
     assert g.orientation is not None
     return write_synthetic_series(
         folder,
-        rows=g.rows,
-        columns=g.columns,
-        slices=g.slices,
-        pixel_spacing=g.pixel,
-        slice_spacing=g.slice,
-        orientation=g.orientation,
-        origin=[float(v) for v in g.origin],
+        PhantomGeometry(
+            rows=g.rows,
+            columns=g.columns,
+            slices=g.slices,
+            pixel_spacing=g.pixel,
+            slice_spacing=g.slice,
+            orientation=g.orientation,
+            origin=tuple(float(v) for v in g.origin),
+        ),
         seed=seed,
         hu=hu,
     )

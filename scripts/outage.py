@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.harness import CountingSCP, NodeRunner, free_port, send_files, write_config
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
 
 def ledger_rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
@@ -52,7 +52,7 @@ def run(workdir: Path, down_s: float, series: int, extra: dict[str, Any]) -> dic
     try:
         for i in range(series):
             files = write_synthetic_series(
-                workdir / f"s{i}", rows=64, columns=64, slices=8, seed=88000 + i
+                workdir / f"s{i}", PhantomGeometry(rows=64, columns=64, slices=8), seed=88000 + i
             )
             assert send_files(files, port).complete
         t0 = time.monotonic()

@@ -14,13 +14,18 @@ from pathlib import Path
 import pytest
 
 from scripts.crash_harness import CrashHarness
+from tests.fixtures.synthetic import PhantomGeometry
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop]
 
 
 def test_random_sigkills_keep_the_invariants(tmp_path: Path) -> None:
     h = CrashHarness(
-        tmp_path, rows=64, slices=10, scp_delay=0.2, quiet_period_s=4.0, rng=random.Random(20240)
+        tmp_path,
+        geometry=PhantomGeometry(rows=64, columns=64, slices=10),
+        scp_delay=0.2,
+        quiet_period_s=4.0,
+        rng=random.Random(20240),
     )
     try:
         report = h.run(6, base_seed=91000)

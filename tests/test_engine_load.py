@@ -22,7 +22,7 @@ from segnode.node.config import load_config
 from segnode.node.errors import ConfigError, SegnodeError
 from segnode.node.ops.service import Node
 from tests.conftest import free_port, wait_for
-from tests.fixtures.synthetic import synthetic_datasets
+from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets
 
 
 class GatedEngine:
@@ -85,7 +85,9 @@ def send_series(port: int, slices: int = 4) -> list[int]:
     try:
         return [
             int(assoc.send_c_store(ds).Status)
-            for ds in synthetic_datasets(rows=64, columns=64, slices=slices, seed=3)
+            for ds in synthetic_datasets(
+                PhantomGeometry(rows=64, columns=64, slices=slices), seed=3
+            )
         ]
     finally:
         assoc.release()

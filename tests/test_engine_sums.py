@@ -36,7 +36,7 @@ from segnode.node.results.statistics import (
     statistics_from_sums,
 )
 from segnode.storage.ledger import Ledger
-from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets, write_synthetic_series
 from tests.test_worker import ingest, run_job, worker_on
 
 MANIFEST = load_manifest(DEFAULT_MODEL)
@@ -63,7 +63,9 @@ def sr_values(stats: list[SegmentStatistics]) -> list[tuple[Any, ...]]:
 
 @pytest.fixture(scope="module")
 def volume() -> Volume:
-    base = assemble_from_datasets(synthetic_datasets(rows=40, columns=36, slices=10, seed=5))
+    base = assemble_from_datasets(
+        synthetic_datasets(PhantomGeometry(rows=40, columns=36, slices=10), seed=5)
+    )
     rng = np.random.default_rng(6)
     # Integer HU beyond the model's clipping range: the sums are of the HU, not the model input.
     hu = rng.integers(-2000, 4000, size=base.shape).astype(np.float32)
@@ -220,7 +222,9 @@ def ort() -> OrtEngine:
 def _run_job(tmp_path: Path, engine: Any, **results: str) -> tuple[int, Ledger]:
     config = {"results": results} if results else None
     worker, ledger, spool = worker_on(tmp_path, engine, MANIFEST, config)
-    files = write_synthetic_series(tmp_path / "in", rows=96, columns=96, slices=10, seed=41)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=96, columns=96, slices=10), seed=41
+    )
     jid, _ = run_job(worker, ledger, ingest(ledger, spool, files))
     worker.stop()
     view = ledger.job(jid)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import LOOPBACK, NodeProcess, Orthanc, free_port, wait_for
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.test_interop import storescu
 
 pytestmark = pytest.mark.interop
@@ -66,7 +66,10 @@ def test_completion_policies_split_series_and_late_instance(make_node: Any, tmp_
     node = start_with_senders(make_node, series={"quiet_period_s": 4.0})
     # A sender that splits one series over two associations: geometry completes it.
     split = write_synthetic_series(
-        tmp_path / "split", rows=32, columns=32, slices=12, seed=61, images_in_acquisition=True
+        tmp_path / "split",
+        PhantomGeometry(rows=32, columns=32, slices=12),
+        seed=61,
+        images_in_acquisition=True,
     )
     assert storescu(node, *split[:6], calling="SPLITTER").returncode == 0
     wait_for(lambda: "association released; 0 series complete" in node.log(), 10, "release")
@@ -76,7 +79,9 @@ def test_completion_policies_split_series_and_late_instance(make_node: Any, tmp_
     assert job["trigger"] == "geometry" and job["instances"] == 12  # not at the release
 
     # The default policy: released before the last slice arrives, then a late instance.
-    late = write_synthetic_series(tmp_path / "late", rows=32, columns=32, slices=9, seed=62)
+    late = write_synthetic_series(
+        tmp_path / "late", PhantomGeometry(rows=32, columns=32, slices=9), seed=62
+    )
     assert storescu(node, *late[:8]).returncode == 0
     wait_for(lambda: len(jobs_of(node)) == 2 and jobs_of(node)[1]["state"] == "done", 60, "v1")
     assert storescu(node, late[8]).returncode == 0
@@ -90,7 +95,10 @@ def test_completion_policies_split_series_and_late_instance(make_node: Any, tmp_
 
     # A sender on the quiet-period policy: neither release nor geometry count.
     quiet = write_synthetic_series(
-        tmp_path / "quiet", rows=32, columns=32, slices=6, seed=63, images_in_acquisition=True
+        tmp_path / "quiet",
+        PhantomGeometry(rows=32, columns=32, slices=6),
+        seed=63,
+        images_in_acquisition=True,
     )
     assert storescu(node, tmp_path / "quiet", calling="TIMER").returncode == 0
     wait_for(lambda: len(jobs_of(node)) == 4, 30, "quiet-period job")
@@ -104,8 +112,12 @@ def test_urgent_series_waits_only_for_the_job_in_progress(make_node: Any, tmp_pa
     routine = tmp_path / "routine"
     # A backlog that outlasts the CLI polls below (each routine job takes about 0.3 s now).
     for k in range(6):
-        write_synthetic_series(routine / str(k), rows=512, columns=512, slices=48, seed=70 + k)
-    urgent = write_synthetic_series(tmp_path / "urgent", rows=32, columns=32, slices=6, seed=95)
+        write_synthetic_series(
+            routine / str(k), PhantomGeometry(rows=512, columns=512, slices=48), seed=70 + k
+        )
+    urgent = write_synthetic_series(
+        tmp_path / "urgent", PhantomGeometry(rows=32, columns=32, slices=6), seed=95
+    )
     # One association delivers the routine backlog: six jobs queued at its release.
     assert storescu(node, routine, calling="ROUTINE").returncode == 0
     # Read the ledger directly: a `segnode jobs` poll takes seconds under load, long enough
@@ -145,7 +157,10 @@ def test_metrics_endpoint_and_delivery_ack_times(
         dispatch={"destinations": [orthanc.peer]},
     )
     files = write_synthetic_series(
-        tmp_path / "s", rows=64, columns=64, slices=10, seed=64, images_in_acquisition=True
+        tmp_path / "s",
+        PhantomGeometry(rows=64, columns=64, slices=10),
+        seed=64,
+        images_in_acquisition=True,
     )
     size = sum(f.stat().st_size for f in files)
     assert storescu(node, tmp_path / "s").returncode == 0

@@ -52,7 +52,7 @@ from pynetdicom.presentation import build_context
 
 from segnode.node.dicom.header import Header, HeaderError, parse_header
 from tests.conftest import LOOPBACK
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.scp_harness import SCPHarness, store
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # pydicom on garbage values
@@ -164,7 +164,7 @@ def test_parse_header_deeply_nested_sequences(
 @pytest.fixture(scope="module")
 def ct_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     (path,) = write_synthetic_series(
-        tmp_path_factory.mktemp("fz"), rows=16, columns=16, slices=1, seed=601
+        tmp_path_factory.mktemp("fz"), PhantomGeometry(rows=16, columns=16, slices=1), seed=601
     )
     ds = dcmread(path)
     buf = BytesIO()
@@ -342,7 +342,9 @@ def test_scp_survives_hostile_bytes(
     fuzz_node: tuple[SCPHarness, Watch], ct_bytes: bytes, tmp_path: Path
 ) -> None:
     h, watch = fuzz_node
-    (good,) = write_synthetic_series(tmp_path, rows=16, columns=16, slices=1, seed=602)
+    (good,) = write_synthetic_series(
+        tmp_path, PhantomGeometry(rows=16, columns=16, slices=1), seed=602
+    )
     witness = h.assoc("WITNESS")  # open through the whole fuzzing
     assert witness.is_established
     rq = associate_rq()

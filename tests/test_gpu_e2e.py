@@ -21,7 +21,7 @@ from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL
 from segnode.node.ingest.volume import assemble_volume
 from tests.conftest import LOOPBACK, wait_for
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
 torch: Any = pytest.importorskip("torch", reason="PyTorch not installed (GPU machines only)")
 pytest.importorskip("onnx2torch", reason="onnx2torch not installed (pip install onnx2torch)")
@@ -50,7 +50,7 @@ def test_serve_with_torch_engine_on_gpu(make_node: Any, tmp_path: Path, precisio
     node = make_node(start=False, model={"engine": "torch", "precision": precision})
     node.start(timeout=180)
     files = write_synthetic_series(
-        tmp_path / "ct", rows=512, columns=512, slices=64, seed=50 + len(precision)
+        tmp_path / "ct", PhantomGeometry(rows=512, columns=512, slices=64), seed=50 + len(precision)
     )
     t_last = send_series(node.port, files)
     wait_for(lambda: any(j["state"] == "done" for j in node.jobs()["jobs"]), 180, "GPU job done")

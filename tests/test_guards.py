@@ -15,7 +15,7 @@ from segnode.node.dicom.guards import AccessPolicy, DiskGuard, SeriesBudget
 from segnode.node.ops.retention import Retention
 from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.spool import Spool
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.scp_harness import SCPHarness, store
 from tests.test_outbox import encoded_job
 
@@ -23,7 +23,9 @@ from tests.test_outbox import encoded_job
 @pytest.fixture(scope="module")
 def series(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return write_synthetic_series(
-        tmp_path_factory.mktemp("guards"), rows=128, columns=128, slices=6, seed=401
+        tmp_path_factory.mktemp("guards"),
+        PhantomGeometry(rows=128, columns=128, slices=6),
+        seed=401,
     )
 
 
@@ -62,7 +64,9 @@ def test_series_instance_and_byte_limits(tmp_path: Path, series: list[Path]) -> 
     finally:
         h.close()
     # 128x128x2 bytes per slice = 32 KiB; 1 MB allows 31 slices; use a bigger series.
-    big = write_synthetic_series(tmp_path / "big", rows=512, columns=512, slices=3, seed=402)
+    big = write_synthetic_series(
+        tmp_path / "big", PhantomGeometry(rows=512, columns=512, slices=3), seed=402
+    )
     h = SCPHarness(tmp_path / "m", {"node": {"max_series_mb": 1}})
     try:
         a = h.assoc()

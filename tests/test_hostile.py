@@ -38,7 +38,7 @@ from pynetdicom.sop_class import CTImageStorage, Verification  # type: ignore[at
 from scripts.harness import query_ledger
 from segnode.node.dicom.ul import decode_command, encode_command, pdata_pdus
 from tests.conftest import LOOPBACK, NodeProcess, require_tool, wait_for
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.test_interop import storescu
 from tests.test_ul import associate_rq, recv_pdu
 
@@ -141,7 +141,9 @@ def raw_association(
 def ct_dataset(folder: Path, syntax: str, seed: int) -> tuple[str, bytes]:
     """One synthetic CT instance: its SOP Instance UID and its dataset encoded in ``syntax``
     (implicit or explicit VR little endian) without File Meta Information."""
-    (path,) = write_synthetic_series(folder, rows=64, columns=64, slices=1, seed=seed)
+    (path,) = write_synthetic_series(
+        folder, PhantomGeometry(rows=64, columns=64, slices=1), seed=seed
+    )
     ds = dcmread(path)
     del ds.file_meta
     fp = DicomBytesIO()
@@ -307,12 +309,16 @@ def test_idle_and_trickling_connections_do_not_block_legitimate_peers(
     pid = node_pid(node)
     # A warm-up series first: the first job starts threads that stay (the engine's, the
     # worker's); the idle count is the one after it, with every lazily started thread there.
-    write_synthetic_series(tmp_path / "warm", rows=32, columns=32, slices=4, seed=9101)
+    write_synthetic_series(
+        tmp_path / "warm", PhantomGeometry(rows=32, columns=32, slices=4), seed=9101
+    )
     assert storescu(node, tmp_path / "warm").returncode == 0
     wait_for(lambda: [j["state"] for j in node.jobs()["jobs"]] == ["done"], 60, "warm-up job done")
     idle = steady_thread_count(pid)
 
-    files = write_synthetic_series(tmp_path / "s", rows=64, columns=64, slices=16, seed=9102)
+    files = write_synthetic_series(
+        tmp_path / "s", PhantomGeometry(rows=64, columns=64, slices=16), seed=9102
+    )
     series_uid = str(dcmread(files[0], stop_before_pixels=True).SeriesInstanceUID)
 
     def series_jobs() -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from tests.conftest import (
     start_orthanc,
     wait_for,
 )
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
 pytestmark = pytest.mark.interop
 
@@ -137,9 +137,7 @@ def check_seg_matches(seg_bytes: bytes, vol: Any, labels: np.ndarray) -> None:
 def synthetic_series(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return write_synthetic_series(
         tmp_path_factory.mktemp("synth"),
-        rows=256,
-        columns=256,
-        slices=40,
+        PhantomGeometry(rows=256, columns=256, slices=40),
         patient_id="SYNTHE2E",
         seed=15,
     )
@@ -184,10 +182,14 @@ def test_bad_inputs_keep_node_serving(make_node: Any, tmp_path: Path) -> None:
     """Non-volume series fail with a reason; own results are ignored; node keeps serving."""
     node = make_node()
     # A single slice cannot form a volume.
-    one = write_synthetic_series(tmp_path / "one", rows=32, columns=32, slices=1, seed=11)
+    one = write_synthetic_series(
+        tmp_path / "one", PhantomGeometry(rows=32, columns=32, slices=1), seed=11
+    )
     assert storescu(node, *one).returncode == 0
     # A series with a gap.
-    gap = write_synthetic_series(tmp_path / "gap", rows=32, columns=32, slices=6, seed=12)
+    gap = write_synthetic_series(
+        tmp_path / "gap", PhantomGeometry(rows=32, columns=32, slices=6), seed=12
+    )
     gap[2].unlink()
     assert storescu(node, tmp_path / "gap").returncode == 0
     wait_for(
@@ -201,7 +203,9 @@ def test_bad_inputs_keep_node_serving(make_node: Any, tmp_path: Path) -> None:
     text = node.cli("jobs").stdout
     assert "failed" in text and "reason:" in text
     # The node still serves a good series afterwards.
-    write_synthetic_series(tmp_path / "good", rows=64, columns=64, slices=8, seed=13)
+    write_synthetic_series(
+        tmp_path / "good", PhantomGeometry(rows=64, columns=64, slices=8), seed=13
+    )
     assert storescu(node, tmp_path / "good").returncode == 0
     wait_for(lambda: any(j["state"] == "done" for j in node.jobs()["jobs"]), 60, "a done job")
     # Its SEG sent back to the node is ignored by the loop guard.
@@ -259,7 +263,9 @@ def test_instance_rows_lost_by_a_power_cut_are_recorded_again(
     power cut loses the last rows, start-up records the files again and the series' job
     still uses every acknowledged instance."""
     node = make_node(series={"complete_on_release": False, "quiet_period_s": 1.0})
-    files = write_synthetic_series(tmp_path / "s", rows=64, columns=64, slices=8, seed=15)
+    files = write_synthetic_series(
+        tmp_path / "s", PhantomGeometry(rows=64, columns=64, slices=8), seed=15
+    )
     assert storescu(node, tmp_path / "s").returncode == 0
     node.kill()
     # What a power cut can leave: the files are there, the last rows are not.
@@ -300,7 +306,9 @@ def test_instance_rows_lost_by_a_power_cut_are_recorded_again(
 def test_sigkill_before_job_resumes_from_ledger(make_node: Any, tmp_path: Path) -> None:
     """Instances acknowledged but no job yet (quiet-period fallback after restart)."""
     node = make_node(series={"complete_on_release": False, "quiet_period_s": 1.0})
-    files = write_synthetic_series(tmp_path / "s", rows=64, columns=64, slices=8, seed=14)
+    files = write_synthetic_series(
+        tmp_path / "s", PhantomGeometry(rows=64, columns=64, slices=8), seed=14
+    )
     assert storescu(node, tmp_path / "s").returncode == 0
     node.kill()
     node.start()

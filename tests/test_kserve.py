@@ -323,14 +323,16 @@ def test_a_job_fails_while_the_server_is_down_and_a_retry_succeeds(
     server comes back, ``segnode retry`` requeues the job and it ends done with its SEG."""
     from scripts.harness import send_files
     from segnode.node.pipeline.worker import result_paths
-    from tests.fixtures.synthetic import write_synthetic_series
+    from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
     server = KServeServer({"tissue": tissue.onnx_path}, tmp_path / "server.log").start()
     try:
         model = {"engine": "kserve", "url": server.http_url, "retries": 1, "load": "before"}
         node = make_node(model=model)
         server.stop()
-        files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=6, seed=3)
+        files = write_synthetic_series(
+            tmp_path / "in", PhantomGeometry(rows=64, columns=64, slices=6), seed=3
+        )
         assert send_files(files, node.port).complete
 
         def ended() -> Any:

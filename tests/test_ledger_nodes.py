@@ -20,7 +20,7 @@ from scripts.harness import send_files
 from segnode.node.ingest.scp import record_from_file
 from segnode.storage.ledger import InstanceRecord, JobView, Ledger
 from segnode.storage.migrations import upgrade_database
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.scp_harness import SCPHarness
 
 SEG = "1.2.840.10008.5.1.4.1.1.66.4"
@@ -261,7 +261,9 @@ def test_an_instance_another_node_recorded_without_its_file_is_stored_here(
     raw = {"ledger": {"url": pg_url}}
     a, b = SCPHarness(tmp_path / "a", raw), SCPHarness(tmp_path / "b", raw)
     try:
-        files = write_synthetic_series(tmp_path / "s", rows=32, columns=32, slices=3, seed=5)
+        files = write_synthetic_series(
+            tmp_path / "s", PhantomGeometry(rows=32, columns=32, slices=3), seed=5
+        )
         lost, a_path = row_without_file(a, files[0])
         sent = send_files(files[1:2], a.port)
         assert sent.acknowledged == [str(record_from_file(files[1]).sop_instance_uid)]
@@ -353,7 +355,9 @@ def test_an_own_row_whose_commit_was_not_confirmed_is_stored_again(
     upgrade_database(pg_url)
     h = SCPHarness(tmp_path / "n", {"ledger": {"url": pg_url}})
     try:
-        files = write_synthetic_series(tmp_path / "s", rows=32, columns=32, slices=2, seed=9)
+        files = write_synthetic_series(
+            tmp_path / "s", PhantomGeometry(rows=32, columns=32, slices=2), seed=9
+        )
         lost, path = row_without_file(h, files[0])
         sent = send_files(files, h.port)
         assert set(sent.statuses.values()) == {0}, sent

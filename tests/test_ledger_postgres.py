@@ -23,7 +23,7 @@ from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.migrations import HEAD, SchemaError, upgrade_database
 from segnode.storage.models import Base
 from tests.conftest import Orthanc, wait_for
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.test_interop import count_results, orthanc_results, storescu
 from tests.test_outbox_bytes import load_v1_ledger
 
@@ -162,7 +162,10 @@ def test_a_node_on_postgresql_segments_and_delivers_once(
     assert "segnode" in up.stdout and "@" in up.stdout  # names the database, no password
     node.start()
     files = write_synthetic_series(
-        tmp_path / "series", rows=64, columns=64, slices=24, patient_id="PGE2E", seed=3
+        tmp_path / "series",
+        PhantomGeometry(rows=64, columns=64, slices=24),
+        patient_id="PGE2E",
+        seed=3,
     )
     r = storescu(node, files[0].parent)
     assert r.returncode == 0, r.stdout + r.stderr

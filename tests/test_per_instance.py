@@ -27,7 +27,7 @@ from tests.conftest import (
     start_orthanc,
     wait_for,
 )
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.test_interop import count_results, orthanc_results
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
@@ -91,7 +91,7 @@ def test_storescu_once_per_file_gives_one_seg_and_sr_per_series(
         cases = {}
         for n, seed in ((40, 9501), (128, 9502)):
             files = write_synthetic_series(
-                tmp_path / f"s{n}", rows=64, columns=64, slices=n, seed=seed
+                tmp_path / f"s{n}", PhantomGeometry(rows=64, columns=64, slices=n), seed=seed
             )
             ds = dcmread(files[0], stop_before_pixels=True)
             study, series = str(ds.StudyInstanceUID), str(ds.SeriesInstanceUID)
@@ -140,7 +140,9 @@ def test_orthanc_forwarding_each_instance_gives_one_seg_and_sr(
     )
     oport = orthanc.dicom_port
     try:
-        files = write_synthetic_series(tmp_path / "s", rows=64, columns=64, slices=40, seed=9503)
+        files = write_synthetic_series(
+            tmp_path / "s", PhantomGeometry(rows=64, columns=64, slices=40), seed=9503
+        )
         ds = dcmread(files[0], stop_before_pixels=True)
         study, series = str(ds.StudyInstanceUID), str(ds.SeriesInstanceUID)
         exe = require_tool("storescu")
@@ -201,7 +203,9 @@ def test_a_late_instance_after_delivery_sends_new_results_and_a_rejection_note(
         lambda port: f'{{ peer = "ORTHANC@{LOOPBACK}:{port}", reject_superseded = true }}',
     )
     try:
-        files = write_synthetic_series(tmp_path / "s", rows=64, columns=64, slices=20, seed=9504)
+        files = write_synthetic_series(
+            tmp_path / "s", PhantomGeometry(rows=64, columns=64, slices=20), seed=9504
+        )
         ds = dcmread(files[0], stop_before_pixels=True)
         study, series = str(ds.StudyInstanceUID), str(ds.SeriesInstanceUID)
         (tmp_path / "first").mkdir()
@@ -237,8 +241,12 @@ def test_interleaved_per_instance_and_whole_series_senders(make_node: Any, tmp_p
     import threading
 
     node: NodeProcess = make_node()
-    pi_files = write_synthetic_series(tmp_path / "pi", rows=64, columns=64, slices=60, seed=9505)
-    ct_files = write_synthetic_series(tmp_path / "ct", rows=64, columns=64, slices=30, seed=9506)
+    pi_files = write_synthetic_series(
+        tmp_path / "pi", PhantomGeometry(rows=64, columns=64, slices=60), seed=9505
+    )
+    ct_files = write_synthetic_series(
+        tmp_path / "ct", PhantomGeometry(rows=64, columns=64, slices=30), seed=9506
+    )
     pi_series = str(dcmread(pi_files[0], stop_before_pixels=True).SeriesInstanceUID)
     ct_series = str(dcmread(ct_files[0], stop_before_pixels=True).SeriesInstanceUID)
     sender = threading.Thread(target=storescu_each, args=(node.port, pi_files, "PI"))

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import subprocess
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import highdicom as hd
 import numpy as np
@@ -33,12 +35,13 @@ from tests.fixtures.phantom_model import MANIFEST
 from tests.fixtures.synthetic import (
     AXIAL,
     SAGITTAL,
+    PhantomGeometry,
     phantom_labels,
     synthetic_datasets,
     write_enhanced_ct,
 )
 
-ROWS, COLUMNS, SLICES = 48, 40, 8
+SMALL = PhantomGeometry(rows=48, columns=40, slices=8)
 UIDS = ResultUIDs(
     seg_series_uid="2.25.1001",
     seg_sop_uid="2.25.1002",
@@ -57,10 +60,9 @@ OBLIQUE = (
 )
 
 
-def small_volume(**kwargs: object) -> Volume:
-    args: dict[str, object] = {"rows": ROWS, "columns": COLUMNS, "slices": SLICES}
-    args.update(kwargs)
-    datasets = synthetic_datasets(**args)  # type: ignore[arg-type]
+def small_volume(**geometry: Any) -> Volume:
+    """The small phantom, ``geometry`` overriding fields of :data:`SMALL`."""
+    datasets = synthetic_datasets(replace(SMALL, **geometry))
     return assemble_from_datasets(datasets[::-1])
 
 
@@ -162,7 +164,7 @@ def test_seg_axial() -> None:
     }
     assert referenced == {ds.SOPInstanceUID for ds in volume.sources}
     # lungs only in the upper half: empty frames are omitted
-    assert seg.NumberOfFrames == 3 * SLICES + 2 * (SLICES // 2)
+    assert seg.NumberOfFrames == 3 * SMALL.slices + 2 * (SMALL.slices // 2)
 
 
 def _source_frame_uids(seg: Dataset) -> list[str]:
@@ -206,7 +208,7 @@ def test_seg_frames_reference_their_source_slice() -> None:
 
 
 def test_seg_tolerates_orientation_jitter() -> None:
-    datasets = synthetic_datasets(rows=ROWS, columns=COLUMNS, slices=SLICES)
+    datasets = synthetic_datasets(SMALL)
     datasets[3].ImageOrientationPatient = [1.0, 0.00002, 0.0, -0.00002, 1.0, 0.0]
     volume = assemble_from_datasets(datasets)
     seg, _ = encode_both(volume, truth(volume))
@@ -215,9 +217,7 @@ def test_seg_tolerates_orientation_jitter() -> None:
 
 def test_seg_from_enhanced_ct(tmp_path: Path) -> None:
     order = [3, 1, 0, 5, 4, 2, 7, 6]
-    path = write_enhanced_ct(
-        tmp_path / "enhanced.dcm", rows=ROWS, columns=COLUMNS, slices=SLICES, frame_order=order
-    )
+    path = write_enhanced_ct(tmp_path / "enhanced.dcm", SMALL, frame_order=order)
     volume = assemble_volume([path])
     labels = truth(volume)
     seg, sr = encode_both(volume, labels)
@@ -395,9 +395,7 @@ def test_sr_rejects_foreign_seg() -> None:
     "orientation", [AXIAL, SAGITTAL, OBLIQUE], ids=["axial", "sagittal", "oblique"]
 )
 def test_dciodvfy_synthetic(tmp_path: Path, orientation: tuple[float, ...]) -> None:
-    datasets = synthetic_datasets(
-        rows=ROWS, columns=COLUMNS, slices=SLICES, orientation=orientation
-    )
+    datasets = synthetic_datasets(replace(SMALL, orientation=orientation))
     warnings = dciodvfy(datasets[0], tmp_path / "ct.dcm")
     # a non-axial synthetic slice has Image Type value 3 OTHER, which dciodvfy warns about
     assert all("<OTHER> for value 3 of attribute <Image Type>" in w for w in warnings)
@@ -410,7 +408,7 @@ def test_dciodvfy_synthetic(tmp_path: Path, orientation: tuple[float, ...]) -> N
 
 @pytest.mark.interop
 def test_dciodvfy_enhanced_ct(tmp_path: Path) -> None:
-    path = write_enhanced_ct(tmp_path / "e.dcm", rows=ROWS, columns=COLUMNS, slices=SLICES)
+    path = write_enhanced_ct(tmp_path / "e.dcm", SMALL)
     assert dciodvfy(pydicom.dcmread(path), tmp_path / "e2.dcm") == []
 
 
@@ -450,7 +448,7 @@ def test_real_liver_seg_and_sr(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_full_size_volume_encodes(tmp_path: Path) -> None:
     """512 x 512 x 128 with five labels: builds and verifies (timings in the report)."""
-    datasets = synthetic_datasets(rows=512, columns=512, slices=128)
+    datasets = synthetic_datasets(PhantomGeometry(rows=512, columns=512, slices=128))
     volume = assemble_from_datasets(datasets)
     seg, sr = encode_both(volume, truth(volume))
     assert len(seg.SegmentSequence) == 5

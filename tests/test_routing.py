@@ -30,7 +30,7 @@ from tests.conftest import (
     wait_for,
 )
 from tests.fixtures.sample_study import write_sample_study
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
 pytestmark = pytest.mark.interop
 
@@ -325,7 +325,9 @@ retry_max_s = 0.1
 max_attempts = 2
 """
         )
-        write_synthetic_series(tmp_path / "s", rows=96, columns=96, slices=10, seed=71)
+        write_synthetic_series(
+            tmp_path / "s", PhantomGeometry(rows=96, columns=96, slices=10), seed=71
+        )
         storescu(node.port, "SEGNODE", tmp_path / "s")
         wait_for(lambda: node.jobs()["jobs"][0]["state"] == "failed", 60, "job failed")
         job = node.jobs()["jobs"][0]

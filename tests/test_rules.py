@@ -31,7 +31,7 @@ from segnode.node.routing.rules import (
     facts_from_dataset,
 )
 from tests.fixtures.sample_study import write_sample_study
-from tests.fixtures.synthetic import write_enhanced_ct
+from tests.fixtures.synthetic import PhantomGeometry, write_enhanced_ct
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -259,7 +259,8 @@ def test_facts_from_ct_and_enhanced_ct(tmp_path: Path) -> None:
     assert (f.calling_ae, f.modality, f.slices, f.slice_thickness) == ("CT1", "CT", 2, 1.0)
     assert f.pixel_spacing == (1.0, 1.0) and f.body_part == "CHEST"
     enh = write_enhanced_ct(
-        tmp_path / "enh.dcm", rows=16, columns=16, slices=6, pixel_spacing=0.8, slice_spacing=2.0
+        tmp_path / "enh.dcm",
+        PhantomGeometry(rows=16, columns=16, slices=6, pixel_spacing=0.8, slice_spacing=2.0),
     )
     e = facts_from_dataset(dcmread(enh, stop_before_pixels=True))
     assert e.sop_class_uid == "1.2.840.10008.5.1.4.1.1.2.1"

@@ -30,7 +30,7 @@ from segnode.node.ingest.series import CompletionLoop
 from segnode.storage.ledger import Ledger
 from segnode.storage.spool import Spool
 from tests.conftest import LOOPBACK, wait_for
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.scp_harness import settle_rejection
 
 
@@ -88,7 +88,7 @@ def h(tmp_path: Path) -> Iterator[Harness]:
 @pytest.fixture(scope="module")
 def series(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     out = tmp_path_factory.mktemp("series")
-    return write_synthetic_series(out, rows=64, columns=64, slices=6)
+    return write_synthetic_series(out, PhantomGeometry(rows=64, columns=64, slices=6))
 
 
 def send(assoc: object, path_or_ds: Path | Dataset) -> int:

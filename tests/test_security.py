@@ -29,7 +29,7 @@ from segnode.node.dicom.tls import server_context
 from segnode.node.outbox.scu import Dispatcher
 from segnode.storage.ledger import Ledger
 from tests.conftest import LOOPBACK, require_tool, wait_for
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.scp_harness import SCPHarness, store
 from tests.test_outbox import encoded_job, outbox_config
 
@@ -106,7 +106,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
 @pytest.fixture(scope="module")
 def series(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return write_synthetic_series(
-        tmp_path_factory.mktemp("sec"), rows=64, columns=64, slices=4, seed=501
+        tmp_path_factory.mktemp("sec"), PhantomGeometry(rows=64, columns=64, slices=4), seed=501
     )
 
 
@@ -242,13 +242,18 @@ def e2e_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[NodeRunner, Count
     base = tmp_path_factory.mktemp("e2e")
     secret_name, secret_id = "ZZTOPSECRET^ALICE", "PIDXYZ987"
     files = write_synthetic_series(
-        base / "good", rows=64, columns=64, slices=6, seed=502, patient_id=secret_id
+        base / "good",
+        PhantomGeometry(rows=64, columns=64, slices=6),
+        seed=502,
+        patient_id=secret_id,
     )
     for f in files:
         ds = dcmread(f)
         ds.PatientName = secret_name
         ds.save_as(f)
-    one = write_synthetic_series(base / "one", rows=32, columns=32, slices=1, seed=503)
+    one = write_synthetic_series(
+        base / "one", PhantomGeometry(rows=32, columns=32, slices=1), seed=503
+    )
     bad = dcmread(one[0])
     bad.PatientName, bad.PatientID = secret_name, secret_id
     short = dcmread(files[0])

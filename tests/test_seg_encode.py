@@ -55,6 +55,7 @@ from tests.test_results import (
     MANIFEST,
     OBLIQUE,
     SEG_EQUIPMENT,
+    SMALL,
     SOURCE_WARNINGS,
     SR_EQUIPMENT,
     UIDS,
@@ -261,13 +262,7 @@ def test_equal_to_highdicom_frames_not_whole_bytes(kind: str, labeling: str) -> 
 @pytest.mark.parametrize("labeling", ["five", "absent", "gap"])
 def test_equal_to_highdicom_enhanced_ct(tmp_path: Path, kind: str, labeling: str) -> None:
     """A multi-frame source with frames out of order: frames reference source frame numbers."""
-    path = write_enhanced_ct(
-        tmp_path / "enhanced.dcm",
-        rows=48,
-        columns=40,
-        slices=8,
-        frame_order=[3, 1, 0, 5, 4, 2, 7, 6],
-    )
+    path = write_enhanced_ct(tmp_path / "enhanced.dcm", SMALL, frame_order=[3, 1, 0, 5, 4, 2, 7, 6])
     volume = assemble_volume([path])
     assert_equal_to_highdicom(volume, LABELINGS[labeling](truth(volume)), kind)
 
@@ -393,9 +388,7 @@ def test_reference_dataset(kind: str) -> None:
 def test_highdicom_reads_back(tmp_path: Path, case: str, kind: str) -> None:
     if case == "enhanced":
         order = [3, 1, 0, 5, 4, 2, 7, 6]
-        path = write_enhanced_ct(
-            tmp_path / "e.dcm", rows=48, columns=40, slices=8, frame_order=order
-        )
+        path = write_enhanced_ct(tmp_path / "e.dcm", SMALL, frame_order=order)
         volume = assemble_volume([path])
     else:
         volume = small_volume(orientation=OBLIQUE) if case == "oblique" else small_volume()
@@ -442,9 +435,7 @@ def dciodvfy(data: bytes, path: Path) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize("case", ["axial", "sagittal", "oblique", "enhanced", "one-segment"])
 def test_dciodvfy(tmp_path: Path, case: str) -> None:
     if case == "enhanced":
-        volume = assemble_volume(
-            [write_enhanced_ct(tmp_path / "e.dcm", rows=48, columns=40, slices=8)]
-        )
+        volume = assemble_volume([write_enhanced_ct(tmp_path / "e.dcm", SMALL)])
     else:
         orientation = {"sagittal": SAGITTAL, "oblique": OBLIQUE}.get(case)
         volume = small_volume(orientation=orientation) if orientation else small_volume()

@@ -45,6 +45,7 @@ from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_e
 from tests.test_results import (
     MANIFEST,
     SEG_EQUIPMENT,
+    SMALL,
     SOURCE_WARNINGS,
     SR_EQUIPMENT,
     UIDS,
@@ -65,11 +66,11 @@ def pinned_clock() -> Iterator[datetime.datetime]:
 
 
 def _synthetic() -> Volume:
-    return assemble_from_datasets(synthetic_datasets(rows=48, columns=40, slices=8))
+    return assemble_from_datasets(synthetic_datasets(SMALL))
 
 
 def _enhanced(tmp_path: Path) -> Volume:
-    path = write_enhanced_ct(tmp_path / "enhanced.dcm", rows=48, columns=40, slices=8)
+    path = write_enhanced_ct(tmp_path / "enhanced.dcm", SMALL)
     return assemble_volume([path])
 
 

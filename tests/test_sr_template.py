@@ -25,7 +25,7 @@ from segnode.node.results.build import (
     segment_statistics,
 )
 from segnode.node.results.sr_encode import SrPlan
-from tests.fixtures.synthetic import synthetic_datasets
+from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets
 from tests.test_results import MANIFEST, SEG_EQUIPMENT, SR_EQUIPMENT
 from tests.test_sr_encode import NOW, PRESENT, _enhanced, _labels, _phantom, _synthetic
 from tests.test_sr_encode import pinned_clock as pinned_clock
@@ -52,7 +52,7 @@ def test_spliced_plan_equals_full_path(
     volume = {
         "synthetic": _synthetic,
         "other series": lambda: assemble_from_datasets(
-            synthetic_datasets(rows=48, columns=40, slices=5, seed=3)
+            synthetic_datasets(PhantomGeometry(rows=48, columns=40, slices=5), seed=3)
         ),
         "enhanced": lambda: _enhanced(tmp_path),
         "phantom": _phantom,

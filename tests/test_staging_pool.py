@@ -15,7 +15,7 @@ from pynetdicom.sop_class import CTImageStorage  # type: ignore[attr-defined]
 from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.spool import POOL_SUFFIX, Spool
 from tests.conftest import wait_for
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
 SMALL = 4096  # pool file size in these tests (bytes)
 
@@ -131,7 +131,9 @@ def test_the_node_refills_its_pool_after_an_association(tmp_path: Path) -> None:
         pool = h.spool.pool
         assert pool.target == 4
         assert h.scp.fill_staging_pool() == 4
-        paths = write_synthetic_series(tmp_path / "ct", rows=64, columns=64, slices=6, seed=81)
+        paths = write_synthetic_series(
+            tmp_path / "ct", PhantomGeometry(rows=64, columns=64, slices=6), seed=81
+        )
         a = h.assoc()
         for p in paths:
             status = a.send_c_store(dcmread(p))

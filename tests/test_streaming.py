@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,17 @@ from pydicom.uid import (
 from segnode.node.ingest.series import SeriesGeometry, uniform_stack
 from segnode.node.ingest.streaming import Arrival, SlabPool, StreamingAssembler, _permute_in_place
 from segnode.node.ingest.volume import Volume, assemble_volume, rescale_into
-from tests.fixtures.synthetic import SAGITTAL, write_enhanced_ct, write_synthetic_series
+from tests.fixtures.synthetic import (
+    SAGITTAL,
+    PhantomGeometry,
+    write_enhanced_ct,
+    write_synthetic_series,
+)
+
+# Series small enough to write quickly; the assembler does not care about the matrix size.
+TINY = PhantomGeometry(rows=16, columns=16, slices=8)
+# More slices than one default slab (64) when there is no count hint.
+TWO_SLABS = PhantomGeometry(rows=48, columns=40, slices=70)
 
 
 def assert_same_volume(a: Volume, b: Volume) -> None:
@@ -67,33 +78,25 @@ def asm() -> Iterator[StreamingAssembler]:
 
 
 @pytest.mark.parametrize(
-    ("syntax", "orientation", "hint", "seed"),
+    ("syntax", "geometry", "hint", "seed"),
     [
-        (ExplicitVRLittleEndian, None, True, 41),
-        (ExplicitVRLittleEndian, None, False, 42),
-        (ImplicitVRLittleEndian, SAGITTAL, True, 43),
-        (DeflatedExplicitVRLittleEndian, None, False, 44),
-        (JPEGLSLossless, None, True, 45),
+        (ExplicitVRLittleEndian, TWO_SLABS, True, 41),
+        (ExplicitVRLittleEndian, TWO_SLABS, False, 42),
+        (ImplicitVRLittleEndian, replace(TWO_SLABS, orientation=SAGITTAL), True, 43),
+        (DeflatedExplicitVRLittleEndian, TWO_SLABS, False, 44),
+        (JPEGLSLossless, TWO_SLABS, True, 45),
     ],
 )
 def test_prebuilt_volume_is_exactly_assemble_volume(
     asm: StreamingAssembler,
     tmp_path: Path,
     syntax: str,
-    orientation: tuple[float, ...] | None,
+    geometry: PhantomGeometry,
     hint: bool,
     seed: int,
 ) -> None:
-    kwargs = {"orientation": orientation} if orientation else {}
     paths = write_synthetic_series(
-        tmp_path,
-        rows=48,
-        columns=40,
-        slices=70,  # more than one default slab when there is no hint
-        transfer_syntax=syntax,
-        seed=seed,
-        images_in_acquisition=hint,
-        **kwargs,  # type: ignore[arg-type]
+        tmp_path, geometry, transfer_syntax=syntax, seed=seed, images_in_acquisition=hint
     )
     uid = series_uid_of(paths[0])
     order = list(range(len(paths)))
@@ -107,7 +110,9 @@ def test_prebuilt_volume_is_exactly_assemble_volume(
 
 
 def test_multiframe_prebuilt(asm: StreamingAssembler, tmp_path: Path) -> None:
-    path = write_enhanced_ct(tmp_path / "mf.dcm", rows=32, columns=32, slices=12, seed=46)
+    path = write_enhanced_ct(
+        tmp_path / "mf.dcm", PhantomGeometry(rows=32, columns=32, slices=12), seed=46
+    )
     uid = series_uid_of(path)
     fired: list[str] = []
     asm.on_geometry = lambda s, _ae: fired.append(s)
@@ -121,7 +126,7 @@ def test_multiframe_prebuilt(asm: StreamingAssembler, tmp_path: Path) -> None:
 def test_fallback_when_the_ledger_lists_other_instances(
     asm: StreamingAssembler, tmp_path: Path
 ) -> None:
-    paths = write_synthetic_series(tmp_path, rows=16, columns=16, slices=6, seed=47)
+    paths = write_synthetic_series(tmp_path, replace(TINY, slices=6), seed=47)
     uid = series_uid_of(paths[0])
     feed(asm, paths, uid, list(range(5)))  # the sixth was stored but never streamed
     assert asm.take(uid, paths) is None
@@ -131,7 +136,7 @@ def test_fallback_when_the_ledger_lists_other_instances(
 
 def test_broken_series_falls_back(asm: StreamingAssembler, tmp_path: Path) -> None:
     """A series assembly would refuse (a gap) is never served from memory."""
-    paths = write_synthetic_series(tmp_path, rows=16, columns=16, slices=6, seed=48)
+    paths = write_synthetic_series(tmp_path, replace(TINY, slices=6), seed=48)
     del paths[2]
     uid = series_uid_of(paths[0])
     feed(asm, paths, uid, list(range(len(paths))))
@@ -139,13 +144,9 @@ def test_broken_series_falls_back(asm: StreamingAssembler, tmp_path: Path) -> No
 
 
 def test_geometry_fires_once_at_the_last_slice(tmp_path: Path) -> None:
-    paths = write_synthetic_series(
-        tmp_path / "a", rows=16, columns=16, slices=8, seed=49, images_in_acquisition=True
-    )
-    gap = write_synthetic_series(
-        tmp_path / "b", rows=16, columns=16, slices=8, seed=50, images_in_acquisition=True
-    )
-    plain = write_synthetic_series(tmp_path / "c", rows=16, columns=16, slices=8, seed=51)
+    paths = write_synthetic_series(tmp_path / "a", TINY, seed=49, images_in_acquisition=True)
+    gap = write_synthetic_series(tmp_path / "b", TINY, seed=50, images_in_acquisition=True)
+    plain = write_synthetic_series(tmp_path / "c", TINY, seed=51)
     fired: list[tuple[str, str]] = []
     asm = StreamingAssembler(workers=1, on_geometry=lambda s, ae: fired.append((s, ae)))
     asm.start()
@@ -182,8 +183,12 @@ def test_series_geometry_rules() -> None:
 
 
 def test_memory_cap_spills_least_recent_series(tmp_path: Path) -> None:
-    a = write_synthetic_series(tmp_path / "a", rows=64, columns=64, slices=8, seed=52)
-    b = write_synthetic_series(tmp_path / "b", rows=64, columns=64, slices=8, seed=53)
+    a = write_synthetic_series(
+        tmp_path / "a", PhantomGeometry(rows=64, columns=64, slices=8), seed=52
+    )
+    b = write_synthetic_series(
+        tmp_path / "b", PhantomGeometry(rows=64, columns=64, slices=8), seed=53
+    )
     slab = 64 * 64 * 64 * 4  # one default slab of 64 slices
     asm = StreamingAssembler(workers=1, max_bytes=slab + slab // 2)
     asm.start()
@@ -204,7 +209,7 @@ def test_memory_cap_spills_least_recent_series(tmp_path: Path) -> None:
 
 def test_geometry_only_when_streaming_disabled(tmp_path: Path) -> None:
     paths = write_synthetic_series(
-        tmp_path, rows=16, columns=16, slices=4, seed=54, images_in_acquisition=True
+        tmp_path, replace(TINY, slices=4), seed=54, images_in_acquisition=True
     )
     fired: list[str] = []
     asm = StreamingAssembler(
@@ -232,9 +237,7 @@ def test_permute_in_place() -> None:
 def test_geometry_survives_a_job_taking_the_series(tmp_path: Path) -> None:
     """The quiet period made a job of the first half of a split transfer: the second half
     still completes the series by geometry (a new version)."""
-    paths = write_synthetic_series(
-        tmp_path, rows=16, columns=16, slices=8, seed=55, images_in_acquisition=True
-    )
+    paths = write_synthetic_series(tmp_path, TINY, seed=55, images_in_acquisition=True)
     fired: list[str] = []
     asm = StreamingAssembler(workers=1, on_geometry=lambda s, _ae: fired.append(s))
     asm.start()
@@ -280,7 +283,7 @@ def test_slabs_are_reused_by_the_next_series(tmp_path: Path) -> None:
     try:
         for k, seed in enumerate((61, 62)):
             paths = write_synthetic_series(
-                tmp_path / str(k), rows=32, columns=32, slices=70, seed=seed
+                tmp_path / str(k), PhantomGeometry(rows=32, columns=32, slices=70), seed=seed
             )  # no count hint: two slabs of 64 slices
             uid = series_uid_of(paths[0])
             feed(asm, paths, uid, list(range(len(paths))))
@@ -323,9 +326,7 @@ def test_recycled_volumes_make_the_next_series_decode_into_touched_memory(
     try:
         fresh = []
         for k, seed in enumerate((71, 72, 73)):
-            paths = write_synthetic_series(
-                tmp_path / str(k), rows=16, columns=16, slices=128, seed=seed
-            )
+            paths = write_synthetic_series(tmp_path / str(k), replace(TINY, slices=128), seed=seed)
             uid = series_uid_of(paths[0])
             reused = asm.pool.reused
             feed(asm, paths, uid, list(range(len(paths))))

@@ -27,16 +27,16 @@ from segnode.engines import create_engine, load_manifest
 from segnode.engines.base import Engine
 from segnode.engines.models import default_manifest_path
 from segnode.node.ingest.volume import assemble_from_datasets, assemble_volume
-from tests.fixtures.synthetic import AXIAL, CORONAL, SAGITTAL, synthetic_datasets
+from tests.fixtures.synthetic import AXIAL, CORONAL, SAGITTAL, PhantomGeometry, synthetic_datasets
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 HuArray = npt.NDArray[np.float32]
 
 
-def _synthetic(**options: object) -> Callable[[], HuArray]:
+def _synthetic(geometry: PhantomGeometry, seed: int) -> Callable[[], HuArray]:
     def make() -> HuArray:
-        return assemble_from_datasets(synthetic_datasets(**options)).hu  # type: ignore[arg-type]
+        return assemble_from_datasets(synthetic_datasets(geometry, seed=seed)).hu
 
     return make
 
@@ -54,19 +54,19 @@ def _real(folder: str) -> Callable[[], HuArray]:
 # name: (volume, shape, sha256 of the label bytes, voxels per label 0..5)
 REFERENCES: dict[str, tuple[Callable[[], HuArray], tuple[int, int, int], str, list[int]]] = {
     "synthetic 512x512x128 axial": (
-        _synthetic(slices=128, seed=0, orientation=AXIAL),
+        _synthetic(PhantomGeometry(slices=128, orientation=AXIAL), seed=0),
         (128, 512, 512),
         "fa54d48221d81641294f45c7487817b15a69a60b5699d63be85940060d15e543",
         [20269568, 278272, 1894144, 2680869, 8167899, 263680],
     ),
     "synthetic 256x320x40 sagittal (padded in-plane)": (
-        _synthetic(rows=256, columns=320, slices=40, orientation=SAGITTAL, seed=1),
+        _synthetic(PhantomGeometry(rows=256, columns=320, slices=40, orientation=SAGITTAL), seed=1),
         (40, 256, 320),
         "61841f007a775e7672d6de7cef55ada1bfb1735ce196f0fa40e7ee6dcb12f453",
         [1979680, 49440, 185520, 246574, 789986, 25600],
     ),
     "synthetic 544x608x20 coronal (overlapping in-plane patches)": (
-        _synthetic(rows=544, columns=608, slices=20, orientation=CORONAL, seed=2),
+        _synthetic(PhantomGeometry(rows=544, columns=608, slices=20, orientation=CORONAL), seed=2),
         (20, 544, 608),
         "e7a451a50902c34f6c92ffc0e8c692f59db044feab2fba177db16ead64e6f531",
         [3996800, 49120, 374100, 532158, 1610902, 51960],
@@ -106,7 +106,7 @@ def test_label_maps_match_the_probability_model(engine: Engine, name: str) -> No
 
 
 def test_one_thread_gives_the_same_labels(engine: Engine) -> None:
-    hu = _synthetic(rows=256, columns=256, slices=9, seed=4)()
+    hu = _synthetic(PhantomGeometry(rows=256, columns=256, slices=9), seed=4)()
     single = create_engine("onnxruntime", threads=1)
     single.load(load_manifest(default_manifest_path()))
     try:

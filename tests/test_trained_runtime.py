@@ -574,20 +574,24 @@ def test_worker_runs_a_trained_model_and_fails_a_tilted_series_with_the_reason(
     from pydicom import dcmread
 
     from segnode.node.pipeline.worker import result_paths
-    from tests.fixtures.synthetic import write_synthetic_series
+    from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
     from tests.test_worker import ingest, worker_on
 
     worker, ledger, spool = worker_on(tmp_path, ort_engine, manifest)
     t = math.radians(15.0)
     tilted = write_synthetic_series(
         tmp_path / "tilted",
-        rows=48,
-        columns=48,
-        slices=12,
+        PhantomGeometry(
+            rows=48,
+            columns=48,
+            slices=12,
+            orientation=(1.0, 0.0, 0.0, 0.0, math.cos(t), math.sin(t)),
+        ),
         seed=5,
-        orientation=[1.0, 0.0, 0.0, 0.0, math.cos(t), math.sin(t)],
     )
-    straight = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=20, seed=6)
+    straight = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=64, columns=64, slices=20), seed=6
+    )
     jobs = []
     for files in (tilted, straight):
         uid = ingest(ledger, spool, files)
@@ -614,10 +618,12 @@ def test_node_segments_a_series_with_a_trained_model(
     from scripts.harness import send_files
     from segnode.node.pipeline.worker import result_paths
     from tests.conftest import wait_for_the_job
-    from tests.fixtures.synthetic import write_synthetic_series
+    from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
     node = make_node(model={"manifest": str(manifest.fold_paths[0].parent / "bands.json")})
-    files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=20, seed=7)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=64, columns=64, slices=20), seed=7
+    )
     sent = send_files(files, node.port)
     assert sent.complete, sent
 
@@ -661,7 +667,7 @@ def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> N
     """A composite's job: the SEG holds the merged labels (segments named after the
     composite's labels), equal to segment_trained's merge."""
     from segnode.node.pipeline.worker import result_paths
-    from tests.fixtures.synthetic import write_synthetic_series
+    from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
     from tests.test_worker import ingest, run_job, worker_on
 
     parts = [
@@ -672,7 +678,9 @@ def test_worker_runs_a_composite_model(tmp_path: Path, composite_dir: Path) -> N
     engine = OrtEngine(threads=2)
     engine.load(composite)
     worker, ledger, spool = worker_on(tmp_path, engine, composite)
-    files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=20, seed=8)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=64, columns=64, slices=20), seed=8
+    )
     job, view = run_job(worker, ledger, ingest(ledger, spool, files), model="default")
     assert view.state == "done", view.reason
     seg_path, _ = sorted(result_paths(tmp_path, job))

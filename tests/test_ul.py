@@ -46,7 +46,7 @@ from segnode.node.ingest.streaming import Arrival
 from segnode.storage.ledger import InstanceRecord, Ledger
 from segnode.storage.spool import Spool, SpoolError, _after
 from tests.conftest import LOOPBACK
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.scp_harness import SCPHarness, store
 
 
@@ -62,7 +62,7 @@ def h(tmp_path: Path) -> Iterator[SCPHarness]:
 @pytest.fixture(scope="module")
 def ct(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return write_synthetic_series(
-        tmp_path_factory.mktemp("ul"), rows=64, columns=64, slices=3, seed=7301
+        tmp_path_factory.mktemp("ul"), PhantomGeometry(rows=64, columns=64, slices=3), seed=7301
     )
 
 
@@ -276,7 +276,7 @@ def test_bigger_instances_than_a_pdu_fragment_round_trip(tmp_path: Path) -> None
     h = SCPHarness(tmp_path / "n", {"node": {"max_pdu": 16384}})
     try:
         (path,) = write_synthetic_series(
-            tmp_path / "big", rows=256, columns=256, slices=1, seed=7302
+            tmp_path / "big", PhantomGeometry(rows=256, columns=256, slices=1), seed=7302
         )
         ds = dcmread(path)
         a = h.assoc()
@@ -305,7 +305,9 @@ def test_native_pixels_match_pydicom(tmp_path: Path, signed: int, bits_stored: i
 
     from segnode.node.ingest.streaming import Arrival, native_pixels
 
-    (path,) = write_synthetic_series(tmp_path, rows=32, columns=24, slices=1, seed=7303)
+    (path,) = write_synthetic_series(
+        tmp_path, PhantomGeometry(rows=32, columns=24, slices=1), seed=7303
+    )
     ds = dcmread(path)
     rng = np.random.default_rng(bits_stored + signed)
     raw = rng.integers(0, 2**16, size=(32, 24), dtype=np.uint16)  # unused bits set at random

@@ -31,6 +31,7 @@ from tests.fixtures.synthetic import (
     AXIAL,
     OBLIQUE,
     SAGITTAL,
+    PhantomGeometry,
     jpeg_lossless_sv1,
     phantom_hu,
     synthetic_datasets,
@@ -39,20 +40,17 @@ from tests.fixtures.synthetic import (
 )
 
 ROWS, COLUMNS, SLICES = 32, 40, 6
+SMALL = PhantomGeometry(rows=ROWS, columns=COLUMNS, slices=SLICES)
 
 
-def small(**kwargs: object) -> list[Dataset]:
-    """A small phantom series (32 x 40 x 6) in memory."""
-    args: dict[str, object] = {"rows": ROWS, "columns": COLUMNS, "slices": SLICES}
-    args.update(kwargs)
-    return synthetic_datasets(**args)  # type: ignore[arg-type]
+def small(geometry: PhantomGeometry = SMALL, **options: Any) -> list[Dataset]:
+    """A small phantom series (32 x 40 x 6 unless ``geometry`` says otherwise) in memory."""
+    return synthetic_datasets(geometry, **options)
 
 
 def enhanced(tmp_path: Path, **kwargs: Any) -> Path:
     """The small phantom (32 x 40 x 6) as one Enhanced CT file."""
-    return write_enhanced_ct(
-        tmp_path / "enhanced.dcm", rows=ROWS, columns=COLUMNS, slices=SLICES, **kwargs
-    )
+    return write_enhanced_ct(tmp_path / "enhanced.dcm", SMALL, **kwargs)
 
 
 def reread(ds: Dataset) -> Dataset:
@@ -70,7 +68,7 @@ def reread(ds: Dataset) -> Dataset:
 
 def test_synthetic_series_round_trip(tmp_path: Path) -> None:
     paths = write_synthetic_series(
-        tmp_path, rows=ROWS, columns=COLUMNS, slices=SLICES, pixel_spacing=0.7, slice_spacing=1.25
+        tmp_path, dataclasses.replace(SMALL, pixel_spacing=0.7, slice_spacing=1.25)
     )
     shuffled = list(paths)
     random.Random(1).shuffle(shuffled)
@@ -117,9 +115,7 @@ def test_synthetic_series_round_trip(tmp_path: Path) -> None:
     ids=lambda uid: uid.name,
 )
 def test_transfer_syntaxes_decode_to_same_hu(tmp_path: Path, syntax: str) -> None:
-    paths = write_synthetic_series(
-        tmp_path, rows=ROWS, columns=COLUMNS, slices=SLICES, transfer_syntax=syntax
-    )
+    paths = write_synthetic_series(tmp_path, SMALL, transfer_syntax=syntax)
     assert pydicom.dcmread(paths[0]).file_meta.TransferSyntaxUID == syntax
     volume = assemble_volume(paths)
     np.testing.assert_array_equal(volume.hu, phantom_hu(ROWS, COLUMNS, SLICES))
@@ -154,7 +150,7 @@ def test_signed_pixels_and_per_slice_rescale() -> None:
 
 def test_reverse_order_and_flipped_normal() -> None:
     # column direction -y: normal is -z, so ascending along the normal is descending in z
-    datasets = small(orientation=(1.0, 0.0, 0.0, 0.0, -1.0, 0.0))
+    datasets = small(dataclasses.replace(SMALL, orientation=(1.0, 0.0, 0.0, 0.0, -1.0, 0.0)))
     volume = assemble_from_datasets(datasets[::-1])
     assert volume.normal == pytest.approx((0.0, 0.0, -1.0))
     z = [p[2] for p in volume.slice_positions]
@@ -164,7 +160,7 @@ def test_reverse_order_and_flipped_normal() -> None:
 
 @pytest.mark.parametrize("orientation", [SAGITTAL, OBLIQUE], ids=["sagittal", "oblique"])
 def test_non_axial_geometry(orientation: tuple[float, ...]) -> None:
-    datasets = small(orientation=orientation, slice_spacing=2.0)
+    datasets = small(dataclasses.replace(SMALL, orientation=orientation, slice_spacing=2.0))
     volume = assemble_from_datasets(datasets[::-1])
     row, col = np.array(orientation[:3]), np.array(orientation[3:])
     assert volume.normal == pytest.approx(tuple(np.cross(row, col)))
@@ -362,7 +358,7 @@ def test_non_ct_modality() -> None:
 
 def test_mixed_sizes() -> None:
     datasets = small()
-    other = small(rows=16, columns=COLUMNS)
+    other = small(dataclasses.replace(SMALL, rows=16))
     datasets[2].Rows = 16
     datasets[2].PixelData = other[2].PixelData
     with pytest.raises(VolumeError, match=r"mixed sizes: instance 3 \(.*\) is 16x40"):
@@ -370,7 +366,7 @@ def test_mixed_sizes() -> None:
 
 
 def test_not_dicom(tmp_path: Path) -> None:
-    paths = write_synthetic_series(tmp_path, rows=ROWS, columns=COLUMNS, slices=SLICES)
+    paths = write_synthetic_series(tmp_path, SMALL)
     junk = tmp_path / "notes.txt"
     junk.write_text("not an image")
     with pytest.raises(VolumeError, match="notes.txt is not a DICOM file"):

@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,11 @@ from scripts.harness import CountingSCP, send_files
 from segnode.node.config import TLSConfig, from_dict
 from segnode.node.errors import ConfigError
 from tests.conftest import LOOPBACK, ROOT, NodeProcess, free_port, require_tool, wait_for
-from tests.fixtures.synthetic import write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 
 TOKEN = "s3cret-token-for-the-web-tests-0123456789"
 PATIENT_ID = "PID-WEB-7731"
+SERIES = PhantomGeometry(rows=64, columns=64, slices=8)
 
 
 @dataclass
@@ -88,16 +89,11 @@ def web_node_pacs_down(make_node: Any, tmp_path: Path) -> tuple[CountingSCP, Nod
     return scp, node, http
 
 
-def send_series(port: int, base: Path, seed: int, **kwargs: Any) -> str:
-    """Send a synthetic series; return its Series Instance UID."""
+def send_series(port: int, base: Path, seed: int, **geometry: Any) -> str:
+    """Send a synthetic series (``geometry`` overrides fields of :data:`SERIES`); return its
+    Series Instance UID."""
     files = write_synthetic_series(
-        base / f"series-{seed}",
-        rows=kwargs.pop("rows", 64),
-        columns=kwargs.pop("columns", 64),
-        slices=kwargs.pop("slices", 8),
-        seed=seed,
-        patient_id=PATIENT_ID,
-        **kwargs,
+        base / f"series-{seed}", replace(SERIES, **geometry), seed=seed, patient_id=PATIENT_ID
     )
     result = send_files(files, port)
     assert result.complete, result
@@ -224,7 +220,10 @@ def test_server_answers_while_a_job_runs(make_node: Any, tmp_path: Path) -> None
     node, http = web_node(make_node, tmp_path)
     wait_for(lambda: http.request("/readyz")[0] == 200, 30, "readyz")
     files = write_synthetic_series(
-        tmp_path / "big", rows=512, columns=512, slices=48, seed=45, patient_id=PATIENT_ID
+        tmp_path / "big",
+        PhantomGeometry(rows=512, columns=512, slices=48),
+        seed=45,
+        patient_id=PATIENT_ID,
     )
     sender = threading.Thread(target=send_files, args=(files, node.port))
     sender.start()
@@ -529,7 +528,9 @@ def test_preview_draws_segments_in_their_colours(tmp_path: Path) -> None:
     from segnode.node.ingest.volume import assemble_volume
     from segnode.node.web.preview import SegmentInfo, render
 
-    files = write_synthetic_series(tmp_path / "ct", rows=48, columns=64, slices=10, seed=46)
+    files = write_synthetic_series(
+        tmp_path / "ct", PhantomGeometry(rows=48, columns=64, slices=10), seed=46
+    )
     volume = assemble_volume(files)
     labels = np.zeros(volume.hu.shape, dtype=np.uint8)
     labels[3:7, 20:28, 40:50] = 2  # off-centre: the views pass through it
@@ -549,8 +550,6 @@ def test_preview_draws_segments_in_their_colours(tmp_path: Path) -> None:
 def test_sr_volumes_read_back(tmp_path: Path, kind: str) -> None:
     """The legend's volumes are the SR's: the worker's measurement groups, by segment; the
     preview reads both kinds of SEG."""
-    from dataclasses import replace
-
     import pydicom
 
     from segnode.engines.manifest import load_manifest
@@ -567,7 +566,9 @@ def test_sr_volumes_read_back(tmp_path: Path, kind: str) -> None:
     ledger = Ledger(tmp_path / "ledger.sqlite")
     cfg = from_dict({"results": {"segmentation_type": kind}})
     worker = Worker(replace(cfg, data_dir=tmp_path), ledger, engine, load_manifest(DEFAULT_MODEL))
-    files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=8, seed=47)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=64, columns=64, slices=8), seed=47
+    )
     uid = ingest(ledger, Spool(tmp_path / "spool"), files)
     jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
     assert jid is not None and worker.run_once()

@@ -19,7 +19,7 @@ from segnode.node.pipeline.worker import Worker, result_paths
 from segnode.node.results.build import ResultError, ResultUIDs
 from segnode.storage.ledger import InstanceRecord, JobView, Ledger
 from segnode.storage.spool import Spool
-from tests.fixtures.synthetic import synthetic_datasets, write_synthetic_series
+from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets, write_synthetic_series
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,9 @@ def run_job(worker: Worker, ledger: Ledger, uid: str, model: str = "tissue") -> 
 
 def test_job_encodes_seg_and_sr_with_ledger_uids(tmp_path: Path, engine: OrtEngine) -> None:
     worker, ledger, spool = make(tmp_path, engine)
-    files = write_synthetic_series(tmp_path / "in", rows=96, columns=96, slices=10, seed=31)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=96, columns=96, slices=10), seed=31
+    )
     uid = ingest(ledger, spool, files)
     jid, view = run_job(worker, ledger, uid)
     assert view.state == "done"  # no destinations configured
@@ -87,7 +89,9 @@ def test_no_segment_ends_done_with_reason(tmp_path: Path, engine: OrtEngine) -> 
     out = tmp_path / "air"
     out.mkdir()
     files = []
-    for i, ds in enumerate(synthetic_datasets(rows=32, columns=32, slices=4, seed=32)):
+    for i, ds in enumerate(
+        synthetic_datasets(PhantomGeometry(rows=32, columns=32, slices=4), seed=32)
+    ):
         arr = np.zeros((32, 32), dtype=ds.pixel_array.dtype)  # stored 0 -> -1024 HU: all air
         ds.PixelData = arr.tobytes()
         f = out / f"{i}.dcm"
@@ -102,7 +106,9 @@ def test_no_segment_ends_done_with_reason(tmp_path: Path, engine: OrtEngine) -> 
 
 def test_missing_spool_file_fails_with_reason(tmp_path: Path, engine: OrtEngine) -> None:
     worker, ledger, spool = make(tmp_path, engine)
-    files = write_synthetic_series(tmp_path / "in", rows=32, columns=32, slices=4, seed=33)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=32, columns=32, slices=4), seed=33
+    )
     uid = ingest(ledger, spool, files)
     ledger.instance_paths(uid)[1].unlink()
     jid, view = run_job(worker, ledger, uid)
@@ -142,7 +148,9 @@ def test_worker_results_reread_by_highdicom_and_reencode_identically(
     ledger = Ledger(tmp_path / "ledger.sqlite")
     worker = Worker(cfg, ledger, engine, load_manifest(DEFAULT_MODEL))
     spool = Spool(tmp_path / "spool")
-    files = write_synthetic_series(tmp_path / "in", rows=96, columns=96, slices=12, seed=33)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=96, columns=96, slices=12), seed=33
+    )
     jid, _ = run_job(worker, ledger, ingest(ledger, spool, files))
     seg_path, sr_path = sorted(result_paths(tmp_path, jid))  # seg-..., sr-...
     first = (seg_path.read_bytes(), sr_path.read_bytes())
@@ -192,7 +200,9 @@ def test_prebuilt_volume_goes_back_to_the_pool_after_its_job(
     asm.start()
     worker.volumes = asm
     try:
-        files = write_synthetic_series(tmp_path / "in", rows=32, columns=32, slices=70, seed=34)
+        files = write_synthetic_series(
+            tmp_path / "in", PhantomGeometry(rows=32, columns=32, slices=70), seed=34
+        )
         uid = ingest(ledger, spool, files)
         for i, path in enumerate(ledger.instance_paths(uid)):
             asm.submit(Arrival(uid, f"sop{i}", path, "TEST", 0))
@@ -217,7 +227,9 @@ def test_seg_that_fails_its_check_leaves_no_file(
 
     monkeypatch.setattr(worker_module, "check_encoded", corrupt)
     worker, ledger, spool = make(tmp_path, engine)
-    files = write_synthetic_series(tmp_path / "in", rows=64, columns=64, slices=6, seed=34)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=64, columns=64, slices=6), seed=34
+    )
     uid = ingest(ledger, spool, files)
     jid, view = run_job(worker, ledger, uid)
     assert view.state == "failed"
@@ -244,7 +256,9 @@ def test_start_caches_the_sr_template_that_real_series_use(
         wait = worker._helper.submit(lambda: None)
         wait.result(30)
         assert len(sr_encode._TEMPLATES) == 2  # ASCII and Latin-1
-        volume = assemble_from_datasets(synthetic_datasets(rows=16, columns=16, slices=3))
+        volume = assemble_from_datasets(
+            synthetic_datasets(PhantomGeometry(rows=16, columns=16, slices=3))
+        )
         worker._prepare(volume, load_manifest(DEFAULT_MODEL), ResultUIDs.new(), datetime.now())
         assert len(sr_encode._TEMPLATES) == 2  # the same key as the Latin-1 one: a hit
     finally:
@@ -269,7 +283,9 @@ def test_a_ledger_outage_during_a_job_queues_it_again(
     from sqlalchemy.exc import OperationalError
 
     worker, ledger, spool = make(tmp_path, engine)
-    files = write_synthetic_series(tmp_path / "in", rows=96, columns=96, slices=10, seed=35)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=96, columns=96, slices=10), seed=35
+    )
     uid = ingest(ledger, spool, files)
     jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
     assert jid is not None
