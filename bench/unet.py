@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +46,9 @@ class UNetSpec:
         Conv-norm-act blocks per encoder and decoder stage.
     seed
         Seed of the random weights.
-    batch_min, batch_opt, batch_max
-        Batch range written into the manifest (TensorRT optimisation profile).
+    batch
+        ``(min, opt, max)`` batch range written into the manifest (TensorRT optimisation
+        profile).
     """
 
     features: tuple[int, ...] = (32, 64, 128, 256, 320, 320)
@@ -55,13 +56,11 @@ class UNetSpec:
     num_classes: int = 4
     convs_per_stage: int = 2
     seed: int = 0
-    batch_min: int = 1
-    batch_opt: int = 2
-    batch_max: int = 4
+    batch: tuple[int, int, int] = (1, 2, 4)
 
 
 FULL = UNetSpec()
-SMALL = UNetSpec(features=(8, 16), patch_size=(32, 32, 32), num_classes=3, batch_opt=1, batch_max=2)
+SMALL = UNetSpec(features=(8, 16), patch_size=(32, 32, 32), num_classes=3, batch=(1, 1, 2))
 
 
 class _Graph:
@@ -232,7 +231,7 @@ def write_unet(out_dir: str | Path, spec: UNetSpec = FULL, *, name: str = "unet"
         "output_kind": "logits",
         "patch_size": list(spec.patch_size),
         "overlap": 0.5,
-        "batch": {"min": spec.batch_min, "opt": spec.batch_opt, "max": spec.batch_max},
+        "batch": dict(zip(("min", "opt", "max"), spec.batch, strict=True)),
         "fp16": True,
         "preprocessing": {"clip": [-1024.0, 3071.0], "scale": 1.0 / 1000.0, "offset": 0.0},
         "labels": labels,
@@ -258,16 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="unet")
     args = parser.parse_args(argv)
     base = SMALL if args.small else FULL
-    spec = UNetSpec(
-        features=base.features,
-        patch_size=base.patch_size,
-        num_classes=args.classes or base.num_classes,
-        convs_per_stage=base.convs_per_stage,
-        seed=args.seed,
-        batch_min=base.batch_min,
-        batch_opt=base.batch_opt,
-        batch_max=base.batch_max,
-    )
+    spec = replace(base, num_classes=args.classes or base.num_classes, seed=args.seed)
     path = write_unet(args.out_dir, spec, name=args.name)
     meta = json.loads(path.read_text())
     print(

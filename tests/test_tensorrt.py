@@ -13,6 +13,7 @@ import argparse
 import io
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from bench.unet import SMALL, UNetSpec, write_unet
+from bench.unet import SMALL, write_unet
 from segnode.engines.base import EngineError
 from segnode.engines.engine_cache import EngineCache, atomic_write
 from segnode.engines.manifest import ModelManifest, load_manifest
@@ -91,7 +92,7 @@ def test_second_build_is_a_cache_hit(
 def test_changed_onnx_rebuilds_and_drops_the_old_engine(rtx: Flavour, tmp_path: Path) -> None:
     model_dir = tmp_path / "unet"
     first = build_engine(load_manifest(write_unet(model_dir, SMALL)), cache_dir=tmp_path / "c")
-    reseeded = UNetSpec(**{**SMALL.__dict__, "seed": 1})
+    reseeded = replace(SMALL, seed=1)
     second = build_engine(load_manifest(write_unet(model_dir, reseeded)), cache_dir=tmp_path / "c")
     assert not second.hit
     assert second.key.model_sha256 != first.key.model_sha256
