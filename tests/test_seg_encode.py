@@ -38,6 +38,7 @@ from segnode.node.pipeline.worker import encode
 from segnode.node.results.build import (
     NoSegmentsError,
     ResultError,
+    ResultUIDs,
     build_seg,
     build_sr,
     seg_label_map,
@@ -110,10 +111,22 @@ def pin(seg: Dataset, plan: SegPlan) -> None:
         item.DimensionOrganizationUID = plan.dimension_organization_uid
 
 
+def reference_seg(
+    volume: Volume,
+    labels: npt.NDArray[np.integer],
+    kind: str = "BINARY",
+    manifest: ModelManifest = MANIFEST,
+    uids: ResultUIDs = UIDS,
+) -> Dataset:
+    """``build_seg``'s SEG of ``labels`` (highdicom's), of ``kind``."""
+    with building(kind):
+        return build_seg(volume, labels, manifest, uids, equipment=SEG_EQUIPMENT)
+
+
 def highdicom_seg(volume: Volume, labels: npt.NDArray[np.integer], plan: SegPlan) -> Dataset:
     """highdicom's SEG of ``labels`` as ``plan`` encodes them (its model, UIDs and clock)."""
-    with building("LABELMAP" if plan.labelmap else "BINARY"):
-        seg = build_seg(volume, labels, plan.manifest, plan.uids, equipment=SEG_EQUIPMENT)
+    kind = "LABELMAP" if plan.labelmap else "BINARY"
+    seg = reference_seg(volume, labels, kind, plan.manifest, plan.uids)
     pin(seg, plan)
     return seg
 

@@ -28,7 +28,6 @@ from segnode.node.results.build import (
     ResultError,
     ResultUIDs,
     SegmentStatistics,
-    build_seg,
     build_sr,
     segment_statistics,
 )
@@ -42,16 +41,8 @@ from tests.conftest import PHANTOM, require_data, require_tool
 from tests.fixtures.highdicom_clock import highdicom_clock
 from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
-from tests.test_results import (
-    MANIFEST,
-    SEG_EQUIPMENT,
-    SMALL,
-    SOURCE_WARNINGS,
-    SR_EQUIPMENT,
-    UIDS,
-    evidence,
-)
-from tests.test_seg_encode import building
+from tests.test_results import MANIFEST, SMALL, SOURCE_WARNINGS, SR_EQUIPMENT, UIDS, evidence
+from tests.test_seg_encode import reference_seg
 
 NOW = datetime.datetime(2026, 12, 4, 3, 4, 5, 678901)
 #: Present label values of the label maps: 5, 3 and 1 segments.
@@ -215,8 +206,8 @@ def _reference_bytes(
 ) -> bytes:
     """build_seg, build_sr and segnode.node.pipeline.worker.encode, as the worker writes the SR
     today."""
-    with building("LABELMAP" if seg_class == LABEL_MAP_SEGMENTATION_STORAGE else "BINARY"):
-        seg = build_seg(volume, labels, MANIFEST, UIDS, equipment=SEG_EQUIPMENT)
+    kind = "LABELMAP" if seg_class == LABEL_MAP_SEGMENTATION_STORAGE else "BINARY"
+    seg = reference_seg(volume, labels, kind)
     assert seg.SOPClassUID == seg_class
     return encode(build_sr(volume, labels, MANIFEST, seg, UIDS, equipment=SR_EQUIPMENT))
 
