@@ -170,7 +170,17 @@ def test_orthanc_forwarding_each_instance_gives_one_seg_and_sr(
         (seg,) = orthanc_results(orthanc, study)["SEG"]
         assert seg_sources(seg) == {str(dcmread(f).SOPInstanceUID) for f in files}
         jobs = series_jobs(node, series)
-        assert [j["state"] for j in jobs] == ["sent"], jobs
+        *partial, whole = jobs
+        assert whole["state"] == "sent" and whole["instances"] == len(files), jobs
+        # Under a loaded machine Orthanc's forwarding can pause long enough after a batch
+        # for a release to complete part of the series; that job must then have stopped
+        # before encoding: superseded, or refused by the volume's slice-gap check. Nothing
+        # of it reaches the PACS (exactly one SEG and SR above, of every instance).
+        for j in partial:
+            assert j["instances"] < len(files) and not j["deliveries"], jobs
+            assert j["state"] == "superseded" or (
+                j["state"] == "failed" and "slices are missing" in j["reason"]
+            ), jobs
         later = time.monotonic() - t_done
         print(f"Orthanc forwarding: one SEG+SR, still {later:.0f} s later")
     finally:
