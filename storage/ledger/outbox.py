@@ -38,6 +38,19 @@ class DueDelivery:
     sop_class_uid: str = ""
 
 
+#: What :meth:`Outbox.due_deliveries` selects: the fields of :class:`DueDelivery`, by name.
+_DUE_COLUMNS = (
+    Delivery.id,
+    Delivery.job_id,
+    Delivery.destination,
+    Result.path,
+    Result.kind,
+    Result.sop_instance_uid,
+    Delivery.attempts,
+    Result.sop_class_uid,
+)
+
+
 class Outbox(LedgerBase):
     """Deliveries and their attempts (a part of :class:`~segnode.storage.ledger.Ledger`)."""
 
@@ -55,7 +68,7 @@ class Outbox(LedgerBase):
         """
         now = now or utcnow()
         query = (
-            select(Delivery, Result)
+            select(*_DUE_COLUMNS)
             .join(Result, Result.id == Delivery.result_id)
             .join(Job, Job.id == Delivery.job_id)
             .join(Series, Series.id == Job.series_id)
@@ -69,7 +82,7 @@ class Outbox(LedgerBase):
         )
         if self.dialect == "sqlite":
             with self._read() as s:
-                return [_due(d, r) for d, r in s.execute(query).all()]
+                return [DueDelivery(**row._mapping) for row in s.execute(query)]
         until = now + (self.lease if claim_s is None else timedelta(seconds=claim_s))
         with self._tx() as s:
             # Its own claims stay due for this node (its one outbox thread settles each);
@@ -82,9 +95,13 @@ class Outbox(LedgerBase):
                 | Delivery.owner.not_in(live)
             )
             rows = s.execute(query.where(free).with_for_update(of=Delivery, skip_locked=True)).all()
-            for d, _ in rows:
-                d.owner, d.lease_until = self.node_name, until
-            return [_due(d, r) for d, r in rows]
+            if rows:
+                s.execute(
+                    update(Delivery)
+                    .where(Delivery.id.in_([row.id for row in rows]))
+                    .values(owner=self.node_name, lease_until=until)
+                )
+            return [DueDelivery(**row._mapping) for row in rows]
 
     def release_deliveries(self) -> int:
         """At start-up: end this node's claims (what it was sending when it stopped is due
@@ -235,19 +252,6 @@ class Outbox(LedgerBase):
                 if job is not None:
                     failed.append(job.id)
         return failed
-
-
-def _due(d: Delivery, r: Result) -> DueDelivery:
-    return DueDelivery(
-        id=d.id,
-        job_id=d.job_id,
-        destination=d.destination,
-        path=r.path,
-        kind=r.kind,
-        sop_instance_uid=r.sop_instance_uid,
-        attempts=d.attempts,
-        sop_class_uid=r.sop_class_uid,
-    )
 
 
 def _give_up(s: Session, d: Delivery, reason: str, now: datetime) -> Job | None:
