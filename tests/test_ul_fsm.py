@@ -43,6 +43,7 @@ from segnode.node.dicom.ul_fsm import (
     Action,
     Event,
     InvalidTransition,
+    Source,
     State,
 )
 from tests.test_ul import associate_rq
@@ -157,7 +158,25 @@ def test_the_table_defines_every_pair_and_matches_pynetdicoms_reading_of_ps3_8()
     assert ours == PYNETDICOM_TABLE
     for action in Action:
         assert EFFECTS.get(action) or action in REQUESTOR_ACTIONS
-        assert action.description and action.next_states()
+        assert action.description and action.next_states
+
+
+def test_each_event_names_its_source_as_ps3_8_words_it() -> None:
+    """A PDU (or invalid bytes) comes from the peer, a primitive from the local user, a
+    transport indication from the transport service; only the user's events are local."""
+    for event in Event:
+        words = event.description
+        expected = (
+            Source.TIMER
+            if "ARTIM" in words
+            else Source.TRANSPORT
+            if "Transport" in words
+            else Source.PEER
+            if "PDU" in words
+            else Source.USER
+        )
+        assert event.source is expected, event
+        assert event.local == ("primitive" in words or "local user" in words), event
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """The DICOM Upper Layer state machine (PS3.8 §9.2, Table 9-10), as data.
 
 States ``Sta1``-``Sta13``, events ``Evt1``-``Evt19`` and actions ``AE-1``-``AE-8``,
-``DT-1``-``DT-2``, ``AR-1``-``AR-10``, ``AA-1``-``AA-8`` carry the standard's names. The
-:data:`TABLE` defines an outcome for *every* state x event pair (13 x 19 = 247):
+``DT-1``-``DT-2``, ``AR-1``-``AR-10``, ``AA-1``-``AA-8`` carry the standard's names, each
+member with its description in one row (an event also says where it comes from, an action
+the state it leads to). The :data:`TABLE` defines an outcome for *every* state x event pair (13 x 19 = 247):
 
 * a PS3.8 action for each cell the standard fills, or
 * :data:`NOT_POSSIBLE` for the cells it leaves empty. Those are pairs that cannot arise: a PDU,
@@ -18,192 +19,144 @@ The acceptor (:mod:`segnode.node.dicom.ul`) performs the actions; this module on
 from __future__ import annotations
 
 import enum
+from typing import Self
 
 
-class State(enum.Enum):
-    """PS3.8 §9.2.1 states."""
+class _Standard(enum.Enum):
+    """A name of PS3.8's (the member's value) with the standard's description of it."""
 
-    STA1 = "Sta1"
-    STA2 = "Sta2"
-    STA3 = "Sta3"
-    STA4 = "Sta4"
-    STA5 = "Sta5"
-    STA6 = "Sta6"
-    STA7 = "Sta7"
-    STA8 = "Sta8"
-    STA9 = "Sta9"
-    STA10 = "Sta10"
-    STA11 = "Sta11"
-    STA12 = "Sta12"
-    STA13 = "Sta13"
+    description: str
 
-    @property
-    def description(self) -> str:
-        """PS3.8's description of the state."""
-        return STATE_DESCRIPTIONS[self]
+    def __new__(cls, name: str, *_: object) -> Self:
+        member = object.__new__(cls)
+        member._value_ = name
+        return member
+
+    def __init__(self, name: str, description: str) -> None:
+        self.description = description
 
 
-STATE_DESCRIPTIONS = {
-    State.STA1: "Idle",
-    State.STA2: "Transport connection open (awaiting A-ASSOCIATE-RQ PDU)",
-    State.STA3: "Awaiting local A-ASSOCIATE response primitive",
-    State.STA4: "Awaiting transport connection opening to complete",
-    State.STA5: "Awaiting A-ASSOCIATE-AC or A-ASSOCIATE-RJ PDU",
-    State.STA6: "Association established and ready for data transfer",
-    State.STA7: "Awaiting A-RELEASE-RP PDU",
-    State.STA8: "Awaiting local A-RELEASE response primitive",
-    State.STA9: "Release collision requestor side; awaiting A-RELEASE response primitive",
-    State.STA10: "Release collision acceptor side; awaiting A-RELEASE-RP PDU",
-    State.STA11: "Release collision requestor side; awaiting A-RELEASE-RP PDU",
-    State.STA12: "Release collision acceptor side; awaiting A-RELEASE response primitive",
-    State.STA13: "Awaiting transport connection close indication (association no longer exists)",
-}
+class State(_Standard):
+    """PS3.8 §9.2.1 states: ``Sta<n>`` and its description."""
+
+    STA1 = "Sta1", "Idle"
+    STA2 = "Sta2", "Transport connection open (awaiting A-ASSOCIATE-RQ PDU)"
+    STA3 = "Sta3", "Awaiting local A-ASSOCIATE response primitive"
+    STA4 = "Sta4", "Awaiting transport connection opening to complete"
+    STA5 = "Sta5", "Awaiting A-ASSOCIATE-AC or A-ASSOCIATE-RJ PDU"
+    STA6 = "Sta6", "Association established and ready for data transfer"
+    STA7 = "Sta7", "Awaiting A-RELEASE-RP PDU"
+    STA8 = "Sta8", "Awaiting local A-RELEASE response primitive"
+    STA9 = "Sta9", "Release collision requestor side; awaiting A-RELEASE response primitive"
+    STA10 = "Sta10", "Release collision acceptor side; awaiting A-RELEASE-RP PDU"
+    STA11 = "Sta11", "Release collision requestor side; awaiting A-RELEASE-RP PDU"
+    STA12 = "Sta12", "Release collision acceptor side; awaiting A-RELEASE response primitive"
+    STA13 = (
+        "Sta13",
+        "Awaiting transport connection close indication (association no longer exists)",
+    )
 
 
-class Event(enum.Enum):
-    """PS3.8 §9.2.2 events."""
+class Source(enum.Enum):
+    """Where a PS3.8 event comes from."""
 
-    EVT1 = "Evt1"
-    EVT2 = "Evt2"
-    EVT3 = "Evt3"
-    EVT4 = "Evt4"
-    EVT5 = "Evt5"
-    EVT6 = "Evt6"
-    EVT7 = "Evt7"
-    EVT8 = "Evt8"
-    EVT9 = "Evt9"
-    EVT10 = "Evt10"
-    EVT11 = "Evt11"
-    EVT12 = "Evt12"
-    EVT13 = "Evt13"
-    EVT14 = "Evt14"
-    EVT15 = "Evt15"
-    EVT16 = "Evt16"
-    EVT17 = "Evt17"
-    EVT18 = "Evt18"
-    EVT19 = "Evt19"
+    USER = "the local service user (the node itself): a request or response primitive"
+    PEER = "the peer: a PDU, or bytes that are not a valid one"
+    TRANSPORT = "the local transport service"
+    TIMER = "the ARTIM timer"
 
-    @property
-    def description(self) -> str:
-        """PS3.8's description of the event."""
-        return EVENT_DESCRIPTIONS[self]
+
+class Event(_Standard):
+    """PS3.8 §9.2.2 events: ``Evt<n>``, its description and where it comes from."""
+
+    source: Source
+
+    def __init__(self, name: str, description: str, source: Source) -> None:
+        super().__init__(name, description)
+        self.source = source
+
+    EVT1 = "Evt1", "A-ASSOCIATE request (local user)", Source.USER
+    EVT2 = "Evt2", "Transport connect confirmation (local transport service)", Source.TRANSPORT
+    EVT3 = "Evt3", "A-ASSOCIATE-AC PDU received", Source.PEER
+    EVT4 = "Evt4", "A-ASSOCIATE-RJ PDU received", Source.PEER
+    EVT5 = "Evt5", "Transport connection indication (local transport service)", Source.TRANSPORT
+    EVT6 = "Evt6", "A-ASSOCIATE-RQ PDU received", Source.PEER
+    EVT7 = "Evt7", "A-ASSOCIATE response primitive (accept)", Source.USER
+    EVT8 = "Evt8", "A-ASSOCIATE response primitive (reject)", Source.USER
+    EVT9 = "Evt9", "P-DATA request primitive", Source.USER
+    EVT10 = "Evt10", "P-DATA-TF PDU received", Source.PEER
+    EVT11 = "Evt11", "A-RELEASE request primitive", Source.USER
+    EVT12 = "Evt12", "A-RELEASE-RQ PDU received", Source.PEER
+    EVT13 = "Evt13", "A-RELEASE-RP PDU received", Source.PEER
+    EVT14 = "Evt14", "A-RELEASE response primitive", Source.USER
+    EVT15 = "Evt15", "A-ABORT request primitive", Source.USER
+    EVT16 = "Evt16", "A-ABORT PDU received", Source.PEER
+    EVT17 = "Evt17", "Transport connection closed indication", Source.TRANSPORT
+    EVT18 = "Evt18", "ARTIM timer expired", Source.TIMER
+    EVT19 = "Evt19", "Unrecognized or invalid PDU received", Source.PEER
 
     @property
     def local(self) -> bool:
         """A primitive issued by the local service user (the node itself)."""
-        return self in LOCAL_EVENTS
-
-
-EVENT_DESCRIPTIONS = {
-    Event.EVT1: "A-ASSOCIATE request (local user)",
-    Event.EVT2: "Transport connect confirmation (local transport service)",
-    Event.EVT3: "A-ASSOCIATE-AC PDU received",
-    Event.EVT4: "A-ASSOCIATE-RJ PDU received",
-    Event.EVT5: "Transport connection indication (local transport service)",
-    Event.EVT6: "A-ASSOCIATE-RQ PDU received",
-    Event.EVT7: "A-ASSOCIATE response primitive (accept)",
-    Event.EVT8: "A-ASSOCIATE response primitive (reject)",
-    Event.EVT9: "P-DATA request primitive",
-    Event.EVT10: "P-DATA-TF PDU received",
-    Event.EVT11: "A-RELEASE request primitive",
-    Event.EVT12: "A-RELEASE-RQ PDU received",
-    Event.EVT13: "A-RELEASE-RP PDU received",
-    Event.EVT14: "A-RELEASE response primitive",
-    Event.EVT15: "A-ABORT request primitive",
-    Event.EVT16: "A-ABORT PDU received",
-    Event.EVT17: "Transport connection closed indication",
-    Event.EVT18: "ARTIM timer expired",
-    Event.EVT19: "Unrecognized or invalid PDU received",
-}
-
-LOCAL_EVENTS = frozenset(
-    {Event.EVT1, Event.EVT7, Event.EVT8, Event.EVT9, Event.EVT11, Event.EVT14, Event.EVT15}
-)
-
-
-class Action(enum.Enum):
-    """PS3.8 §9.2.3 actions."""
-
-    AE_1 = "AE-1"
-    AE_2 = "AE-2"
-    AE_3 = "AE-3"
-    AE_4 = "AE-4"
-    AE_5 = "AE-5"
-    AE_6 = "AE-6"
-    AE_7 = "AE-7"
-    AE_8 = "AE-8"
-    DT_1 = "DT-1"
-    DT_2 = "DT-2"
-    AR_1 = "AR-1"
-    AR_2 = "AR-2"
-    AR_3 = "AR-3"
-    AR_4 = "AR-4"
-    AR_5 = "AR-5"
-    AR_6 = "AR-6"
-    AR_7 = "AR-7"
-    AR_8 = "AR-8"
-    AR_9 = "AR-9"
-    AR_10 = "AR-10"
-    AA_1 = "AA-1"
-    AA_2 = "AA-2"
-    AA_3 = "AA-3"
-    AA_4 = "AA-4"
-    AA_5 = "AA-5"
-    AA_6 = "AA-6"
-    AA_7 = "AA-7"
-    AA_8 = "AA-8"
-
-    @property
-    def description(self) -> str:
-        """PS3.8's description of the action."""
-        return ACTION_DESCRIPTIONS[self][0]
-
-    def next_states(self) -> tuple[State, ...]:
-        """The state(s) the action leads to (AE-6 and AR-8 decide between two)."""
-        return ACTION_DESCRIPTIONS[self][1]
+        return self.source is Source.USER
 
 
 S = State
-ACTION_DESCRIPTIONS: dict[Action, tuple[str, tuple[State, ...]]] = {
-    Action.AE_1: ("Issue TRANSPORT CONNECT request primitive", (S.STA4,)),
-    Action.AE_2: ("Send A-ASSOCIATE-RQ PDU", (S.STA5,)),
-    Action.AE_3: ("Issue A-ASSOCIATE confirmation (accept) primitive", (S.STA6,)),
-    Action.AE_4: ("Issue A-ASSOCIATE confirmation (reject), close transport", (S.STA1,)),
-    Action.AE_5: ("Issue transport connection response; start ARTIM timer", (S.STA2,)),
-    Action.AE_6: (
+
+
+class Action(_Standard):
+    """PS3.8 §9.2.3 actions: the name, the description and the state(s) the action leads to
+    (AE-6 and AR-8 decide between two)."""
+
+    next_states: tuple[State, ...]
+
+    def __init__(self, name: str, description: str, *next_states: State) -> None:
+        super().__init__(name, description)
+        self.next_states = next_states
+
+    AE_1 = "AE-1", "Issue TRANSPORT CONNECT request primitive", S.STA4
+    AE_2 = "AE-2", "Send A-ASSOCIATE-RQ PDU", S.STA5
+    AE_3 = "AE-3", "Issue A-ASSOCIATE confirmation (accept) primitive", S.STA6
+    AE_4 = "AE-4", "Issue A-ASSOCIATE confirmation (reject), close transport", S.STA1
+    AE_5 = "AE-5", "Issue transport connection response; start ARTIM timer", S.STA2
+    AE_6 = (
+        "AE-6",
         "Stop ARTIM; if the A-ASSOCIATE-RQ is acceptable issue an A-ASSOCIATE indication, "
         "otherwise send A-ASSOCIATE-RJ and start ARTIM",
-        (S.STA3, S.STA13),
-    ),
-    Action.AE_7: ("Send A-ASSOCIATE-AC PDU", (S.STA6,)),
-    Action.AE_8: ("Send A-ASSOCIATE-RJ PDU and start ARTIM timer", (S.STA13,)),
-    Action.DT_1: ("Send P-DATA-TF PDU", (S.STA6,)),
-    Action.DT_2: ("Issue P-DATA indication primitive", (S.STA6,)),
-    Action.AR_1: ("Send A-RELEASE-RQ PDU", (S.STA7,)),
-    Action.AR_2: ("Issue A-RELEASE indication primitive", (S.STA8,)),
-    Action.AR_3: ("Issue A-RELEASE confirmation primitive, close transport", (S.STA1,)),
-    Action.AR_4: ("Send A-RELEASE-RP PDU and start ARTIM timer", (S.STA13,)),
-    Action.AR_5: ("Stop ARTIM timer", (S.STA1,)),
-    Action.AR_6: ("Issue P-DATA indication", (S.STA7,)),
-    Action.AR_7: ("Send P-DATA-TF PDU", (S.STA8,)),
-    Action.AR_8: (
+        S.STA3,
+        S.STA13,
+    )
+    AE_7 = "AE-7", "Send A-ASSOCIATE-AC PDU", S.STA6
+    AE_8 = "AE-8", "Send A-ASSOCIATE-RJ PDU and start ARTIM timer", S.STA13
+    DT_1 = "DT-1", "Send P-DATA-TF PDU", S.STA6
+    DT_2 = "DT-2", "Issue P-DATA indication primitive", S.STA6
+    AR_1 = "AR-1", "Send A-RELEASE-RQ PDU", S.STA7
+    AR_2 = "AR-2", "Issue A-RELEASE indication primitive", S.STA8
+    AR_3 = "AR-3", "Issue A-RELEASE confirmation primitive, close transport", S.STA1
+    AR_4 = "AR-4", "Send A-RELEASE-RP PDU and start ARTIM timer", S.STA13
+    AR_5 = "AR-5", "Stop ARTIM timer", S.STA1
+    AR_6 = "AR-6", "Issue P-DATA indication", S.STA7
+    AR_7 = "AR-7", "Send P-DATA-TF PDU", S.STA8
+    AR_8 = (
+        "AR-8",
         "Issue A-RELEASE indication (release collision): requestor to Sta9, acceptor to Sta10",
-        (S.STA9, S.STA10),
-    ),
-    Action.AR_9: ("Send A-RELEASE-RP PDU", (S.STA11,)),
-    Action.AR_10: ("Issue A-RELEASE confirmation primitive", (S.STA12,)),
-    Action.AA_1: ("Send A-ABORT PDU and start (or restart) ARTIM timer", (S.STA13,)),
-    Action.AA_2: ("Stop ARTIM timer if running; close transport connection", (S.STA1,)),
-    Action.AA_3: ("Issue A-ABORT or A-P-ABORT indication; close transport", (S.STA1,)),
-    Action.AA_4: ("Issue A-P-ABORT indication primitive", (S.STA1,)),
-    Action.AA_5: ("Stop ARTIM timer", (S.STA1,)),
-    Action.AA_6: ("Ignore PDU", (S.STA13,)),
-    Action.AA_7: ("Send A-ABORT PDU", (S.STA13,)),
-    Action.AA_8: (
+        S.STA9,
+        S.STA10,
+    )
+    AR_9 = "AR-9", "Send A-RELEASE-RP PDU", S.STA11
+    AR_10 = "AR-10", "Issue A-RELEASE confirmation primitive", S.STA12
+    AA_1 = "AA-1", "Send A-ABORT PDU and start (or restart) ARTIM timer", S.STA13
+    AA_2 = "AA-2", "Stop ARTIM timer if running; close transport connection", S.STA1
+    AA_3 = "AA-3", "Issue A-ABORT or A-P-ABORT indication; close transport", S.STA1
+    AA_4 = "AA-4", "Issue A-P-ABORT indication primitive", S.STA1
+    AA_5 = "AA-5", "Stop ARTIM timer", S.STA1
+    AA_6 = "AA-6", "Ignore PDU", S.STA13
+    AA_7 = "AA-7", "Send A-ABORT PDU", S.STA13
+    AA_8 = (
+        "AA-8",
         "Send A-ABORT PDU (service-provider source), issue A-P-ABORT indication, start ARTIM",
-        (S.STA13,),
-    ),
-}
+        S.STA13,
+    )
 
 
 class _NotPossible:
@@ -288,6 +241,7 @@ __all__ = [
     "InvalidTransition",
     "NOT_POSSIBLE",
     "REQUESTOR_ACTIONS",
+    "Source",
     "State",
     "TABLE",
 ]
