@@ -3,7 +3,8 @@
 States ``Sta1``-``Sta13``, events ``Evt1``-``Evt19`` and actions ``AE-1``-``AE-8``,
 ``DT-1``-``DT-2``, ``AR-1``-``AR-10``, ``AA-1``-``AA-8`` carry the standard's names, each
 member with its description in one row (an event also says where it comes from, an action
-the state it leads to). The :data:`TABLE` defines an outcome for *every* state x event pair (13 x 19 = 247):
+the state it leads to). The :data:`TABLE` defines an outcome for *every* state x event pair
+(13 x 19 = 247):
 
 * a PS3.8 action for each cell the standard fills, or
 * :data:`NOT_POSSIBLE` for the cells it leaves empty. Those are pairs that cannot arise: a PDU,
