@@ -555,6 +555,7 @@ def test_sr_volumes_read_back(tmp_path: Path, kind: str) -> None:
     from segnode.engines.manifest import load_manifest
     from segnode.engines.ort_backend import OrtEngine
     from segnode.node.config import DEFAULT_MODEL
+    from segnode.node.pipeline.engine_pool import EnginePool
     from segnode.node.pipeline.worker import Worker, result_paths
     from segnode.node.web.preview import Previewer, segment_infos, sr_volumes
     from segnode.storage.ledger import Ledger
@@ -565,7 +566,8 @@ def test_sr_volumes_read_back(tmp_path: Path, kind: str) -> None:
     engine.load(load_manifest(DEFAULT_MODEL))
     ledger = Ledger(tmp_path / "ledger.sqlite")
     cfg = from_dict({"results": {"segmentation_type": kind}})
-    worker = Worker(replace(cfg, data_dir=tmp_path), ledger, engine, load_manifest(DEFAULT_MODEL))
+    cfg = replace(cfg, data_dir=tmp_path)
+    worker = Worker(cfg, ledger, EnginePool.of_config(cfg, engine, load_manifest(DEFAULT_MODEL)))
     files = write_synthetic_series(
         tmp_path / "in", PhantomGeometry(rows=64, columns=64, slices=8), seed=47
     )

@@ -15,6 +15,7 @@ from pydicom import dcmread
 from segnode.engines.manifest import ModelManifest, load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL, from_dict
+from segnode.node.pipeline.engine_pool import EnginePool
 from segnode.node.pipeline.worker import Worker, result_paths
 from segnode.node.results.build import ResultError, ResultUIDs
 from segnode.storage.ledger import InstanceRecord, JobView, Ledger
@@ -54,7 +55,11 @@ def worker_on(
     """A worker of ``config`` (defaults otherwise) with its ledger and spool in ``tmp_path``."""
     cfg = replace(from_dict(config or {}), data_dir=tmp_path)
     ledger = Ledger(tmp_path / "ledger.sqlite")
-    return Worker(cfg, ledger, engine, manifest), ledger, Spool(tmp_path / "spool")
+    return (
+        Worker(cfg, ledger, EnginePool.of_config(cfg, engine, manifest)),
+        ledger,
+        Spool(tmp_path / "spool"),
+    )
 
 
 def make(tmp_path: Path, engine: OrtEngine) -> tuple[Worker, Ledger, Spool]:
@@ -146,7 +151,7 @@ def test_worker_results_reread_by_highdicom_and_reencode_identically(
 
     cfg = replace(from_dict({}), data_dir=tmp_path, results=ResultsConfig(kind))
     ledger = Ledger(tmp_path / "ledger.sqlite")
-    worker = Worker(cfg, ledger, engine, load_manifest(DEFAULT_MODEL))
+    worker = Worker(cfg, ledger, EnginePool.of_config(cfg, engine, load_manifest(DEFAULT_MODEL)))
     spool = Spool(tmp_path / "spool")
     files = write_synthetic_series(
         tmp_path / "in", PhantomGeometry(rows=96, columns=96, slices=12), seed=33

@@ -36,7 +36,6 @@ from segnode.node.outbox.scu import Dispatcher
 from segnode.node.pipeline.engine_pool import EnginePool, engine_options
 from segnode.node.pipeline.worker import Worker
 from segnode.node.routing.rules import (
-    DEFAULT_MODEL_NAME,
     Decision,
     Router,
     model_specs,
@@ -108,9 +107,7 @@ class Node:
             else:
                 engine.load(self.manifest)
         self.engine = engine
-        self.pool = EnginePool(
-            model_specs(config), config.data_dir, {DEFAULT_MODEL_NAME: (engine, self.manifest)}
-        )
+        self.pool = EnginePool.of_config(config, engine, self.manifest)
         self.router = Router(
             config.routing,
             config.dispatch.destinations,
@@ -153,8 +150,6 @@ class Node:
         self.worker = Worker(
             config,
             self.ledger,
-            engine,
-            self.manifest,
             self.pool,
             volumes=self.streaming,  # (geometry-only when disabled: take() is None)
             on_encoded=self._encoded,

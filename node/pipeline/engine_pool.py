@@ -16,7 +16,8 @@ from typing import Any
 
 from segnode.engines.base import Engine, EngineError, create_engine
 from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
-from segnode.node.routing.rules import DEFAULT_MODEL_NAME, ModelSpec
+from segnode.node.config import Config
+from segnode.node.routing.rules import DEFAULT_MODEL_NAME, ModelSpec, model_specs
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,16 @@ class EnginePool:
                 self.manifests[name] = load_manifest(spec.manifest)
             check_runnable(self.manifests[name])
         self._lock = threading.Lock()
+
+    @classmethod
+    def of_config(cls, config: Config, engine: Engine, manifest: ModelManifest) -> EnginePool:
+        """Every model of ``config``, with ``engine`` (``manifest``) as the default one."""
+        return cls(model_specs(config), config.data_dir, {DEFAULT_MODEL_NAME: (engine, manifest)})
+
+    @property
+    def default_manifest(self) -> ModelManifest:
+        """The manifest of the default model (``[model]``)."""
+        return self.manifests[DEFAULT_MODEL_NAME]
 
     def label(self, name: str) -> str:
         """``"<manifest name> <version>"`` of a model (the job's model column)."""

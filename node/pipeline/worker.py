@@ -79,7 +79,6 @@ from segnode.node.results.seg_check import check_encoded
 from segnode.node.results.seg_encode import SegPlan
 from segnode.node.results.sr_encode import SrPlan
 from segnode.node.results.statistics import statistics_from_sums
-from segnode.node.routing.rules import DEFAULT_MODEL_NAME, model_specs
 from segnode.storage.ledger import JobView, Ledger
 from segnode.storage.spool import write_atomic, write_synced
 
@@ -118,11 +117,9 @@ class Worker:
     ----------
     config, ledger
         Node configuration and durable state.
-    engine, manifest
-        The default model (``[model]``), loaded.
     pool
-        Engines of every configured model (the default one included); built from ``config``
-        with ``engine`` preloaded when None. Other models load on their first job.
+        Engines of every configured model, the default one (``[model]``) loaded or loading
+        (:meth:`EnginePool.of_config`); other models load on their first job.
     volumes
         Prebuilt volumes (:class:`~segnode.node.ingest.streaming.StreamingAssembler`); every
         job is assembled from the spool when None.
@@ -135,20 +132,15 @@ class Worker:
         self,
         config: Config,
         ledger: Ledger,
-        engine: Engine,
-        manifest: ModelManifest,
-        pool: EnginePool | None = None,
+        pool: EnginePool,
         *,
         volumes: Volumes | None = None,
         on_encoded: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
-        self.engine = engine
-        self.manifest = manifest
-        self.pool = pool or EnginePool(
-            model_specs(config), config.data_dir, {DEFAULT_MODEL_NAME: (engine, manifest)}
-        )
+        self.pool = pool
+        self.manifest = pool.default_manifest
         #: The last volume, kept while other models' jobs of the same series version wait.
         self._volume: tuple[str, int, list[Path], Volume] | None = None
         #: The volume of the job in progress, handed back to the assembler's pool after it.
