@@ -50,9 +50,9 @@ _OPTIONAL = ("modifier", "anatomic_region", "anatomic_region_modifier")
 
 @dataclass(frozen=True)
 class LabelCodes:
-    """The codes of one structure, as one row of the mapping CSV gives them."""
+    """The codes of one structure, as one row of the mapping CSV gives them (the structure's
+    name is the row's key in :func:`read_label_csv`'s mapping)."""
 
-    structure: str
     category: Code
     type: Code
     modifier: Code | None = None
@@ -118,7 +118,6 @@ def read_label_csv(text: str, source: str = "labels CSV") -> dict[str, LabelCode
         category, type_ = codes["category"], codes["type"]
         assert category is not None and type_ is not None
         out[name] = LabelCodes(
-            structure=name,
             category=category,
             type=type_,
             modifier=codes["modifier"],
