@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import pytest
 
-from segnode.node.config import ROOT_CONFIG, from_dict, load_config
+from segnode.node.config import ROOT_CONFIG, Config, from_dict, load_config
+from segnode.node.config.schema import SETTING, Accepts
 from segnode.node.errors import ConfigError
 from segnode.node.peers import parse_peer
 
@@ -40,6 +43,76 @@ def test_repository_config_matches_defaults() -> None:
 def test_invalid_values_name_the_key(raw: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         from_dict(raw)
+
+
+def _settings() -> list[tuple[str, str, str, Accepts, object]]:
+    """``(table, key, type, accepts, default)`` of every :func:`setting` of every table."""
+    out = []
+    for table in fields(Config):
+        cls = type(getattr(Config(), table.name))
+        if not is_dataclass(cls):
+            continue
+        for f in fields(cls):
+            if SETTING in f.metadata:
+                out.append((table.name, f.name, str(f.type), f.metadata[SETTING], f.default))
+    return out
+
+
+SETTINGS = _settings()
+
+
+def test_settings_cover_the_scalar_keys_of_every_table() -> None:
+    tables = {t for t, *_ in SETTINGS}
+    assert {"node", "series", "dispatch", "tls", "retention", "streaming"} <= tables
+    assert {"metrics", "results", "web", "ledger", "model"} <= tables
+    assert len(SETTINGS) >= 45
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "kind", "accepts", "default"),
+    SETTINGS,
+    ids=[f"{t}.{k}" for t, k, *_ in SETTINGS],
+)
+def test_each_setting_takes_its_range_and_refuses_what_is_outside(
+    table: str, key: str, kind: str, accepts: Accepts, default: object
+) -> None:
+    """The default lies within what the setting accepts; a bound is taken, a value past it, a
+    value of another type and a string outside the choices are refused naming the key."""
+    name = f"{table}.{key}"
+
+    def read(value: object) -> object:
+        return getattr(getattr(from_dict({table: {key: value}}), table), key)
+
+    def refused(value: object) -> None:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(name)}: "):
+            from_dict({table: {key: value}})
+
+    assert getattr(getattr(Config(), table), key) == default
+    refused("nonsense" if kind != "str" else 5)
+    if kind == "bool":
+        assert isinstance(default, bool)
+        refused(1)
+        return
+    if kind == "str":
+        assert isinstance(default, str)
+        if accepts.choices:
+            assert default in accepts.choices
+            refused(default + "x")
+            assert read(accepts.choices[-1]) == accepts.choices[-1]
+        return
+    assert kind in ("int", "float") and isinstance(default, int | float)
+    refused(True)
+    if kind == "int":
+        refused(float(default) + 0.5)
+    step = 1 if kind == "int" else 0.001
+    if accepts.low is not None:
+        assert default >= accepts.low
+        assert read(accepts.low) == accepts.low
+        refused(accepts.low - step)
+    if accepts.high is not None:
+        assert default <= accepts.high
+        assert read(accepts.high) == accepts.high
+        refused(accepts.high + step)
 
 
 def test_invalid_toml_names_the_file(tmp_path: Path) -> None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import segnode.node.config.schema as schema
 from segnode.node.errors import ConfigError
@@ -100,9 +100,40 @@ class _Table:
         return path(self.values[key], self.key(key)) if key in self.values else None
 
 
+def _settings(t: _Table, cls: type) -> dict[str, Any]:
+    """Every field of ``cls`` declared with :func:`~segnode.node.config.schema.setting`, read
+    from ``t`` (or its default) and checked as its type and :class:`Accepts` say."""
+    out: dict[str, Any] = {}
+    for f in fields(cls):
+        accepts = f.metadata.get(schema.SETTING)
+        if accepts is None:
+            continue
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        bounds = [b for b in (accepts.low, accepts.high) if b is not None]
+        if kind == "bool":
+            out[f.name] = t.flag(f.name)
+        elif kind == "int":
+            out[f.name] = t.integer(f.name, *map(int, bounds))
+        elif kind == "float":
+            out[f.name] = t.number(f.name, *bounds)
+        elif kind == "str":
+            out[f.name] = t.text(f.name, accepts.choices or None)
+        else:  # a schema error, found by the tests
+            raise TypeError(f"{cls.__name__}.{f.name}: a setting of type {kind} cannot be read")
+    return out
+
+
 def _section(raw: Mapping[str, Any], name: str, defaults: Any) -> _Table:
     """``[name]``, its keys among the fields of ``defaults`` (its dataclass's instance)."""
     return _Table(name, section(raw, name, defaults.__dataclass_fields__), defaults)
+
+
+_S = TypeVar("_S")
+
+
+def _plain(raw: Mapping[str, Any], name: str, defaults: _S) -> _S:
+    """``[name]``, a table of :func:`~segnode.node.config.schema.setting` fields only."""
+    return type(defaults)(**_settings(_section(raw, name, defaults), type(defaults)))
 
 
 #: The range of ``node.max_pdu`` (PS3.8 allows any length; below 4 KiB costs speed, above
@@ -166,7 +197,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> schema.Confi
     spec = parse_model_spec(DEFAULT_MODEL_NAME, m, "model", path, default_manifest=d.model.manifest)
     model = schema.ModelConfig(
         **{f: getattr(spec, f) for f in ModelSpec.__dataclass_fields__},
-        load=_Table("model", m, d.model).text("load", schema.ENGINE_LOAD_MODES),
+        **_settings(_Table("model", m, d.model), schema.ModelConfig),
     )
     dispatch = _dispatch(_section(raw, "dispatch", d.dispatch), node, path, peer_table)
     level = _str(raw.get("log_level", "INFO"), "log_level", ("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -182,10 +213,10 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> schema.Confi
         dispatch=dispatch,
         job_max_attempts=_int(raw.get("job_max_attempts", 3), "job_max_attempts", 1, 100),
         tls=tls,
-        retention=_retention(_section(raw, "retention", d.retention)),
-        streaming=_streaming(_section(raw, "streaming", d.streaming)),
-        metrics=_metrics(_section(raw, "metrics", d.metrics)),
-        results=_results(_section(raw, "results", d.results)),
+        retention=_plain(raw, "retention", d.retention),
+        streaming=_plain(raw, "streaming", d.streaming),
+        metrics=_plain(raw, "metrics", d.metrics),
+        results=_plain(raw, "results", d.results),
         web=web,
         ledger=_ledger(_section(raw, "ledger", d.ledger), path),
         routing=parse_routing(raw, path, peer_table),
@@ -199,36 +230,18 @@ def _node(n: _Table, path: PathFn) -> schema.NodeConfig:
         raise ConfigError("node.allowed_calling_aes: must be a list of AE titles")
     return schema.NodeConfig(
         ae_title=_ae(n.get("ae_title"), "node.ae_title"),
-        host=n.text("host"),
         port=_port(n.get("port"), "node.port"),
         max_pdu=_max_pdu(n.get("max_pdu")),
         allowed_calling_aes=tuple(_ae(a, "node.allowed_calling_aes") for a in allowed),
-        other_sop_classes=n.text("other_sop_classes", ("ignore", "reject")),
-        max_associations=n.integer("max_associations", 1, 1000),
-        max_pending=n.integer("max_pending", 1, 10000),
-        max_pending_per_host=n.integer("max_pending_per_host", 1, 10000),
-        association_request_timeout_s=n.number("association_request_timeout_s", 0.1, 600),
-        network_timeout_s=n.number("network_timeout_s", 1),
-        min_transfer_rate_kib_s=n.number("min_transfer_rate_kib_s", 0),
-        max_instance_mb=n.integer("max_instance_mb", 1, 65536),
-        check_called_ae=n.flag("check_called_ae"),
-        stop_grace_s=n.number("stop_grace_s", 0, 600),
-        min_free_disk_mb=n.integer("min_free_disk_mb", 0),
-        staging_pool_mb=n.integer("staging_pool_mb", 0, 65536),
-        max_series_instances=n.integer("max_series_instances", 0),
-        max_series_mb=n.integer("max_series_mb", 0),
         peers=_peer_rules(n.get("peers", []), path),
+        **_settings(n, schema.NodeConfig),
     )
 
 
 def _series(s: _Table) -> schema.SeriesConfig:
     """``[series]`` and its ``[[series.senders]]``."""
     return schema.SeriesConfig(
-        complete_on_release=s.flag("complete_on_release"),
-        quiet_period_s=s.number("quiet_period_s", 0.1, 86400),
-        min_slices=s.integer("min_slices", 2),
-        completion=s.text("completion", schema.COMPLETION_MODES),
-        senders=_senders(s.get("senders", [])),
+        senders=_senders(s.get("senders", [])), **_settings(s, schema.SeriesConfig)
     )
 
 
@@ -248,14 +261,7 @@ def _dispatch(
             for i, x in enumerate(dests)
         ),
         calling_ae=_ae(t.get("calling_ae", node.ae_title), "dispatch.calling_ae"),
-        retry_initial_s=t.number("retry_initial_s", 0.01, 3600),
-        retry_max_s=t.number("retry_max_s", 0.01, 86400),
-        max_attempts=t.integer("max_attempts", 1),
-        timeout_s=t.number("timeout_s", 1, 3600),
-        max_age_s=t.number("max_age_s", 0),
-        breaker_failures=t.integer("breaker_failures", 1),
-        breaker_cooldown_s=t.number("breaker_cooldown_s", 0.01, 86400),
-        keep_open_s=t.number("keep_open_s", 0, 3600),
+        **_settings(t, schema.DispatchConfig),
     )
 
 
@@ -271,12 +277,10 @@ def _web(t: _Table, path: PathFn, tls: schema.TLSConfig) -> schema.WebConfig:
         raise ConfigError(f"web.listen: port must be 0-65535, got {port}")
     token = _str(t.get("token_file", ""), "web.token_file")
     cfg = schema.WebConfig(
-        enabled=t.flag("enabled"),
         host=m.group(1).strip("[]"),
         port=port,
         token_file=path(token, "web.token_file") if token else None,
-        tls=t.flag("tls"),
-        preview=t.flag("preview"),
+        **_settings(t, schema.WebConfig),
     )
     if not cfg.enabled:
         return cfg
@@ -295,13 +299,6 @@ def _web(t: _Table, path: PathFn, tls: schema.TLSConfig) -> schema.WebConfig:
             if not p.exists():
                 raise ConfigError(f"tls.{name}: file not found: {p}")
     return cfg
-
-
-def _results(t: _Table) -> schema.ResultsConfig:
-    return schema.ResultsConfig(
-        segmentation_type=t.text("segmentation_type", ("BINARY", "LABELMAP")),
-        prepare=t.text("prepare", ("concurrent", "before")),
-    )
 
 
 def _tls_dest(x: dict[str, Any], key: str, path: PathFn) -> Peer:
@@ -379,14 +376,10 @@ def _peer_rules(value: Any, path: PathFn) -> tuple[schema.PeerRule, ...]:
 
 def _tls(t: _Table, path: PathFn) -> schema.TLSConfig:
     cfg = schema.TLSConfig(
-        enabled=t.flag("enabled"),
-        port=t.integer("port", 0, 65535),
         cert_file=t.path("cert_file", path),
         key_file=t.path("key_file", path),
         ca_file=t.path("ca_file", path),
-        require_client_cert=t.flag("require_client_cert"),
-        min_version=t.text("min_version", ("1.2", "1.3")),
-        handshake_timeout_s=t.number("handshake_timeout_s", 0.1),
+        **_settings(t, schema.TLSConfig),
     )
     if not cfg.enabled:
         return cfg
@@ -414,27 +407,8 @@ def _senders(raw: Any) -> tuple[schema.SenderPolicy, ...]:
         if any(p.ae_title == ae for p in out):
             raise ConfigError(f"{key}.ae_title: {ae!r} is listed twice")
         policy = _Table(key, t, schema.SenderPolicy(ae_title=ae))
-        completion = policy.text("completion", schema.COMPLETION_MODES)
-        priority = policy.integer("priority", -1000, 1000)
-        out.append(schema.SenderPolicy(ae_title=ae, completion=completion, priority=priority))
+        out.append(schema.SenderPolicy(ae_title=ae, **_settings(policy, schema.SenderPolicy)))
     return tuple(out)
-
-
-def _streaming(t: _Table) -> schema.StreamingConfig:
-    return schema.StreamingConfig(
-        enabled=t.flag("enabled"),
-        workers=t.integer("workers", 1, 64),
-        max_memory_mb=t.integer("max_memory_mb", 0),
-        warm_mb=t.integer("warm_mb", 0),
-    )
-
-
-def _metrics(t: _Table) -> schema.MetricsConfig:
-    return schema.MetricsConfig(
-        enabled=t.flag("enabled"),
-        host=t.text("host"),
-        port=t.integer("port", 0, 65535),
-    )
 
 
 def _ledger(t: _Table, path: PathFn) -> schema.LedgerConfig:
@@ -442,7 +416,7 @@ def _ledger(t: _Table, path: PathFn) -> schema.LedgerConfig:
     name = t.text("node_name").strip()
     if len(name) > 128 or any(not c.isprintable() for c in name):
         raise ConfigError("ledger.node_name: at most 128 printable characters")
-    base = schema.LedgerConfig(node_name=name, lease_s=t.number("lease_s", 2.0, 3600.0))
+    base = schema.LedgerConfig(node_name=name, **_settings(t, schema.LedgerConfig))
     url = t.text("url").strip()
     if not url:
         return base
@@ -459,13 +433,6 @@ def _ledger(t: _Table, path: PathFn) -> schema.LedgerConfig:
         )
     # psycopg 3 is the driver segnode is tested with (pip install segnode[postgres]).
     return replace(base, url=url.replace("postgresql://", "postgresql+psycopg://", 1))
-
-
-def _retention(t: _Table) -> schema.RetentionConfig:
-    return schema.RetentionConfig(
-        spool_days=t.number("spool_days", 0),
-        check_interval_s=t.number("check_interval_s", 1),
-    )
 
 
 def load_config(path: Path | None) -> schema.Config:

@@ -2,8 +2,13 @@
 
 This module owns what a configuration holds (field names, types and defaults, and the small
 derived views such as :meth:`SeriesConfig.policy_for`); :mod:`segnode.node.config.parse` owns
-reading ``config.toml`` into these types. ``config.toml`` at the repository root documents
-every key with its default. The ``[routing]``, ``[[rules]]`` and ``[models.NAME]`` tables are
+reading ``config.toml`` into these types. A scalar setting that is read as it is (a number in
+a range, a flag, a string among choices) is declared with :func:`setting`: its default and
+what the parser accepts stand on one line, and the parser reads every such field the same
+way. The other fields (addresses, files, lists of tables) have readers of their own.
+
+``config.toml`` at the repository root documents every key with its default. The
+``[routing]``, ``[[rules]]`` and ``[models.NAME]`` tables are
 :class:`~segnode.node.routing.rules.Routing`, the destinations
 :data:`~segnode.node.routing.destinations.Destination` (their modules own them and their
 parsing).
@@ -14,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 from segnode.node.modelspec import DEFAULT_MODEL_NAME, ModelSpec
 from segnode.node.peers import ClientTLS, Peer, parse_peer
@@ -28,30 +34,61 @@ DEFAULT_MODEL = _ROOT / "engines" / "models" / "tissue" / "tissue.json"
 #: The documented default configuration at the repository root.
 ROOT_CONFIG = _ROOT / "config.toml"
 
+_T = TypeVar("_T", bool, int, float, str)
+
+#: The key of a :func:`setting`'s :class:`Accepts` in its field's metadata.
+SETTING = "segnode.setting"
+
+
+@dataclass(frozen=True)
+class Accepts:
+    """What the parser accepts for a :func:`setting`: a number from ``low`` to ``high`` (None:
+    no bound), or a string among ``choices`` (empty: any string)."""
+
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] = ()
+
+
+def setting(
+    default: _T,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    choices: tuple[str, ...] = (),
+) -> _T:
+    """A scalar setting: its default and what :mod:`~segnode.node.config.parse` accepts.
+
+    The field's type says how it is read: ``bool`` (true or false), ``int`` (an integer from
+    ``low`` to ``high``), ``float`` (a number from ``low`` to ``high``) or ``str`` (one of
+    ``choices`` when given).
+    """
+    return field(default=default, metadata={SETTING: Accepts(low, high, choices)})
+
 
 @dataclass(frozen=True)
 class NodeConfig:
     """``[node]``: the listening application entity."""
 
     ae_title: str = "SEGNODE"
-    host: str = "127.0.0.1"
+    host: str = setting("127.0.0.1")
     port: int = 11112
     max_pdu: int = 1 << 20
     allowed_calling_aes: tuple[str, ...] = ()
-    other_sop_classes: str = "ignore"
-    max_associations: int = 16
-    max_pending: int = 64
-    max_pending_per_host: int = 16
-    association_request_timeout_s: float = 10.0
-    network_timeout_s: float = 60.0
-    min_transfer_rate_kib_s: float = 16.0
-    max_instance_mb: int = 1024
-    check_called_ae: bool = False
-    stop_grace_s: float = 5.0
-    min_free_disk_mb: int = 1024
-    staging_pool_mb: int = 192
-    max_series_instances: int = 10000
-    max_series_mb: int = 20480
+    other_sop_classes: str = setting("ignore", choices=("ignore", "reject"))
+    max_associations: int = setting(16, 1, 1000)
+    max_pending: int = setting(64, 1, 10_000)
+    max_pending_per_host: int = setting(16, 1, 10_000)
+    association_request_timeout_s: float = setting(10.0, 0.1, 600)
+    network_timeout_s: float = setting(60.0, 1)
+    min_transfer_rate_kib_s: float = setting(16.0, 0)
+    max_instance_mb: int = setting(1024, 1, 65536)
+    check_called_ae: bool = setting(False)
+    stop_grace_s: float = setting(5.0, 0, 600)
+    min_free_disk_mb: int = setting(1024, 0)
+    staging_pool_mb: int = setting(192, 0, 65536)
+    max_series_instances: int = setting(10_000, 0)
+    max_series_mb: int = setting(20480, 0)
     peers: tuple[PeerRule, ...] = ()
 
 
@@ -84,22 +121,22 @@ class PeerRule:
 class TLSConfig:
     """``[tls]``: DICOM TLS on the listening side (PS3.15 Annex B.1 / B.9)."""
 
-    enabled: bool = False
-    port: int = 0
+    enabled: bool = setting(False)
+    port: int = setting(0, 0, 65535)
     cert_file: Path | None = None
     key_file: Path | None = None
     ca_file: Path | None = None
-    require_client_cert: bool = False
-    min_version: str = "1.2"
-    handshake_timeout_s: float = 10.0
+    require_client_cert: bool = setting(False)
+    min_version: str = setting("1.2", choices=("1.2", "1.3"))
+    handshake_timeout_s: float = setting(10.0, 0.1)
 
 
 @dataclass(frozen=True)
 class RetentionConfig:
     """``[retention]``: deleting spooled instances and results after delivery."""
 
-    spool_days: float = 0.0
-    check_interval_s: float = 600.0
+    spool_days: float = setting(0.0, 0)
+    check_interval_s: float = setting(600.0, 1)
 
 
 #: Completion policies: which signals complete a sender's series (the quiet period is always
@@ -112,18 +149,18 @@ class SenderPolicy:
     """``[[series.senders]]``: completion policy and job priority for one calling AE title."""
 
     ae_title: str
-    completion: str = "auto"
-    priority: int = 0
+    completion: str = setting("auto", choices=COMPLETION_MODES)
+    priority: int = setting(0, -1000, 1000)
 
 
 @dataclass(frozen=True)
 class SeriesConfig:
     """``[series]``: when a series is complete."""
 
-    complete_on_release: bool = True
-    quiet_period_s: float = 30.0
-    min_slices: int = 2
-    completion: str = "auto"
+    complete_on_release: bool = setting(True)
+    quiet_period_s: float = setting(30.0, 0.1, 86400)
+    min_slices: int = setting(2, 2)
+    completion: str = setting("auto", choices=COMPLETION_MODES)
     senders: tuple[SenderPolicy, ...] = ()
 
     def policy_for(self, calling_ae: str) -> SenderPolicy:
@@ -138,19 +175,19 @@ class SeriesConfig:
 class StreamingConfig:
     """``[streaming]``: decoding instances into volumes while they arrive."""
 
-    enabled: bool = True
-    workers: int = 1
-    max_memory_mb: int = 2048
-    warm_mb: int = 256
+    enabled: bool = setting(True)
+    workers: int = setting(1, 1, 64)
+    max_memory_mb: int = setting(2048, 0)
+    warm_mb: int = setting(256, 0)
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
     """``[metrics]``: the Prometheus endpoint (off by default)."""
 
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: int = 9464
+    enabled: bool = setting(False)
+    host: str = setting("127.0.0.1")
+    port: int = setting(9464, 0, 65535)
 
 
 @dataclass(frozen=True)
@@ -168,7 +205,7 @@ class LedgerConfig:
     node_name: str = ""
     #: Seconds without a heartbeat after which a node's running jobs and claimed deliveries
     #: are taken over by another node.
-    lease_s: float = 30.0
+    lease_s: float = setting(30.0, 2.0, 3600.0)
 
 
 @dataclass(frozen=True)
@@ -180,12 +217,12 @@ class WebConfig:
     the certificate and key of ``[tls]``.
     """
 
-    enabled: bool = False
+    enabled: bool = setting(False)
     host: str = "127.0.0.1"
     port: int = 8080
     token_file: Path | None = None
-    tls: bool = False
-    preview: bool = True
+    tls: bool = setting(False)
+    preview: bool = setting(True)
 
     @property
     def loopback(self) -> bool:
@@ -210,12 +247,12 @@ class ResultsConfig:
     #: "BINARY" (Segmentation Storage, one 1-bit frame per non-empty segment and slice: every
     #: viewer that reads DICOM SEG) or "LABELMAP" (Label Map Segmentation Storage: one 8-bit
     #: frame per non-empty slice holding every segment; read only by recent viewers).
-    segmentation_type: str = "BINARY"
+    segmentation_type: str = setting("BINARY", choices=("BINARY", "LABELMAP"))
     #: When the SEG and SR are prepared (everything but what the label map decides):
     #: "concurrent" (on a helper thread while the engine runs) or "before" (in the worker
     #: thread, before the engine runs: the engine's Python then has the GIL to itself, which
     #: a GPU engine launching kernels from Python needs; docs/performance.md).
-    prepare: str = "concurrent"
+    prepare: str = setting("concurrent", choices=("concurrent", "before"))
 
 
 ENGINE_LOAD_MODES = ("background", "before")
@@ -231,7 +268,7 @@ class ModelConfig(ModelSpec):
     manifest: Path = DEFAULT_MODEL
     #: "background" (listen at once; jobs wait until the engine is loaded) or "before" (listen
     #: only once the engine is loaded).
-    load: str = "background"
+    load: str = setting("background", choices=ENGINE_LOAD_MODES)
 
 
 @dataclass(frozen=True)
@@ -240,14 +277,14 @@ class DispatchConfig:
 
     destinations: tuple[Destination, ...] = ()
     calling_ae: str = "SEGNODE"
-    retry_initial_s: float = 5.0
-    retry_max_s: float = 300.0
-    max_attempts: int = 50
-    timeout_s: float = 30.0
-    max_age_s: float = 86400.0
-    breaker_failures: int = 5
-    breaker_cooldown_s: float = 60.0
-    keep_open_s: float = 10.0
+    retry_initial_s: float = setting(5.0, 0.01, 3600)
+    retry_max_s: float = setting(300.0, 0.01, 86400)
+    max_attempts: int = setting(50, 1)
+    timeout_s: float = setting(30.0, 1, 3600)
+    max_age_s: float = setting(86400.0, 0)
+    breaker_failures: int = setting(5, 1)
+    breaker_cooldown_s: float = setting(60.0, 0.01, 86400)
+    keep_open_s: float = setting(10.0, 0, 3600)
 
 
 @dataclass(frozen=True)
