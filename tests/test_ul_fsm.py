@@ -204,6 +204,7 @@ def test_every_state_event_pair_has_its_outcome(
         assert assoc.fire(event, _payload(event)) is cell
         pdu, closed, artim, next_state = EFFECTS[cell]
         assert assoc.state is next_state
+        assert next_state in cell.next_states  # the table's next states hold in the acceptor
         assert assoc.closed is closed
         if not closed:
             assert _received(peer) == pdu
