@@ -120,6 +120,55 @@ def test_missing_spool_file_fails_with_reason(tmp_path: Path, engine: OrtEngine)
     assert view.state == "failed" and "missing" in (view.reason or "")
 
 
+class _ArrivesDuringTheJob:
+    """Volumes that prebuild nothing, but record late instances of the series when the job
+    asks (as a sender still transferring the series does while the job runs)."""
+
+    def __init__(self, ledger: Ledger, spool: Spool, late: list[Path]) -> None:
+        self.ledger, self.spool, self.late = ledger, spool, late
+
+    def take(self, series_uid: str, paths: Any, timeout: float = 60.0) -> None:
+        if self.late:
+            ingest(self.ledger, self.spool, self.late)
+            self.late = []
+
+    def recycle(self, volume: Any) -> None:
+        pass
+
+
+def test_a_job_failing_on_a_series_that_grows_meanwhile_is_superseded(
+    tmp_path: Path, engine: OrtEngine
+) -> None:
+    """A job sees a slice gap because the sender had not sent the missing slice yet; it
+    arrives while the job runs: the job ends superseded (its failure in the reason), not
+    failed, and the next version segments the whole series. The same gap with nothing
+    arriving fails the job as before."""
+    worker, ledger, spool = make(tmp_path, engine)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=96, columns=96, slices=10), seed=35
+    )
+    by_z = sorted(files, key=lambda f: float(dcmread(f).ImagePositionPatient[2]))
+    uid = ingest(ledger, spool, [f for f in by_z if f != by_z[5]])
+    worker.volumes = _ArrivesDuringTheJob(ledger, spool, [by_z[5]])
+    jid, view = run_job(worker, ledger, uid)
+    assert view.state == "superseded"
+    assert "more instances while this job ran (9 -> 10)" in (view.reason or "")
+    assert "it failed on what it had: non-uniform slice spacing" in (view.reason or "")
+    assert worker.last_result == f"job {jid} superseded"
+    jid2, view2 = run_job(worker, ledger, uid)
+    assert (view2.state, view2.version, view2.instance_count) == ("done", 2, 10)
+    assert len(result_paths(tmp_path, jid2)) == 2
+
+    gap = write_synthetic_series(
+        tmp_path / "gap", PhantomGeometry(rows=32, columns=32, slices=8), seed=36
+    )
+    gap_z = sorted(gap, key=lambda f: float(dcmread(f).ImagePositionPatient[2]))
+    uid = ingest(ledger, spool, [f for f in gap_z if f != gap_z[4]])
+    worker.volumes = None
+    _, view = run_job(worker, ledger, uid)
+    assert view.state == "failed" and "non-uniform slice spacing" in (view.reason or "")
+
+
 def _reread_labels(seg_path: Path, source_files: list[Path]) -> np.ndarray:
     """The SEG's label map by source instance, through highdicom (not our reader)."""
     import highdicom as hd

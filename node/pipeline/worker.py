@@ -79,7 +79,7 @@ from segnode.node.results.seg_check import check_encoded
 from segnode.node.results.seg_encode import SegPlan
 from segnode.node.results.sr_encode import SrPlan
 from segnode.node.results.statistics import statistics_from_sums
-from segnode.storage.ledger import JobView, Ledger
+from segnode.storage.ledger import JobState, JobView, Ledger
 from segnode.storage.spool import write_atomic, write_synced
 
 log = logging.getLogger(__name__)
@@ -269,8 +269,16 @@ class Worker:
             log.info("job %d: %s", job.id, self.last_result)
 
     def _fail(self, job: JobView, reason: str) -> None:
+        if self.ledger.fail_job(job.id, reason) is JobState.SUPERSEDED:
+            log.info(
+                "job %d: superseded: it failed on part of the series (%s), and more instances "
+                "arrived while it ran; the next version runs on all of them",
+                job.id,
+                reason,
+            )
+            self.last_result = f"job {job.id} superseded"
+            return
         log.warning("job %d failed: %s", job.id, reason)
-        self.ledger.fail_job(job.id, reason)
         self.last_result = f"job {job.id} failed"
 
     def _process(self, job: JobView) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from pydicom.uid import generate_uid
@@ -258,16 +259,31 @@ class JobStore(Views, NodeStore):
             q = update(Job).where(Job.id == job_id)
             s.execute((q if self.node_name is None else q.where(mine)).values({stage: utcnow()}))
 
-    def fail_job(self, job_id: int, reason: str) -> None:
-        """End a job as failed with a reason a human can act on."""
+    def fail_job(self, job_id: int, reason: str) -> JobState | None:
+        """End a running job as failed with a reason a human can act on.
+
+        When its series received more instances while it ran, the job worked on part of the
+        series (a slice gap, for one, may be only the instances still to come), so it ends
+        as superseded instead, its failure kept in the reason: the next version, which the
+        new instances complete, runs on the whole series.
+
+        Returns
+        -------
+        JobState | None
+            The state the job ended in; None when it was no longer this node's running job
+            (superseded, cancelled or taken over while it ran: that state stands).
+        """
         now = utcnow()
         with self._tx() as s:
             job = s.get(Job, job_id, with_for_update=True)
             if job is None or job.state != JobState.RUNNING or not self._mine(job):
-                return  # superseded, cancelled or taken over while it ran: that state stands
+                return None
+            if _outgrown(s, job, now, f"it failed on what it had: {reason}"):
+                return JobState.SUPERSEDED
             move(s, job, JobState.FAILED, now, message=reason)
             job.reason = reason[:2048]
             job.finished_at = now
+            return JobState.FAILED
 
     def finish_empty(self, job_id: int, reason: str) -> None:
         """End a job as ``done`` with nothing to send (the model found no segment)."""
@@ -334,17 +350,10 @@ class JobStore(Views, NodeStore):
             job = s.get(Job, job_id, with_for_update=True)
             if job is None or job.state != JobState.RUNNING or not self._mine(job):
                 return False
-            series = s.get(Series, job.series_id)
-            if series is not None and series.pending_since is not None:
-                # Instances arrived while the job ran: its results cover part of the series
-                # and must not leave; the next version (the new instances complete it) will.
-                reason = (
-                    f"the series received more instances while this job ran "
-                    f"({job.instance_count} -> {series.instance_count}); not sent"
-                )
-                move(s, job, JobState.SUPERSEDED, now, message=reason)
-                job.reason = reason
-                job.encoded_at = job.finished_at = now
+            if _outgrown(s, job, now, "not sent"):
+                # Its results cover part of the series and must not leave; the next version
+                # (the new instances complete it) will.
+                job.encoded_at = now
                 return False
             items: list[tuple[str, str, str, str, Path, Sequence[str]]] = [
                 (*r, destinations) for r in results
@@ -496,3 +505,19 @@ def _pending_series(s: Session, series_instance_uid: str) -> Series | None:
         select(Series).where(Series.series_instance_uid == series_instance_uid).with_for_update()
     )
     return None if series is None or series.pending_since is None else series
+
+
+def _outgrown(s: Session, job: Job, now: datetime, outcome: str) -> bool:
+    """Supersede the running ``job`` when its series received more instances while it ran
+    (its input was part of the series); ``outcome`` ends the reason. Returns whether it did."""
+    series = s.get(Series, job.series_id)
+    if series is None or series.pending_since is None:
+        return False
+    reason = (
+        f"the series received more instances while this job ran "
+        f"({job.instance_count} -> {series.instance_count}); {outcome}"
+    )
+    move(s, job, JobState.SUPERSEDED, now, message=reason)
+    job.reason = reason[:2048]
+    job.finished_at = now
+    return True
