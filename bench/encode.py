@@ -138,14 +138,7 @@ def measure(
         f"{len(encoded.segment_numbers)} segments, {len(encoded.data) / 1e6:.1f} MB"
     )
     sr_out["prepare"], sr_plan = timed(
-        lambda: SrPlan.prepare(
-            volume,
-            manifest,
-            uids,
-            seg_sop_class_uid=plan.sop_class_uid,
-            equipment=Equipment.for_sr(__version__),
-        ),
-        runs,
+        lambda: SrPlan.prepare(volume, plan, equipment=Equipment.for_sr(__version__)), runs
     )
     sr_out["statistics"], stats = timed(lambda: segment_statistics(volume, labels, manifest), runs)
     sr_out["encode"], _ = timed(lambda: sr_plan.encode(stats), runs)

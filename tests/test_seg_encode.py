@@ -131,8 +131,10 @@ def highdicom_seg(volume: Volume, labels: npt.NDArray[np.integer], plan: SegPlan
     return seg
 
 
-def prepare(volume: Volume, kind: str, manifest: ModelManifest = MANIFEST) -> SegPlan:
-    return SegPlan.prepare(volume, manifest, UIDS, equipment=SEG_EQUIPMENT, segmentation_type=kind)
+def prepare(
+    volume: Volume, kind: str, manifest: ModelManifest = MANIFEST, uids: ResultUIDs = UIDS
+) -> SegPlan:
+    return SegPlan.prepare(volume, manifest, uids, equipment=SEG_EQUIPMENT, segmentation_type=kind)
 
 
 def differences(ours: bytes, theirs: bytes) -> list[str]:

@@ -42,6 +42,7 @@ from tests.fixtures.highdicom_clock import highdicom_clock
 from tests.fixtures.statistics import bincount_statistics
 from tests.fixtures.synthetic import phantom_labels, synthetic_datasets, write_enhanced_ct
 from tests.test_results import MANIFEST, SMALL, SOURCE_WARNINGS, SR_EQUIPMENT, UIDS, evidence
+from tests.test_seg_encode import prepare as prepare_seg
 from tests.test_seg_encode import reference_seg
 
 NOW = datetime.datetime(2026, 12, 4, 3, 4, 5, 678901)
@@ -212,10 +213,10 @@ def _reference_bytes(
     return encode(build_sr(volume, labels, MANIFEST, seg, UIDS, equipment=SR_EQUIPMENT))
 
 
-def _plan(volume: Volume, seg_class: str = SEGMENTATION_STORAGE) -> SrPlan:
-    return SrPlan.prepare(
-        volume, MANIFEST, UIDS, seg_sop_class_uid=seg_class, equipment=SR_EQUIPMENT
-    )
+def _plan(volume: Volume, seg_class: str = SEGMENTATION_STORAGE, uids: ResultUIDs = UIDS) -> SrPlan:
+    """The SR of ``volume`` prepared from the plan of its SEG of class ``seg_class``."""
+    kind = "LABELMAP" if seg_class == LABEL_MAP_SEGMENTATION_STORAGE else "BINARY"
+    return SrPlan.prepare(volume, prepare_seg(volume, kind, uids=uids), equipment=SR_EQUIPMENT)
 
 
 def _measurements(data: bytes) -> list[tuple[int, str, float, float, float]]:
@@ -357,17 +358,21 @@ def test_encode_checks_its_input() -> None:
         plan.encode([SegmentStatistics(1, renamed, 1, 1.0, 0.0, 0.0)])
     with pytest.raises(ResultError, match="is nan"):
         plan.encode([SegmentStatistics(1, MANIFEST.label(3), 1, 1.0, float("nan"), 0.0)])
+    ct = dataclasses.replace(
+        prepare_seg(volume, "BINARY"), sop_class_uid="1.2.840.10008.5.1.4.1.1.2"
+    )
     with pytest.raises(ResultError, match="not a Segmentation SOP Class"):
-        _plan(volume, "1.2.840.10008.5.1.4.1.1.2")
+        SrPlan.prepare(volume, ct, equipment=SR_EQUIPMENT)
+    other_series = assemble_from_datasets(synthetic_datasets(SMALL, seed=5))
+    with pytest.raises(ResultError, match="not the SEG of this volume's series"):
+        SrPlan.prepare(other_series, prepare_seg(volume, "BINARY"), equipment=SR_EQUIPMENT)
 
 
 def test_plans_for_other_uids_differ() -> None:
     volume = _synthetic()
     stats = segment_statistics(volume, _labels(volume, PRESENT[1]), MANIFEST)
     other = ResultUIDs.new()
-    data = SrPlan.prepare(
-        volume, MANIFEST, other, seg_sop_class_uid=SEGMENTATION_STORAGE, equipment=SR_EQUIPMENT
-    ).encode(stats, now=NOW)
+    data = _plan(volume, uids=other).encode(stats, now=NOW)
     ds = pydicom.dcmread(io.BytesIO(data))
     assert ds.SOPInstanceUID == other.sr_sop_uid
     assert ds.SeriesInstanceUID == other.sr_series_uid

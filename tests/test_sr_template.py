@@ -18,7 +18,6 @@ from segnode.node.ingest.volume import Volume, assemble_from_datasets
 from segnode.node.pipeline.worker import encode
 from segnode.node.results import sr_encode
 from segnode.node.results.build import (
-    SEGMENTATION_STORAGE,
     ResultUIDs,
     build_seg,
     build_sr,
@@ -27,19 +26,13 @@ from segnode.node.results.build import (
 from segnode.node.results.sr_encode import SrPlan
 from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets
 from tests.test_results import MANIFEST, SEG_EQUIPMENT, SR_EQUIPMENT
-from tests.test_sr_encode import NOW, PRESENT, _enhanced, _labels, _phantom, _synthetic
+from tests.test_sr_encode import NOW, PRESENT, _enhanced, _labels, _phantom, _plan, _synthetic
 from tests.test_sr_encode import pinned_clock as pinned_clock
 
 
 def _reference_for(volume: Volume, labels: npt.NDArray[np.integer], uids: ResultUIDs) -> bytes:
     seg = build_seg(volume, labels, MANIFEST, uids, equipment=SEG_EQUIPMENT)
     return encode(build_sr(volume, labels, MANIFEST, seg, uids, equipment=SR_EQUIPMENT))
-
-
-def _prepare(volume: Volume, uids: ResultUIDs) -> SrPlan:
-    return SrPlan.prepare(
-        volume, MANIFEST, uids, seg_sop_class_uid=SEGMENTATION_STORAGE, equipment=SR_EQUIPMENT
-    )
 
 
 @pytest.mark.filterwarnings("ignore:The string .* is unlikely to represent")
@@ -60,13 +53,13 @@ def test_spliced_plan_equals_full_path(
     labels = _labels(volume, PRESENT[3])
     stats = segment_statistics(volume, labels, MANIFEST)
     sr_encode._TEMPLATES.clear()
-    first = _prepare(_synthetic(), ResultUIDs.new())  # full path, keeps the template
+    first = _plan(_synthetic(), uids=ResultUIDs.new())  # full path, keeps the template
     assert len(sr_encode._TEMPLATES) == 1
     uids = ResultUIDs.new()
     with mock.patch.object(SrPlan, "_from_model", side_effect=AssertionError("full path")):
-        spliced = _prepare(volume, uids)
+        spliced = _plan(volume, uids=uids)
     sr_encode._TEMPLATES.clear()
-    full = _prepare(volume, uids)
+    full = _plan(volume, uids=uids)
     data = spliced.encode(stats, now=NOW)
     assert data == full.encode(stats, now=NOW) == _reference_for(volume, labels, uids)
     assert first.encode(stats, now=NOW) != data
@@ -78,10 +71,10 @@ def test_jobs_the_template_does_not_cover_take_the_full_path(
     volume = _synthetic()
     labels = _labels(volume, PRESENT[5])
     stats = segment_statistics(volume, labels, MANIFEST)
-    _prepare(volume, ResultUIDs.new())
+    _plan(volume, uids=ResultUIDs.new())
     uids = ResultUIDs.new()
     with mock.patch.object(sr_encode, "_evidence", return_value=None):
-        plan = _prepare(volume, uids)
+        plan = _plan(volume, uids=uids)
     assert plan.encode(stats, now=NOW) == _reference_for(volume, labels, uids)
 
 

@@ -410,23 +410,15 @@ class Worker:
         self, volume: Volume, manifest: ModelManifest, uids: ResultUIDs, created: datetime
     ) -> tuple[SegPlan, SrPlan]:
         """The SEG and SR of ``volume`` encoded but for what the label map decides."""
-        seg_equipment = Equipment.for_seg(__version__)
         seg = SegPlan.prepare(
             volume,
             manifest,
             uids,
             segmentation_type=self.segmentation_type,
-            equipment=seg_equipment,
+            equipment=Equipment.for_seg(__version__),
             created=created,
         )
-        sr = SrPlan.prepare(
-            volume,
-            manifest,
-            uids,
-            seg_sop_class_uid=seg.sop_class_uid,
-            equipment=Equipment.for_sr(__version__),
-            seg_equipment=seg_equipment,
-        )
+        sr = SrPlan.prepare(volume, seg, equipment=Equipment.for_sr(__version__))
         return seg, sr
 
     def _rejection_notes(

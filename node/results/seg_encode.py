@@ -125,6 +125,11 @@ class SegPlan:
         ``(slices, rows, columns)`` of the volume and of the label maps it encodes.
     created
         Instance Creation, Content and Contribution Date/Time.
+    sop_class_uid
+        Segmentation Storage (BINARY) or Label Map Segmentation Storage (LABELMAP).
+    uids, manifest, equipment
+        As given to :meth:`prepare` (what an SR that references this SEG reads of it:
+        :meth:`segnode.node.results.sr_encode.SrPlan.prepare`).
     dimension_organization_uid
         Derived from the SEG's SOP Instance UID.
     slice_positions, source_uids, source_frames
@@ -142,6 +147,7 @@ class SegPlan:
     sop_class_uid: str
     uids: ResultUIDs
     manifest: ModelManifest
+    equipment: Equipment
     series_instance_uid: str
     slice_positions: npt.NDArray[np.float64]
     source_uids: tuple[str, ...]
@@ -240,6 +246,7 @@ class SegPlan:
             sop_class_uid=str(header.SOPClassUID),
             uids=uids,
             manifest=manifest,
+            equipment=equipment,
             series_instance_uid=volume.series_instance_uid,
             slice_positions=np.array(volume.slice_positions, dtype=np.float64),
             source_uids=geometry.source_uids,

@@ -11,8 +11,9 @@ does that part while inference runs:
   :func:`segnode.node.results.build.sr_document`), with one measurement group per manifest label
   holding placeholder values, and writes it with pydicom once. The SEG it references is described
   by a header that highdicom builds the way ``build_seg``'s Segmentation constructor does
-  (Patient and Study modules copied from the first source, the node's equipment), so no
-  SEG dataset is needed; only its UIDs and SOP Class.
+  (Patient and Study modules copied from the first source, the SEG's equipment), so no
+  SEG dataset is needed; only its plan (:class:`segnode.node.results.seg_encode.SegPlan`:
+  model, UIDs, SOP Class and equipment).
 * It cuts the written bytes into a template: fixed runs of bytes, the elements that change
   (Instance Creation and Content Date/Time, the Contribution DateTime of highdicom's
   equipment item; per group the tracking UID, the referenced segment number and the
@@ -72,6 +73,7 @@ from segnode.node.results.build import (
     source_base,
     sr_document,
 )
+from segnode.node.results.seg_encode import SegPlan
 from segnode.node.results.seg_header import seg_base
 from segnode.node.results.statistics import SegmentStatistics
 
@@ -377,7 +379,7 @@ class SrPlan:
     Attributes
     ----------
     manifest, uids
-        As given to :meth:`prepare`.
+        Those of the SEG plan given to :meth:`prepare`.
     sop_class_uid
         Comprehensive 3D SR Storage.
     """
@@ -392,42 +394,27 @@ class SrPlan:
     _job: Mapping[str, bytes] = field(repr=False)
 
     @classmethod
-    def prepare(
-        cls,
-        volume: Volume,
-        manifest: ModelManifest,
-        uids: ResultUIDs,
-        *,
-        seg_sop_class_uid: str,
-        equipment: Equipment,
-        seg_equipment: Equipment | None = None,
-    ) -> SrPlan:
+    def prepare(cls, volume: Volume, seg: SegPlan, *, equipment: Equipment) -> SrPlan:
         """Encode everything of the SR that does not depend on the label map.
 
         Parameters
         ----------
         volume
             The source volume (its headers are the evidence and give Patient and Study).
-        manifest
-            The model (its labels get one measurement group each, when present).
-        uids
-            UIDs of the result: the SR's, and the SEG's that the groups reference.
-        seg_sop_class_uid
-            SOP Class of that SEG: Segmentation Storage, or Label Map Segmentation Storage
-            (``LABEL_MAP_SEGMENTATION_STORAGE``).
+        seg
+            The plan of the SEG of ``volume`` that the SR references; the SR takes from it
+            the model (its labels get one measurement group each, when present), the UIDs of
+            the result (the SR's, and the SEG's that the groups reference), the SEG's SOP
+            Class (Segmentation Storage, or Label Map Segmentation Storage) and its
+            equipment.
         equipment
-            As for :func:`segnode.node.results.build.build_sr`.
-        seg_equipment
-            That SEG's, as given to ``build_seg`` or :meth:`SegPlan.prepare
-            <segnode.node.results.seg_encode.SegPlan.prepare>`; default ``equipment``: the
-            SEG of the same equipment (its series and instance numbers are not among what
-            the SR reads of it).
+            The SR's, as for :func:`segnode.node.results.build.build_sr`.
 
         Raises
         ------
         ResultError
-            highdicom rejects the input, the SEG class is neither of the two, or the
-            template does not reproduce pydicom's bytes.
+            ``seg`` is not of ``volume``'s series, highdicom rejects the input, the SEG
+            class is neither of the two, or the template does not reproduce pydicom's bytes.
 
         Notes
         -----
@@ -435,13 +422,14 @@ class SrPlan:
         highdicom's full path and keeps a template; later calls for the same key splice
         the job's modules and evidence into it (see the module docstring).
         """
-        if seg_sop_class_uid not in (SEGMENTATION_STORAGE, LABEL_MAP_SEGMENTATION_STORAGE):
-            raise ResultError(f"{seg_sop_class_uid} is not a Segmentation SOP Class")
+        if seg.sop_class_uid not in (SEGMENTATION_STORAGE, LABEL_MAP_SEGMENTATION_STORAGE):
+            raise ResultError(f"{seg.sop_class_uid} is not a Segmentation SOP Class")
+        if seg.series_instance_uid != volume.series_instance_uid:
+            raise ResultError("seg is not the SEG of this volume's series")
+        manifest, uids = seg.manifest, seg.uids
         sources = _source_headers(volume)
         charset = _character_set(volume)
-        if seg_equipment is None:
-            seg_equipment = equipment
-        seg = _seg_header(sources[0], uids, seg_sop_class_uid, seg_equipment, charset)
+        header = _seg_header(sources[0], uids, seg.sop_class_uid, seg.equipment, charset)
         # The keywords sr_document gives Comprehensive3DSR that its base class keeps.
         base_kwargs: dict[str, Any] = {
             **equipment.arguments(),
@@ -452,11 +440,11 @@ class SrPlan:
             manifest.name,
             manifest.version,
             manifest.labels,
-            seg_sop_class_uid,
-            seg_equipment,
+            seg.sop_class_uid,
+            seg.equipment,
             *((k, v if not isinstance(v, list) else tuple(v)) for k, v in base_kwargs.items()),
         )
-        evidence = [seg, *sources]
+        evidence = [header, *sources]
         source_series_uid = volume.series_instance_uid
         with _TEMPLATES_LOCK:
             template = _TEMPLATES.get(key)
@@ -464,7 +452,7 @@ class SrPlan:
                 _TEMPLATES.move_to_end(key)
         if template is not None:
             plan = cls._from_template(
-                template, manifest, uids, seg, evidence, source_series_uid, base_kwargs
+                template, manifest, uids, header, evidence, source_series_uid, base_kwargs
             )
             if plan is not None:
                 return plan
@@ -484,7 +472,7 @@ class SrPlan:
             placeholders,
             manifest,
             uids,
-            seg_sop_class_uid=seg_sop_class_uid,
+            seg_sop_class_uid=seg.sop_class_uid,
             source_series_uid=source_series_uid,
             equipment=equipment,
         )
@@ -502,7 +490,7 @@ class SrPlan:
         if template is None:
             # What is not the job's (the base modules, the evidence) is the template,
             # kept once the splice gives this job's document back element for element.
-            base = _sr_base(seg, uids, **base_kwargs)
+            base = _sr_base(header, uids, **base_kwargs)
             job_tags = {e.tag for e in base if e.tag not in _CLOCK} | {_EVIDENCE_SEQUENCE}
             template = _Template(
                 items=tuple((tag, part) for tag, part in items if tag not in job_tags),
@@ -510,7 +498,7 @@ class SrPlan:
                 encodings=plan._encodings,
             )
             spliced = cls._from_template(
-                template, manifest, uids, seg, evidence, source_series_uid, base_kwargs
+                template, manifest, uids, header, evidence, source_series_uid, base_kwargs
             )
             if spliced == plan:
                 with _TEMPLATES_LOCK:
