@@ -143,19 +143,14 @@ def run_engine_command(
             return _export_triton(args, resolve_model(args.model, default_model), stream)
         if args.engine_command == "build" and getattr(args, "engine", "tensorrt") == "torch":
             return _build_torch(args, resolve_model(args.model, default_model), cache_dir, stream)
-        from segnode.engines.trt_backend import build_engine, list_engines
+        from segnode.engines.trt_backend import BuildSettings, build_engine, list_engines
 
         if args.engine_command == "build":
             manifest = resolve_model(args.model, default_model)
+            settings = BuildSettings(args.precision, args.flavour, args.target)
             # one engine per ONNX file: the model itself, or every fold (of every part)
             for unit in manifest.model_files():
-                built = build_engine(
-                    unit,
-                    cache_dir=cache_dir,
-                    precision=args.precision,
-                    flavour=args.flavour,
-                    target=args.target,
-                )
+                built = build_engine(unit, settings, cache_dir=cache_dir)
                 key = built.key
                 batch, patch = "/".join(map(str, key.batch)), "x".join(map(str, key.patch_size))
                 print(f"engine {'reused' if built.hit else 'built'}: {built.path}", file=stream)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,14 +54,13 @@ from segnode.engines.base import (
 from segnode.engines.engine_cache import CachedEngine, EngineCache, EngineRecord, atomic_write
 from segnode.engines.trt_build import (
     PORTABLE,
+    BuildSettings,
     Flavour,
     GpuInfo,
     build_engine,
     gpu_info,
     list_engines,
-    load_flavour,
     make_trt_logger,
-    resolve_target,
     rtx_targets,
 )
 
@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from segnode.engines.manifest import ModelManifest
 
 __all__ = [
+    "BuildSettings",
     "CachedEngine",
     "EngineRecord",
     "TensorRTEngine",
@@ -328,12 +329,10 @@ class TensorRTEngine:
         Engine cache; defaults to ``<data_dir>/engines``.
     data_dir
         The node's data folder (used when ``cache_dir`` is not given).
-    precision
-        ``"fp16"`` (default; used only if the manifest allows it) or ``"fp32"``.
-    flavour
-        ``"auto"``, ``"tensorrt"`` or ``"tensorrt_rtx"``.
-    target
-        GPU target of the build; see :func:`resolve_target`.
+    precision, flavour, target
+        The engine's :class:`BuildSettings`, made here (``settings``). The precision defaults
+        to ``"fp16"``, as ``segnode engine build``'s does (used only if the manifest allows
+        it); a bare :class:`BuildSettings` is fp32.
     device
         CUDA device index.
     batch_size
@@ -358,9 +357,7 @@ class TensorRTEngine:
                 raise EngineError("the tensorrt engine needs cache_dir or data_dir")
             cache_dir = Path(data_dir) / "engines"
         self.cache_dir = Path(cache_dir)
-        self.precision = precision
-        self.flavour = flavour
-        self.target = target
+        self.settings = BuildSettings(precision, flavour, target)
         self.device = device
         self.batch_size = batch_size
         self.built: CachedEngine | None = None
@@ -377,20 +374,12 @@ class TensorRTEngine:
         fold file, every part's folds for a composite (:attr:`built_folds`).
         """
         gpu = gpu_info(self.device)
-        lib = load_flavour(self.flavour)
-        target = resolve_target(lib, self.target, self.device)
+        lib, target = self.settings.resolve(self.device)
         check_runnable(lib, target, gpu)
+        # resolved for this engine's device: build_engine would resolve against GPU 0
+        resolved = replace(self.settings, flavour=lib.name, target=target)
         units = manifest.model_files() if manifest.is_trained else (manifest,)
-        built = [
-            build_engine(
-                unit,
-                cache_dir=self.cache_dir,
-                precision=self.precision,
-                flavour=lib.name,
-                target=target,
-            )
-            for unit in units
-        ]
+        built = [build_engine(unit, resolved, cache_dir=self.cache_dir) for unit in units]
         self.built = built[0]
         self.built_folds = built
         self.close()

@@ -1,9 +1,10 @@
 """Building TensorRT engines: flavour, GPU target, ONNX parsing, FP16, profile, timing cache.
 
-:func:`build_engine` returns the cached engine for a model, precision, TensorRT flavour and GPU
-target, building it on a miss (see :mod:`segnode.engines.engine_cache` for the cache and its
-checks). With TensorRT-RTX it builds ahead of time without a GPU, so it runs in CI;
-:mod:`segnode.engines.trt_backend` re-exports it and runs the engines.
+:func:`build_engine` returns the cached engine for a model and its :class:`BuildSettings`
+(precision, TensorRT flavour and GPU target), building it on a miss (see
+:mod:`segnode.engines.engine_cache` for the cache and its checks). With TensorRT-RTX it builds
+ahead of time without a GPU, so it runs in CI; :mod:`segnode.engines.trt_backend` re-exports it
+and runs the engines.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
+PRECISIONS = ("fp32", "fp16")
 _MODULES = {"tensorrt": ("tensorrt",), "tensorrt_rtx": ("tensorrt_rtx", "tensorrt_rtx_bindings")}
 PORTABLE = "portable"
 _WORKSPACE_BYTES = 4 << 30
@@ -170,6 +172,65 @@ def resolve_target(flavour: Flavour, target: str | None, device: int = 0) -> str
     if not flavour.is_rtx and target != gpu_info(device).target:
         raise EngineError(f"TensorRT builds only for the GPU present, not {target}")
     return target
+
+
+# --------------------------------------------------------------------------- build settings
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """What a TensorRT build is asked for: precision, library and GPU target.
+
+    ``segnode engine build`` makes one from its ``--precision --flavour --target``,
+    :class:`segnode.engines.trt_backend.TensorRTEngine` from its options (the ``[model]``
+    precision); :func:`build_engine` takes it. :meth:`resolve` settles ``"auto"`` and ``None``
+    against the library that imports here and the GPU present.
+
+    Attributes
+    ----------
+    precision
+        ``"fp32"`` or ``"fp16"``; fp16 is built only where the manifest allows it
+        (:meth:`precision_for`).
+    flavour
+        ``"auto"``, ``"tensorrt"`` or ``"tensorrt_rtx"``; see :func:`load_flavour`.
+    target
+        GPU target; see :func:`resolve_target`. ``None`` is a portable ahead-of-time build with
+        TensorRT-RTX, which needs no GPU, and a build for the current GPU with TensorRT.
+
+    Raises
+    ------
+    EngineError
+        If the precision is not fp32 or fp16.
+    """
+
+    precision: str = "fp32"
+    flavour: str = "auto"
+    target: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise EngineError(f"precision must be fp16 or fp32, not {self.precision!r}")
+
+    def resolve(self, device: int = 0) -> tuple[Flavour, str]:
+        """The library these settings ask for, and the GPU target normalised for it and CUDA
+        device ``device``.
+
+        Raises
+        ------
+        EngineError
+            If the library cannot be imported or the target is impossible.
+        """
+        lib = load_flavour(self.flavour)
+        return lib, resolve_target(lib, self.target, device)
+
+    def precision_for(self, manifest: ModelManifest) -> str:
+        """``"fp16"`` only when asked for and ``manifest`` allows it, else ``"fp32"``."""
+        if self.precision == "fp16" and not manifest.fp16:
+            logger.warning(
+                "model %s does not allow fp16 (manifest fp16=false); building fp32", manifest.name
+            )
+            return "fp32"
+        return self.precision
 
 
 # --------------------------------------------------------------------------- build
@@ -402,25 +463,8 @@ def engine_key(
     )
 
 
-def effective_precision(manifest: ModelManifest, precision: str) -> str:
-    """``"fp16"`` only when asked for and the manifest allows it, else ``"fp32"``."""
-    if precision not in ("fp16", "fp32"):
-        raise EngineError(f"precision must be fp16 or fp32, not {precision!r}")
-    if precision == "fp16" and not manifest.fp16:
-        logger.warning(
-            "model %s does not allow fp16 (manifest fp16=false); building fp32", manifest.name
-        )
-        return "fp32"
-    return precision
-
-
 def build_engine(
-    manifest: ModelManifest,
-    *,
-    cache_dir: str | Path,
-    precision: str = "fp32",
-    flavour: str = "auto",
-    target: str | None = None,
+    manifest: ModelManifest, settings: BuildSettings, *, cache_dir: str | Path
 ) -> CachedEngine:
     """Return the cached engine for ``manifest``, building it first when needed.
 
@@ -428,15 +472,10 @@ def build_engine(
     ----------
     manifest
         The model.
+    settings
+        Precision, TensorRT flavour and GPU target of the build.
     cache_dir
         The engine cache, normally ``<data_dir>/engines``.
-    precision
-        ``"fp32"`` or ``"fp16"`` (honoured only if ``manifest.fp16``).
-    flavour
-        ``"auto"``, ``"tensorrt"`` or ``"tensorrt_rtx"``.
-    target
-        GPU target; see :func:`resolve_target`. With TensorRT-RTX the default is a portable
-        ahead-of-time build, which needs no GPU.
 
     Raises
     ------
@@ -445,13 +484,8 @@ def build_engine(
         the build runs out of memory or fails, or the target is impossible.
     """
     started = time.perf_counter()
-    lib = load_flavour(flavour)
-    key = engine_key(
-        manifest,
-        lib,
-        precision=effective_precision(manifest, precision),
-        target=resolve_target(lib, target),
-    )
+    lib, target = settings.resolve()
+    key = engine_key(manifest, lib, precision=settings.precision_for(manifest), target=target)
     cache = EngineCache(Path(cache_dir))
     with cache.lock(key):
         data, problem = cache.lookup(key)

@@ -25,7 +25,13 @@ from bench.unet import SMALL, write_unet
 from segnode.engines.base import EngineError
 from segnode.engines.engine_cache import EngineCache, atomic_write
 from segnode.engines.manifest import ModelManifest, load_manifest
-from segnode.engines.trt_backend import TensorRTEngine, build_engine, check_runnable, list_engines
+from segnode.engines.trt_backend import (
+    BuildSettings,
+    TensorRTEngine,
+    build_engine,
+    check_runnable,
+    list_engines,
+)
 from segnode.engines.trt_build import Flavour, GpuInfo, load_flavour, onnx_to_fp16, resolve_target
 
 
@@ -58,7 +64,7 @@ def small_unet(tmp_path: Path) -> ModelManifest:
 def test_aot_build_tissue(
     rtx: Flavour, tissue: ModelManifest, tmp_path: Path, precision: str
 ) -> None:
-    built = build_engine(tissue, cache_dir=tmp_path, precision=precision, flavour="tensorrt_rtx")
+    built = build_engine(tissue, BuildSettings(precision, "tensorrt_rtx"), cache_dir=tmp_path)
     assert not built.hit
     assert built.path.exists() and built.size_bytes == built.path.stat().st_size > 0
     assert built.key.flavour == "tensorrt_rtx" and built.key.target == "portable"
@@ -73,8 +79,8 @@ def test_aot_build_tissue(
 def test_aot_build_small_unet_both_precisions(
     rtx: Flavour, small_unet: ModelManifest, tmp_path: Path
 ) -> None:
-    fp32 = build_engine(small_unet, cache_dir=tmp_path, precision="fp32")
-    fp16 = build_engine(small_unet, cache_dir=tmp_path, precision="fp16")
+    fp32 = build_engine(small_unet, BuildSettings("fp32"), cache_dir=tmp_path)
+    fp16 = build_engine(small_unet, BuildSettings("fp16"), cache_dir=tmp_path)
     assert fp32.path != fp16.path
     assert {r.key.precision for r in list_engines(tmp_path)} == {"fp32", "fp16"}
 
@@ -82,8 +88,8 @@ def test_aot_build_small_unet_both_precisions(
 def test_second_build_is_a_cache_hit(
     rtx: Flavour, small_unet: ModelManifest, tmp_path: Path
 ) -> None:
-    first = build_engine(small_unet, cache_dir=tmp_path, precision="fp16")
-    second = build_engine(small_unet, cache_dir=tmp_path, precision="fp16")
+    first = build_engine(small_unet, BuildSettings("fp16"), cache_dir=tmp_path)
+    second = build_engine(small_unet, BuildSettings("fp16"), cache_dir=tmp_path)
     assert not first.hit and second.hit
     assert second.path == first.path and second.key == first.key
     assert second.size_bytes == first.size_bytes
@@ -91,9 +97,13 @@ def test_second_build_is_a_cache_hit(
 
 def test_changed_onnx_rebuilds_and_drops_the_old_engine(rtx: Flavour, tmp_path: Path) -> None:
     model_dir = tmp_path / "unet"
-    first = build_engine(load_manifest(write_unet(model_dir, SMALL)), cache_dir=tmp_path / "c")
+    first = build_engine(
+        load_manifest(write_unet(model_dir, SMALL)), BuildSettings(), cache_dir=tmp_path / "c"
+    )
     reseeded = replace(SMALL, seed=1)
-    second = build_engine(load_manifest(write_unet(model_dir, reseeded)), cache_dir=tmp_path / "c")
+    second = build_engine(
+        load_manifest(write_unet(model_dir, reseeded)), BuildSettings(), cache_dir=tmp_path / "c"
+    )
     assert not second.hit
     assert second.key.model_sha256 != first.key.model_sha256
     assert not first.path.exists()  # superseded engine removed
@@ -108,7 +118,7 @@ def test_damaged_cache_entry_is_rebuilt(
     caplog: pytest.LogCaptureFixture,
     damage: str,
 ) -> None:
-    built = build_engine(small_unet, cache_dir=tmp_path)
+    built = build_engine(small_unet, BuildSettings(), cache_dir=tmp_path)
     data = bytearray(built.path.read_bytes())
     sidecar = built.path.with_suffix(".json")
     if damage == "flip":
@@ -122,11 +132,11 @@ def test_damaged_cache_entry_is_rebuilt(
         sidecar.unlink()
     assert not list_engines(tmp_path) or not list_engines(tmp_path)[0].valid
     with caplog.at_level(logging.WARNING, logger="segnode.engines.trt_build"):
-        rebuilt = build_engine(small_unet, cache_dir=tmp_path)
+        rebuilt = build_engine(small_unet, BuildSettings(), cache_dir=tmp_path)
     assert not rebuilt.hit
     assert "rebuilding" in caplog.text
     assert [r.valid for r in list_engines(tmp_path)] == [True]
-    assert build_engine(small_unet, cache_dir=tmp_path).hit
+    assert build_engine(small_unet, BuildSettings(), cache_dir=tmp_path).hit
 
 
 def test_parser_error_names_node_and_operator(rtx: Flavour, tmp_path: Path) -> None:
@@ -159,7 +169,9 @@ def test_parser_error_names_node_and_operator(rtx: Flavour, tmp_path: Path) -> N
         )
     )
     with pytest.raises(EngineError, match=r"node 0 'mystery_node' \(NoSuchOp\)"):
-        build_engine(load_manifest(tmp_path / "bad.json"), cache_dir=tmp_path / "c")
+        build_engine(
+            load_manifest(tmp_path / "bad.json"), BuildSettings(), cache_dir=tmp_path / "c"
+        )
     assert list_engines(tmp_path / "c") == []
 
 
@@ -169,9 +181,30 @@ def test_fp16_needs_the_manifest_to_allow_it(
     import dataclasses
 
     strict = dataclasses.replace(small_unet, fp16=False)
-    assert build_engine(strict, cache_dir=tmp_path, precision="fp16").key.precision == "fp32"
+    assert build_engine(strict, BuildSettings("fp16"), cache_dir=tmp_path).key.precision == "fp32"
     with pytest.raises(EngineError, match="precision"):
-        build_engine(small_unet, cache_dir=tmp_path, precision="int8")
+        BuildSettings("int8")
+
+
+def test_configured_precision_reaches_the_build_settings(tmp_path: Path) -> None:
+    """``[model] engine = "tensorrt"``: the constructor makes the build settings once, from
+    the configured precision, and refuses one that no build can have."""
+    from segnode.engines.base import create_engine
+    from segnode.node.config import from_dict
+    from segnode.node.pipeline.engine_pool import engine_options
+    from segnode.node.routing.rules import model_specs
+
+    config = from_dict(
+        {"data_dir": str(tmp_path), "model": {"engine": "tensorrt", "precision": "fp32"}}
+    )
+    engine = create_engine("tensorrt", **engine_options(model_specs(config)[0], config.data_dir))
+    assert isinstance(engine, TensorRTEngine)
+    assert engine.settings == BuildSettings("fp32", "auto", None)
+    assert engine.cache_dir == config.data_dir / "engines"
+    # the engine's own default precision is fp16, a bare BuildSettings' fp32 (build_engine's)
+    assert TensorRTEngine(cache_dir=tmp_path).settings == BuildSettings("fp16")
+    with pytest.raises(EngineError, match="precision"):
+        TensorRTEngine(cache_dir=tmp_path, precision="int8")
 
 
 @pytest.mark.parametrize("converter", ["onnxconverter_common", "onnxruntime"])
@@ -220,7 +253,7 @@ def test_targets(rtx: Flavour) -> None:
 
 
 def test_rtx_target_build(rtx: Flavour, small_unet: ModelManifest, tmp_path: Path) -> None:
-    built = build_engine(small_unet, cache_dir=tmp_path, target="sm86")
+    built = build_engine(small_unet, BuildSettings(target="sm86"), cache_dir=tmp_path)
     assert built.key.target == "sm86" and "-sm86-" in built.path.name
 
 
