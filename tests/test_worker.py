@@ -149,13 +149,14 @@ def test_a_job_failing_on_a_series_that_grows_meanwhile_is_superseded(
     )
     by_z = sorted(files, key=lambda f: float(dcmread(f).ImagePositionPatient[2]))
     uid = ingest(ledger, spool, [f for f in by_z if f != by_z[5]])
-    worker.volumes = _ArrivesDuringTheJob(ledger, spool, [by_z[5]])
-    jid, view = run_job(worker, ledger, uid)
+    late = _ArrivesDuringTheJob(ledger, spool, [by_z[5]])
+    growing = Worker(worker.config, ledger, worker.pool, volumes=late)
+    jid, view = run_job(growing, ledger, uid)
     assert view.state == "superseded"
     assert "more instances while this job ran (9 -> 10)" in (view.reason or "")
     assert "it failed on what it had: non-uniform slice spacing" in (view.reason or "")
-    assert worker.last_result == f"job {jid} superseded"
-    jid2, view2 = run_job(worker, ledger, uid)
+    assert growing.last_result == f"job {jid} superseded"
+    jid2, view2 = run_job(growing, ledger, uid)
     assert (view2.state, view2.version, view2.instance_count) == ("done", 2, 10)
     assert len(result_paths(tmp_path, jid2)) == 2
 
@@ -164,7 +165,6 @@ def test_a_job_failing_on_a_series_that_grows_meanwhile_is_superseded(
     )
     gap_z = sorted(gap, key=lambda f: float(dcmread(f).ImagePositionPatient[2]))
     uid = ingest(ledger, spool, [f for f in gap_z if f != gap_z[4]])
-    worker.volumes = None
     _, view = run_job(worker, ledger, uid)
     assert view.state == "failed" and "non-uniform slice spacing" in (view.reason or "")
 
