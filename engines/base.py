@@ -36,6 +36,17 @@ class EngineError(Exception):
 
 T = TypeVar("T")
 
+#: The precisions a backend runs a model in (fp16 only where the manifest allows it).
+PRECISIONS = ("fp32", "fp16")
+
+
+def checked_precision(precision: str, engine: str) -> str:
+    """``precision`` when it is one of :data:`PRECISIONS`, else an :class:`EngineError`
+    (``<engine>: precision must be fp32 or fp16, got ...``)."""
+    if precision not in PRECISIONS:
+        raise EngineError(f"{engine}: precision must be fp32 or fp16, got {precision!r}")
+    return precision
+
 
 def loaded(value: T | None, engine: str) -> T:
     """``value``, something the ``engine`` backend's ``load`` sets: an :class:`EngineError`

@@ -38,7 +38,13 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from segnode.engines.base import EngineError, HostArrays, PatchPredictor, host_volume
+from segnode.engines.base import (
+    EngineError,
+    HostArrays,
+    PatchPredictor,
+    checked_precision,
+    host_volume,
+)
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.ort_backend import preprocess
 from segnode.engines.sliding_window import OUTPUT_KINDS, segment_with_manifest
@@ -166,8 +172,7 @@ class KServeEngine(HostArrays):
     ) -> None:
         if protocol not in PROTOCOLS:
             raise EngineError(f"kserve: protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        if precision not in ("fp32", "fp16"):
-            raise EngineError(f"kserve: precision must be fp32 or fp16, got {precision!r}")
+        checked_precision(precision, "kserve")
         if timeout_s <= 0 or retries < 0 or (batch_size is not None and batch_size < 1):
             raise EngineError("kserve: timeout_s must be > 0, retries >= 0 and batch_size >= 1")
         self.url = url

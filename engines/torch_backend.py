@@ -56,6 +56,7 @@ from segnode.engines.base import (
     LabelSums,
     PatchPredictor,
     check_version_1,
+    checked_precision,
     loaded,
     out_of_gpu_memory,
 )
@@ -285,8 +286,7 @@ class TorchEngine:
         compile_cache: str = "inductor",
         eager_while_compiling: bool = False,
     ) -> None:
-        if precision not in ("fp16", "fp32"):
-            raise EngineError(f"precision must be fp16 or fp32, not {precision!r}")
+        checked_precision(precision, "torch")
         if compile and cuda_graphs:
             raise EngineError("choose compile or cuda_graphs, not both")
         if compile_cache not in ("aoti", "inductor"):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from segnode.engines.base import EngineError
+from segnode.engines.base import EngineError, checked_precision
 from segnode.engines.engine_cache import (
     CachedEngine,
     EngineCache,
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
-PRECISIONS = ("fp32", "fp16")
 _MODULES = {"tensorrt": ("tensorrt",), "tensorrt_rtx": ("tensorrt_rtx", "tensorrt_rtx_bindings")}
 PORTABLE = "portable"
 _WORKSPACE_BYTES = 4 << 30
@@ -208,8 +207,7 @@ class BuildSettings:
     target: str | None = None
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise EngineError(f"precision must be fp16 or fp32, not {self.precision!r}")
+        checked_precision(self.precision, "tensorrt")
 
     def resolve(self, device: int = 0) -> tuple[Flavour, str]:
         """The library these settings ask for, and the GPU target normalised for it and CUDA

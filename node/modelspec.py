@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from segnode.engines.base import PRECISIONS
 from segnode.node.errors import ConfigError
 
 DEFAULT_MODEL_NAME = "default"
@@ -104,7 +105,7 @@ def parse_model_spec(
     if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= 256:
         raise ConfigError(f"{key}.threads: must be an integer in [0, 256], got {threads!r}")
     precision = table.get("precision", "fp32")
-    if precision not in ("fp32", "fp16"):
+    if precision not in PRECISIONS:
         raise ConfigError(f"{key}.precision: must be fp32 or fp16, got {precision!r}")
     compile_ = table.get("compile", False)
     if not isinstance(compile_, bool):

@@ -683,3 +683,20 @@ def test_out_of_gpu_memory_becomes_an_engine_error() -> None:
         raise ValueError("not memory")
     with out_of_gpu_memory(OutOfMemoryError, "loading unet"):
         pass
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("tensorrt", {"cache_dir": "unused"}),
+        ("kserve", {"url": "http://127.0.0.1:1"}),
+        ("torch", {}),
+    ],
+)
+def test_every_backend_refuses_an_unknown_precision_naming_itself(
+    name: str, options: dict[str, str]
+) -> None:
+    """One check (``engines.base.checked_precision``) for every backend that takes a
+    precision, refused when the engine is made, before anything loads."""
+    with pytest.raises(EngineError, match=rf"^{name}: precision must be fp32 or fp16, got 'int8'"):
+        create_engine(name, precision="int8", **options)
