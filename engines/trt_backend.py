@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -376,10 +375,11 @@ class TensorRTEngine:
         gpu = gpu_info(self.device)
         lib, target = self.settings.resolve(self.device)
         check_runnable(lib, target, gpu)
-        # resolved for this engine's device: build_engine would resolve against GPU 0
-        resolved = replace(self.settings, flavour=lib.name, target=target)
         units = manifest.model_files() if manifest.is_trained else (manifest,)
-        built = [build_engine(unit, resolved, cache_dir=self.cache_dir) for unit in units]
+        built = [
+            build_engine(unit, self.settings, cache_dir=self.cache_dir, device=self.device)
+            for unit in units
+        ]
         self.built = built[0]
         self.built_folds = built
         self.close()

@@ -462,7 +462,7 @@ def engine_key(
 
 
 def build_engine(
-    manifest: ModelManifest, settings: BuildSettings, *, cache_dir: str | Path
+    manifest: ModelManifest, settings: BuildSettings, *, cache_dir: str | Path, device: int = 0
 ) -> CachedEngine:
     """Return the cached engine for ``manifest``, building it first when needed.
 
@@ -474,6 +474,8 @@ def build_engine(
         Precision, TensorRT flavour and GPU target of the build.
     cache_dir
         The engine cache, normally ``<data_dir>/engines``.
+    device
+        The CUDA device whose GPU ``"auto"`` and a ``None`` target resolve against.
 
     Raises
     ------
@@ -482,7 +484,7 @@ def build_engine(
         the build runs out of memory or fails, or the target is impossible.
     """
     started = time.perf_counter()
-    lib, target = settings.resolve()
+    lib, target = settings.resolve(device)
     key = engine_key(manifest, lib, precision=settings.precision_for(manifest), target=target)
     cache = EngineCache(Path(cache_dir))
     with cache.lock(key):
