@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from bench.unet import SMALL, write_unet
@@ -191,9 +192,34 @@ def check_cold_then_warm(
     if kind == "aoti":
         assert "convert_seconds" not in warm  # a restart needs no onnx2torch conversion
     # The same kernels run in both processes; only cuDNN's autotuning (per process) may pick
-    # another convolution algorithm, and with it a last-bit difference near a class border.
-    agreement = float(np.mean(np.load(tmp_path / "cold.npy") == np.load(tmp_path / "warm.npy")))
-    assert agreement >= 0.9999
+    # another convolution algorithm, and with it a last-bit difference where two classes' FP16
+    # logits tie: on a class border, never inside a region.
+    cold_labels, warm_labels = np.load(tmp_path / "cold.npy"), np.load(tmp_path / "warm.npy")
+    differ = cold_labels != warm_labels
+    assert float(np.mean(differ)) <= 1e-3, f"{int(differ.sum())} voxels differ"
+    inside = differ & ~class_border(cold_labels) & ~class_border(warm_labels)
+    assert not inside.any(), f"{int(inside.sum())} of {int(differ.sum())} differ inside a region"
+
+
+def class_border(labels: npt.NDArray[np.uint8]) -> npt.NDArray[np.bool_]:
+    """Voxels with a 6-neighbour of another label."""
+    border = np.zeros(labels.shape, dtype=bool)
+    for axis in range(labels.ndim):
+        front = [slice(None)] * labels.ndim
+        back = [slice(None)] * labels.ndim
+        front[axis], back[axis] = slice(1, None), slice(None, -1)
+        step = labels[tuple(front)] != labels[tuple(back)]
+        border[tuple(front)] |= step
+        border[tuple(back)] |= step
+    return border
+
+
+def test_class_border_marks_both_sides_of_a_step() -> None:
+    labels = np.zeros((3, 4, 5), dtype=np.uint8)
+    labels[:, :, 3:] = 2
+    border = class_border(labels)
+    assert border[:, :, 2:4].all() and not border[:, :, :2].any() and not border[:, :, 4].any()
+    assert not class_border(np.ones((3, 3, 3), dtype=np.uint8)).any()
 
 
 @pytest.mark.slow
