@@ -50,6 +50,13 @@ class Flavour:
         return self.name == "tensorrt_rtx"
 
 
+def _checked_flavour(flavour: str) -> None:
+    if flavour not in ("auto", *FLAVOURS):
+        raise EngineError(
+            f"unknown TensorRT flavour {flavour!r}; use auto, tensorrt or tensorrt_rtx"
+        )
+
+
 def load_flavour(flavour: str = "auto") -> Flavour:
     """Import TensorRT (``"tensorrt"``), TensorRT-RTX (``"tensorrt_rtx"``) or the first that works.
 
@@ -61,10 +68,7 @@ def load_flavour(flavour: str = "auto") -> Flavour:
     EngineError
         If the requested flavour (or, for ``"auto"``, neither) can be imported.
     """
-    if flavour not in ("auto", *FLAVOURS):
-        raise EngineError(
-            f"unknown TensorRT flavour {flavour!r}; use auto, tensorrt or tensorrt_rtx"
-        )
+    _checked_flavour(flavour)
     wanted = FLAVOURS if flavour == "auto" else (flavour,)
     problems = []
     for name in wanted:
@@ -199,7 +203,7 @@ class BuildSettings:
     Raises
     ------
     EngineError
-        If the precision is not fp32 or fp16.
+        If the precision is not fp32 or fp16, or the flavour is none of the three.
     """
 
     precision: str = "fp32"
@@ -208,6 +212,7 @@ class BuildSettings:
 
     def __post_init__(self) -> None:
         checked_precision(self.precision, "tensorrt")
+        _checked_flavour(self.flavour)
 
     def resolve(self, device: int = 0) -> tuple[Flavour, str]:
         """The library these settings ask for, and the GPU target normalised for it and CUDA

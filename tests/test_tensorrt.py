@@ -206,6 +206,9 @@ def test_configured_precision_reaches_the_build_settings(tmp_path: Path) -> None
     assert TensorRTEngine(cache_dir=tmp_path).settings == BuildSettings("fp16")
     with pytest.raises(EngineError, match="precision"):
         TensorRTEngine(cache_dir=tmp_path, precision="int8")
+    # an unknown library is refused when the settings are made, not at the first build
+    with pytest.raises(EngineError, match="unknown TensorRT flavour 'bogus'"):
+        BuildSettings("fp16", "bogus")
 
 
 @pytest.mark.parametrize("converter", ["onnxconverter_common", "onnxruntime"])
