@@ -52,8 +52,8 @@ from typing import Any
 from bench.ingest import (
     LOOPBACK,
     STAGES,
-    epoch,
     free_port,
+    job_stages,
     ledger_job,
     plot,
     serving,
@@ -223,28 +223,6 @@ def send(port: int, datasets: list[Any]) -> float:
     return last
 
 
-def stages_of(job: dict[str, Any], last: float, acked: float) -> list[dict[str, Any]]:
-    """The ledger's stages, from the SCU's last response to the SCP's last acknowledgement."""
-    keys = ("created_at", "started_at", "volume_at", "inference_at", "encoded_at")
-    t: dict[str, float | None] = {k: epoch(job[k]) for k in keys}
-    t["last response"], t["last ack"] = last, acked
-    total = acked - last
-    out = []
-    for name, a, b in STAGES:
-        start, end = t[a], t[b]
-        if start is None or end is None:
-            continue
-        out.append(
-            {
-                "stage": name,
-                "start_s": round(start - last, 3),
-                "seconds": round(end - start, 3),
-                "share": round((end - start) / total, 4) if total > 0 else 0.0,
-            }
-        )
-    return out
-
-
 def one_series(
     port: int, data: Path, scp: ResultsSCP, datasets: list[Any], timeout: float
 ) -> dict[str, Any]:
@@ -268,7 +246,7 @@ def one_series(
         "receive_s": round(last - first, 3),
         "job_state": job["state"],
         "trigger": job["trigger"],
-        "stages": stages_of(job, last, acked),
+        "stages": job_stages(job, acked, last)[1],
     }
 
 

@@ -527,27 +527,46 @@ def end_to_end_all(runs: int, tmp: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _e2e_run(job: dict[str, Any]) -> dict[str, Any]:
+def job_stages(
+    job: dict[str, Any], acked: float, last: float | None = None
+) -> tuple[float, list[dict[str, Any]]]:
+    """The :data:`STAGES` of ``job`` (a :func:`ledger_job` row) up to ``acked`` (epoch s).
+
+    The stages start at ``last``, the sender's last C-STORE response, where the caller
+    measured it, else at the ledger's last instance. Returns that start and the stages (a
+    stage whose ends the ledger lacks is left out), each with its start (seconds after
+    ``last``), length and share of the whole.
+    """
     t: dict[str, float | None] = {k: epoch(job[c]) for k, c in STAGE_COLUMNS.items()}
-    last, first = t["last_instance"], t["first_instance"]
-    assert last is not None
-    acked = max(a for a in (epoch(x) for x in job["acks"]) if a is not None)
+    if last is not None:
+        t["last_instance"] = last
+    start0 = t["last_instance"]
+    if start0 is None:
+        raise ValueError(f"job {job.get('id')} has no last instance time")
     t["last ack"] = acked
-    total = acked - last
+    total = acked - start0
     stages = []
     for name, a, b in STAGES:
         start, end = t[a], t[b]
-        assert start is not None and end is not None
+        if start is None or end is None:
+            continue
         stages.append(
             {
                 "stage": name,
-                "start_s": round(start - last, 3),
+                "start_s": round(start - start0, 3),
                 "seconds": round(end - start, 3),
-                "share": round((end - start) / total, 4),
+                "share": round((end - start) / total, 4) if total > 0 else 0.0,
             }
         )
+    return start0, stages
+
+
+def _e2e_run(job: dict[str, Any]) -> dict[str, Any]:
+    acked = max(a for a in (epoch(x) for x in job["acks"]) if a is not None)
+    last, stages = job_stages(job, acked)
+    first = epoch(job["first_instance_at"])
     return {
-        "total_s": round(total, 3),
+        "total_s": round(acked - last, 3),
         "receive_s": round(last - first, 3) if first is not None else None,
         "trigger": job["trigger"],
         "stages": stages,
