@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -466,6 +468,27 @@ def engine_key(
     )
 
 
+@contextmanager
+def _build_device(lib: Flavour, device: int) -> Iterator[None]:
+    """Make CUDA device ``device`` current while full TensorRT builds: it builds for the current
+    device, so on a host with GPUs of different models a build for GPU 1 must not run on GPU 0.
+    TensorRT-RTX builds for the target it is given and needs no device."""
+    if lib.is_rtx:
+        yield
+        return
+    try:
+        import cupy as cp
+    except ImportError as exc:
+        if device != 0:
+            raise EngineError(
+                f"building for CUDA device {device} needs CuPy to select it ({exc})"
+            ) from exc
+        yield
+        return
+    with cp.cuda.Device(device):
+        yield
+
+
 def build_engine(
     manifest: ModelManifest, settings: BuildSettings, *, cache_dir: str | Path, device: int = 0
 ) -> CachedEngine:
@@ -480,7 +503,8 @@ def build_engine(
     cache_dir
         The engine cache, normally ``<data_dir>/engines``.
     device
-        The CUDA device whose GPU ``"auto"`` and a ``None`` target resolve against.
+        The CUDA device whose GPU ``"auto"`` and a ``None`` target resolve against, and on
+        which full TensorRT builds.
 
     Raises
     ------
@@ -514,9 +538,10 @@ def build_engine(
             key.target,
         )
         t0 = time.perf_counter()
-        plan = _serialize(
-            lib, manifest, key, cache.timing_cache_path(lib.name, lib.version, key.target)
-        )
+        with _build_device(lib, device):
+            plan = _serialize(
+                lib, manifest, key, cache.timing_cache_path(lib.name, lib.version, key.target)
+            )
         build_seconds = time.perf_counter() - t0
         path = cache.store(
             key, plan, build_seconds=build_seconds, onnx_path=str(manifest.onnx_path)
