@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import sqlite3
 import subprocess
@@ -19,6 +20,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -367,12 +369,26 @@ def test_keep_open_zero_releases_after_each_batch(
     assert wire.associations == 2 and len(wire.received) == 4
 
 
+#: A timestamp as the v1 ledger stores it (naive UTC, ``YYYY-MM-DD HH:MM:SS.ffffff``).
+V1_TIME = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}")
+
+
 def load_v1_ledger(data: Path) -> Path:
-    """A schema version 1 ledger (tests/data/ledger-v1.sql) in ``data``."""
+    """A schema version 1 ledger (tests/data/ledger-v1.sql) in ``data``.
+
+    Its timestamps move together so that the newest lies a minute ago: the dump's own dates
+    would age its pending job past ``dispatch.max_age_s`` a day after it was written.
+    """
     data.mkdir(parents=True, exist_ok=True)
     path = data / "ledger.sqlite"
+    sql = V1_LEDGER.read_text().replace("@DATA@", str(data))
+    times = [datetime.fromisoformat(t) for t in V1_TIME.findall(sql)]
+    shift = datetime.now(UTC).replace(tzinfo=None) - timedelta(minutes=1) - max(times)
+    sql = V1_TIME.sub(
+        lambda m: (datetime.fromisoformat(m[0]) + shift).isoformat(" ", "microseconds"), sql
+    )
     conn = sqlite3.connect(path)
-    conn.executescript(V1_LEDGER.read_text().replace("@DATA@", str(data)))
+    conn.executescript(sql)
     conn.close()
     return path
 
