@@ -32,7 +32,14 @@ from segnode.engines.trt_backend import (
     check_runnable,
     list_engines,
 )
-from segnode.engines.trt_build import Flavour, GpuInfo, load_flavour, onnx_to_fp16, resolve_target
+from segnode.engines.trt_build import (
+    Flavour,
+    GpuInfo,
+    _build_device,
+    load_flavour,
+    onnx_to_fp16,
+    resolve_target,
+)
 
 
 def _rtx() -> Flavour:
@@ -209,6 +216,22 @@ def test_configured_precision_reaches_the_build_settings(tmp_path: Path) -> None
     # an unknown library is refused when the settings are made, not at the first build
     with pytest.raises(EngineError, match="unknown TensorRT flavour 'bogus'"):
         BuildSettings("fp16", "bogus")
+
+
+def test_full_tensorrt_builds_on_the_engines_device() -> None:
+    """Full TensorRT builds for the current CUDA device, so the build makes the engine's
+    device current (CuPy); TensorRT-RTX builds for its target and touches no device."""
+    import importlib.util
+
+    with _build_device(Flavour("tensorrt_rtx", None, "1.7"), 3):
+        pass  # no CuPy and no GPU needed
+    full = Flavour("tensorrt", None, "10")
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed: selecting device 3 would need that GPU")
+    with _build_device(full, 0):
+        pass  # the current device is device 0 already
+    with pytest.raises(EngineError, match="CUDA device 3 needs CuPy"), _build_device(full, 3):
+        pass
 
 
 @pytest.mark.parametrize("converter", ["onnxconverter_common", "onnxruntime"])
