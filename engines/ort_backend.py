@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -41,6 +42,22 @@ logger = logging.getLogger(__name__)
 _ORT_ERRORS: tuple[type[Exception], ...] = tuple(
     obj for obj in vars(_ort_state).values() if isinstance(obj, type) and issubclass(obj, Exception)
 ) + (RuntimeError, ValueError, OSError)
+
+
+_IR_VERSION = re.compile(r"Unsupported model IR version: (\d+), max supported IR version: (\d+)")
+
+
+def _load_problem(exc: BaseException) -> str:
+    """ONNX Runtime's reason for refusing a model file; for an IR version newer than it reads
+    (the file written by a newer onnx), that fact and the ways out, not its C++ trace."""
+    found = _IR_VERSION.search(str(exc))
+    if found is None:
+        return str(exc)
+    return (
+        f"the file has ONNX IR version {found[1]}, and ONNX Runtime {ort.__version__} reads up "
+        f"to {found[2]}: upgrade onnxruntime, or export the model again with an onnx release "
+        f"that writes IR version {found[2]} or lower"
+    )
 
 
 class OrtEngine(HostArrays):
@@ -120,7 +137,9 @@ class OrtEngine(HostArrays):
                     str(path), sess_options=options, providers=self._providers
                 )
             except _ORT_ERRORS as exc:
-                raise EngineError(f"model {manifest.name!r}: cannot load {path}: {exc}") from exc
+                raise EngineError(
+                    f"model {manifest.name!r}: cannot load {path}: {_load_problem(exc)}"
+                ) from exc
             batch, fixed = _check_signature(session, unit)
             sessions.append((session, unit, batch, fixed))
         self.close()

@@ -517,6 +517,13 @@ def test_ort_engine_load_errors(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="cannot load"):
         engine.load(replace(manifest, onnx_path=garbage))
 
+    # a file from an onnx newer than this ONNX Runtime: the versions and the ways out
+    newer = onnx.load(manifest.onnx_path)
+    newer.ir_version = 99
+    onnx.save(newer, tmp_path / "newer.onnx")
+    with pytest.raises(EngineError, match=r"IR version 99, and ONNX Runtime .* reads up to \d+"):
+        engine.load(replace(manifest, onnx_path=tmp_path / "newer.onnx"))
+
     wrong_patch = _write_one_hot_model(tmp_path / "p", (2, 8, 8), 3, manifest_patch=(4, 8, 8))
     with pytest.raises(EngineError, match="input shape"):
         engine.load(load_manifest(wrong_patch))
