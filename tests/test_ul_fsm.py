@@ -41,6 +41,7 @@ from segnode.node.dicom.ul_fsm import (
     REQUESTOR_ACTIONS,
     TABLE,
     Action,
+    Branch,
     Event,
     InvalidTransition,
     Source,
@@ -260,6 +261,31 @@ def test_release_collision_on_the_acceptor_side(acceptor: Acceptor) -> None:
     assert _pdus(peer) == [RELEASE_RQ, RELEASE_RP]
     assert isinstance(acceptor.handlers, Recorder)
     assert acceptor.handlers.calls == [("closed", True)]
+    peer.close()
+
+
+def test_the_two_conditional_actions_take_the_branch_ps3_8_names(acceptor: Acceptor) -> None:
+    """AE-6 leads to Sta3 for an acceptable A-ASSOCIATE-RQ and to Sta13 (A-ASSOCIATE-RJ sent,
+    ARTIM started) for one that is not; AR-8 takes the acceptor's side of the collision."""
+    assert A.AE_6.leads_to is Branch.IF_ACCEPTABLE and A.AR_8.leads_to is Branch.IF_REQUESTOR
+    assert A.AE_6.next_states == (S.STA3, S.STA13)
+    assert all(a.next_states == (a.leads_to,) for a in Action if a not in (A.AE_6, A.AR_8))
+    for acceptable, expected in (
+        (True, Branch.IF_ACCEPTABLE.then),
+        (False, Branch.IF_ACCEPTABLE.otherwise),
+    ):
+        assoc, peer = _machine(acceptor, S.STA2)
+        assoc._rq_version = 1 if acceptable else 2  # PS3.8 §9.3.2: bit 0, version 1
+        assert assoc.fire(Event.EVT6, _rq()) is A.AE_6
+        assert assoc.state is expected
+        assert _received(peer) == (None if acceptable else ASSOCIATE_RJ)
+        assert (assoc.artim is not None) is (not acceptable)
+        assoc.close()
+        peer.close()
+    assoc, peer = _machine(acceptor, S.STA7)
+    assert assoc.fire(Event.EVT12) is A.AR_8
+    assert assoc.state is Branch.IF_REQUESTOR.otherwise  # segnode is never the requestor
+    assoc.close()
     peer.close()
 
 

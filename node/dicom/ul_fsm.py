@@ -3,8 +3,8 @@
 States ``Sta1``-``Sta13``, events ``Evt1``-``Evt19`` and actions ``AE-1``-``AE-8``,
 ``DT-1``-``DT-2``, ``AR-1``-``AR-10``, ``AA-1``-``AA-8`` carry the standard's names, each
 member with its description in one row (an event also says where it comes from, an action
-the state it leads to). The :data:`TABLE` defines an outcome for *every* state x event pair
-(13 x 19 = 247):
+the state it leads to, or the :class:`Branch` that picks one of two states). The :data:`TABLE`
+defines an outcome for *every* state x event pair (13 x 19 = 247):
 
 * a PS3.8 action for each cell the standard fills, or
 * :data:`NOT_POSSIBLE` for the cells it leaves empty. Those are pairs that cannot arise: a PDU,
@@ -105,15 +105,40 @@ class Event(_Standard):
 S = State
 
 
+class Branch(enum.Enum):
+    """The two next states PS3.8 makes conditional (§9.2.3, AE-6 and AR-8): ``then`` where
+    the ``condition`` holds, else ``otherwise``."""
+
+    condition: str
+    then: State
+    otherwise: State
+
+    def __init__(self, condition: str, then: State, otherwise: State) -> None:
+        self.condition, self.then, self.otherwise = condition, then, otherwise
+
+    #: AE-6: an acceptable A-ASSOCIATE-RQ is indicated to the user (Sta3); any other is
+    #: rejected and the machine waits for the peer to close (Sta13).
+    IF_ACCEPTABLE = "the A-ASSOCIATE-RQ is acceptable to the service provider", S.STA3, S.STA13
+    #: AR-8: in a release collision the requestor goes to Sta9, the acceptor (segnode) to Sta10.
+    IF_REQUESTOR = "the local user is the association-requestor", S.STA9, S.STA10
+
+
 class Action(_Standard):
-    """PS3.8 §9.2.3 actions: the name, the description and the state(s) the action leads to
-    (AE-6 and AR-8 decide between two)."""
+    """PS3.8 §9.2.3 actions: the name, the description and the state the action leads to, or
+    the :class:`Branch` that decides between two."""
 
-    next_states: tuple[State, ...]
+    leads_to: State | Branch
 
-    def __init__(self, name: str, description: str, *next_states: State) -> None:
+    def __init__(self, name: str, description: str, leads_to: State | Branch) -> None:
         super().__init__(name, description)
-        self.next_states = next_states
+        self.leads_to = leads_to
+
+    @property
+    def next_states(self) -> tuple[State, ...]:
+        """Every state the action may lead to."""
+        if isinstance(self.leads_to, Branch):
+            return self.leads_to.then, self.leads_to.otherwise
+        return (self.leads_to,)
 
     AE_1 = "AE-1", "Issue TRANSPORT CONNECT request primitive", S.STA4
     AE_2 = "AE-2", "Send A-ASSOCIATE-RQ PDU", S.STA5
@@ -122,10 +147,8 @@ class Action(_Standard):
     AE_5 = "AE-5", "Issue transport connection response; start ARTIM timer", S.STA2
     AE_6 = (
         "AE-6",
-        "Stop ARTIM; if the A-ASSOCIATE-RQ is acceptable issue an A-ASSOCIATE indication, "
-        "otherwise send A-ASSOCIATE-RJ and start ARTIM",
-        S.STA3,
-        S.STA13,
+        "Stop ARTIM; issue an A-ASSOCIATE indication, or send A-ASSOCIATE-RJ and start ARTIM",
+        Branch.IF_ACCEPTABLE,
     )
     AE_7 = "AE-7", "Send A-ASSOCIATE-AC PDU", S.STA6
     AE_8 = "AE-8", "Send A-ASSOCIATE-RJ PDU and start ARTIM timer", S.STA13
@@ -138,12 +161,7 @@ class Action(_Standard):
     AR_5 = "AR-5", "Stop ARTIM timer", S.STA1
     AR_6 = "AR-6", "Issue P-DATA indication", S.STA7
     AR_7 = "AR-7", "Send P-DATA-TF PDU", S.STA8
-    AR_8 = (
-        "AR-8",
-        "Issue A-RELEASE indication (release collision): requestor to Sta9, acceptor to Sta10",
-        S.STA9,
-        S.STA10,
-    )
+    AR_8 = "AR-8", "Issue A-RELEASE indication (release collision)", Branch.IF_REQUESTOR
     AR_9 = "AR-9", "Send A-RELEASE-RP PDU", S.STA11
     AR_10 = "AR-10", "Issue A-RELEASE confirmation primitive", S.STA12
     AA_1 = "AA-1", "Send A-ABORT PDU and start (or restart) ARTIM timer", S.STA13
@@ -238,6 +256,7 @@ class InvalidTransition(Exception):
 
 __all__ = [
     "Action",
+    "Branch",
     "Event",
     "InvalidTransition",
     "NOT_POSSIBLE",
