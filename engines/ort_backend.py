@@ -47,7 +47,7 @@ _ORT_ERRORS: tuple[type[Exception], ...] = tuple(
 _IR_VERSION = re.compile(r"Unsupported model IR version: (\d+), max supported IR version: (\d+)")
 
 
-def _load_problem(exc: BaseException) -> str:
+def load_problem(exc: BaseException) -> str:
     """ONNX Runtime's reason for refusing a model file; for an IR version newer than it reads
     (the file written by a newer onnx), that fact and the ways out, not its C++ trace."""
     found = _IR_VERSION.search(str(exc))
@@ -138,7 +138,7 @@ class OrtEngine(HostArrays):
                 )
             except _ORT_ERRORS as exc:
                 raise EngineError(
-                    f"model {manifest.name!r}: cannot load {path}: {_load_problem(exc)}"
+                    f"model {manifest.name!r}: cannot load {path}: {load_problem(exc)}"
                 ) from exc
             batch, fixed = _check_signature(session, unit)
             sessions.append((session, unit, batch, fixed))

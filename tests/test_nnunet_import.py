@@ -352,6 +352,34 @@ def test_merge_label_spaces_numbers_parts_in_order():
     assert maps == {"part_291": {"1": 1, "2": 2}, "part_292": {"1": 3, "2": 1, "3": 4}}
 
 
+def test_an_export_onnx_runtime_cannot_read_fails_the_import_with_both_versions(tmp_path):
+    """An ONNX file newer than the installed ONNX Runtime reads fails the fold's check with the
+    versions and the way out, as the node's own engine says it (not ONNX Runtime's trace)."""
+    torch = pytest.importorskip("torch", reason="PyTorch not installed (pip install -e .[nnunet])")
+    onnx = pytest.importorskip("onnx")
+    from segnode.engines.importers.export import check_export
+
+    network = torch.nn.Conv3d(1, 2, 1).eval()
+    path = tmp_path / "fold_0.onnx"
+    x = onnx.helper.make_tensor_value_info("input", onnx.TensorProto.FLOAT, [1, 1, 4, 4, 4])
+    y = onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 1, 4, 4, 4])
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["input"], ["logits"])], "g", [x], [y]
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
+    model.ir_version = 99
+    onnx.save(model, path)
+    with pytest.raises(ModelImportError) as caught:
+        check_export(network, path, (4, 4, 4), 1, 0)
+    message = str(caught.value)
+    assert message.startswith(f"fold 0: ONNX Runtime cannot load the export {path}:")
+    assert "IR version 99" in message and "upgrade onnxruntime" in message
+    model.ir_version = 8
+    onnx.save(model, path)
+    with pytest.raises(ModelImportError, match="ONNX output shape"):  # it loads, then differs
+        check_export(network, path, (4, 4, 4), 1, 0)
+
+
 # ------------------------------------------------------------ with torch and nnunetv2
 
 

@@ -175,7 +175,8 @@ def check_export(
     Raises
     ------
     ModelImportError
-        The outputs differ by more than ``1e-3 * max(1, max |logit|)``.
+        ONNX Runtime cannot load the file (an IR version newer than it reads, say), or the
+        outputs differ by more than ``1e-3 * max(1, max |logit|)``.
     """
     import numpy as np
     import onnxruntime as ort
@@ -185,7 +186,14 @@ def check_export(
     x = rng.standard_normal((1, in_channels, *patch_size)).astype(np.float32)
     with torch.no_grad():
         ref = network(torch.from_numpy(x)).numpy()
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    from segnode.engines.ort_backend import load_problem
+
+    try:
+        session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises its own pybind types, not one base class
+        raise ModelImportError(
+            f"fold {fold}: ONNX Runtime cannot load the export {onnx_path}: {load_problem(exc)}"
+        ) from exc
     out = session.run(["logits"], {"input": x})[0]
     if out.shape != ref.shape:
         raise ModelImportError(
