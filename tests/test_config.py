@@ -68,6 +68,13 @@ def test_settings_cover_the_scalar_keys_of_every_table() -> None:
     assert len(SETTINGS) >= 45
 
 
+#: Settings checked against another: its range is tried with the other at its widest.
+COMPANIONS: dict[str, dict[str, object]] = {
+    "dispatch.retry_initial_s": {"retry_max_s": 86400},
+    "dispatch.retry_max_s": {"retry_initial_s": 0.01},
+}
+
+
 @pytest.mark.parametrize(
     ("table", "key", "kind", "accepts", "default"),
     SETTINGS,
@@ -79,13 +86,14 @@ def test_each_setting_takes_its_range_and_refuses_what_is_outside(
     """The default lies within what the setting accepts; a bound is taken, a value past it, a
     value of another type and a string outside the choices are refused naming the key."""
     name = f"{table}.{key}"
+    others = COMPANIONS.get(name, {})
 
     def read(value: object) -> object:
-        return getattr(getattr(from_dict({table: {key: value}}), table), key)
+        return getattr(getattr(from_dict({table: {**others, key: value}}), table), key)
 
     def refused(value: object) -> None:
         with pytest.raises(ConfigError, match=rf"^{re.escape(name)}: "):
-            from_dict({table: {key: value}})
+            from_dict({table: {**others, key: value}})
 
     assert getattr(getattr(Config(), table), key) == default
     refused("nonsense" if kind != "str" else 5)

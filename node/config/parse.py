@@ -194,7 +194,16 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> schema.Confi
     node = _node(_section(raw, "node", d.node), path)
     series = _series(_section(raw, "series", d.series))
     m = section(raw, "model", {*SPEC_KEYS, "load"})
-    spec = parse_model_spec(DEFAULT_MODEL_NAME, m, "model", path, default_manifest=d.model.manifest)
+    from segnode.engines.base import available_backends  # as [models.*] tables are checked
+
+    spec = parse_model_spec(
+        DEFAULT_MODEL_NAME,
+        m,
+        "model",
+        path,
+        default_manifest=d.model.manifest,
+        engines=available_backends(),
+    )
     model = schema.ModelConfig(
         **{f: getattr(spec, f) for f in ModelSpec.__dataclass_fields__},
         **_settings(_Table("model", m, d.model), schema.ModelConfig),
@@ -255,7 +264,7 @@ def _dispatch(
     dests = t.get("destinations", [])
     if not isinstance(dests, list):
         raise ConfigError('dispatch.destinations: must be a list of "AE@HOST:PORT" strings')
-    return schema.DispatchConfig(
+    cfg = schema.DispatchConfig(
         destinations=tuple(
             parse_destination(x, f"dispatch.destinations[{i}]", path, peer_table)
             for i, x in enumerate(dests)
@@ -263,6 +272,12 @@ def _dispatch(
         calling_ae=_ae(t.get("calling_ae", node.ae_title), "dispatch.calling_ae"),
         **_settings(t, schema.DispatchConfig),
     )
+    if cfg.retry_initial_s > cfg.retry_max_s:
+        raise ConfigError(
+            f"dispatch.retry_initial_s ({cfg.retry_initial_s:g}) is more than "
+            f"dispatch.retry_max_s ({cfg.retry_max_s:g}): the first wait cannot exceed the longest"
+        )
+    return cfg
 
 
 def _web(t: _Table, path: PathFn, tls: schema.TLSConfig) -> schema.WebConfig:

@@ -162,6 +162,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         node.shutdown()
         raise SegnodeError(f"cannot listen on {cfg.node.host}:{cfg.node.port}: {exc}") from exc
+    except SegnodeError:
+        node.shutdown()
+        raise
     node.run_forever()
     return 0
 
@@ -293,7 +296,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     from segnode.node.ops.service import open_state
 
     cfg = _config(args)
-    ledger, _ = open_state(cfg)
+    ledger, _ = open_state(cfg, create=False)
     try:
         if args.json:
             print(json.dumps(jobs_facts(ledger, args.limit), indent=2))
@@ -353,7 +356,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from segnode.node.ops.service import open_state
 
     cfg = _config(args)
-    ledger, _ = open_state(cfg)
+    ledger, _ = open_state(cfg, create=False)
     try:
         facts = ledger_status(ledger)
     finally:
@@ -367,9 +370,9 @@ def cmd_retry(args: argparse.Namespace) -> int:
     from segnode.node.ops.service import open_state
 
     if (args.job is None) == (not args.failed):
-        print("segnode retry: give a JOB id or --failed", file=sys.stderr)
+        print("segnode retry: give either a JOB id or --failed", file=sys.stderr)
         return 2
-    ledger, _ = open_state(_config(args))
+    ledger, _ = open_state(_config(args), create=False)
     try:
         if args.failed:
             ids = [j for j in ledger.failed_jobs() if ledger.retry_job(j)]
@@ -389,7 +392,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancel a job."""
     from segnode.node.ops.service import open_state
 
-    ledger, _ = open_state(_config(args))
+    ledger, _ = open_state(_config(args), create=False)
     try:
         ok = ledger.cancel_job(args.job)
     finally:

@@ -8,6 +8,7 @@ so the main loop only does retention and systemd's STATUS and WATCHDOG.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +26,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from segnode.engines.base import Engine, EngineError, create_engine
 from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
 from segnode.node.config import Config
-from segnode.node.errors import SegnodeError
+from segnode.node.errors import ConfigError, SegnodeError
 from segnode.node.ingest.scp import StoreSCP, record_from_file
 from segnode.node.ingest.senders import SenderBook, load_patterns, save_pattern
 from segnode.node.ingest.series import CompletionLoop
@@ -51,10 +53,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def open_state(config: Config) -> tuple[Ledger, Spool]:
+def open_state(config: Config, *, create: bool = True) -> tuple[Ledger, Spool]:
     """Open (creating with private permissions) the ledger and spool under the data dir; the
-    ledger is ``[ledger] url`` when set (PostgreSQL: its schema must be current)."""
-    config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ledger is ``[ledger] url`` when set (PostgreSQL: its schema must be current).
+
+    With ``create=False`` (the CLI's commands on a node's state) an SQLite ledger must exist
+    already: a mistyped ``--data-dir`` or a missing ``--config`` is an error, not an empty ledger.
+
+    Raises
+    ------
+    ConfigError
+        ``data_dir`` cannot be created (a file is in the way, no permission, ...).
+    SegnodeError
+        ``create=False`` and there is no SQLite ledger in ``data_dir``.
+    """
+    if not create and not config.ledger.url:
+        path = config.data_dir / "ledger.sqlite"
+        if not path.is_file():
+            raise SegnodeError(
+                f"no ledger at {path}: no segnode has run with this data directory; name the "
+                "node's configuration with --config, or its data directory with --data-dir"
+            )
+    make_data_dir(config.data_dir)
     pool_files = config.node.staging_pool_mb * 2**20 // POOL_FILE_BYTES
     if config.ledger.url:
         ledger = Ledger(url=config.ledger.url)
@@ -62,6 +82,66 @@ def open_state(config: Config) -> tuple[Ledger, Spool]:
         ledger = Ledger(config.data_dir / "ledger.sqlite")
     ledger.lease = timedelta(seconds=config.ledger.lease_s)  # which nodes count as alive
     return ledger, Spool(config.data_dir / "spool", pool_files)
+
+
+def make_data_dir(path: Path) -> None:
+    """Create ``data_dir`` (private to the service user) unless it exists.
+
+    Raises
+    ------
+    ConfigError
+        It cannot be created, or something other than a folder is in its place.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError as exc:
+        raise ConfigError(f"data_dir: {path} exists and is not a folder") from exc
+    except OSError as exc:
+        raise ConfigError(f"data_dir: cannot create {path}: {exc.strerror or exc}") from exc
+
+
+class DataDirInUse(SegnodeError):
+    """Another segnode process is serving from the same data directory."""
+
+
+class DataDirLock:
+    """An exclusive lock on ``data_dir`` for the life of one serving node.
+
+    The spool's staging files, its series folders and start-up recovery (which clears staged
+    files and requeues running jobs) belong to one process; a second node on the same folder
+    would mix their files. The lock is ``flock`` on ``data_dir/segnode.lock``, which also holds
+    the owner's pid; the kernel drops it when the process ends, however it ends.
+
+    Raises
+    ------
+    DataDirInUse
+        Another process holds the lock.
+    """
+
+    NAME = "segnode.lock"
+
+    def __init__(self, data_dir: Path) -> None:
+        make_data_dir(data_dir)
+        self.path = data_dir / self.NAME
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise DataDirInUse(
+                f"data_dir {data_dir} is in use by another segnode process (pid {owner}); "
+                "give each node its own data_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Release the lock (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def node_name(config: Config) -> str:
@@ -85,94 +165,99 @@ class Node:
 
     def __init__(self, config: Config, engine: Engine | None = None) -> None:
         self.config = config
-        self.ledger, self.spool = open_state(config)
+        self.data_dir_lock = DataDirLock(config.data_dir)
         try:
-            self.ledger.join(node_name(config), self.address, config.ledger.lease_s)
-        except LedgerInUse:
-            self.ledger.close()
-            raise
-        self._last_heartbeat = time.monotonic()
-        self.manifest: ModelManifest = load_manifest(config.model.manifest)
-        check_runnable(self.manifest)
-        #: The engine still to load in the background (``[model] load = "background"``).
-        self._unloaded: Engine | None = None
-        self._loader: threading.Thread | None = None
-        #: Why the engine could not be loaded in the background (the node then stops).
-        self.engine_failure: str | None = None
-        if engine is None:
-            options = engine_options(model_specs(config)[0], config.data_dir)
-            engine = create_engine(config.model.engine, **options)
-            if config.model.load == "background":
-                self._unloaded = engine
-            else:
-                engine.load(self.manifest)
-        self.engine = engine
-        self.pool = EnginePool.of_config(config, engine, self.manifest)
-        self.router = Router(
-            config.routing,
-            config.dispatch.destinations,
-            senders_from_peers(config.node.peers),
-            lambda ae: config.series.policy_for(ae).priority,
-        )
-        self.senders = SenderBook(
-            load_patterns(self.ledger), save=lambda p: save_pattern(self.ledger, p)
-        )
-        # The one owner of series-completion state: its thread runs _series_complete and
-        # the quiet-period scan.
-        self.completion = CompletionLoop(
-            self._series_complete,
-            complete_on_release=config.series.complete_on_release,
-            policy=lambda ae: config.series.policy_for(ae).completion,
-            senders=self.senders,
-            hints=lambda uid: self.streaming.hints(uid),
-            on_hold=self.ledger.record_hold,
-            quiet=self._quiet_series,
-            quiet_every_s=self._tick,
-        )
-        # Fast path: decode while receiving, geometric completeness, no timer between stages.
-        sc = config.streaming
-        self.streaming = StreamingAssembler(
-            workers=sc.workers,
-            max_bytes=sc.max_memory_mb * 2**20,
-            min_slices=config.series.min_slices,
-            on_geometry=self.completion.geometry_complete,
-            decode_pixels=sc.enabled,
-            warm_bytes=sc.warm_mb * 2**20,
-        )
-        self.scp = StoreSCP(
-            config,
-            self.ledger,
-            self.spool,
-            self.completion,
-            on_instance=self._instance_stored,
-            busy_elsewhere=lambda: self.worker.current_job is not None,
-        )
-        self.worker = Worker(
-            config,
-            self.ledger,
-            self.pool,
-            volumes=self.streaming,  # (geometry-only when disabled: take() is None)
-            on_encoded=self._encoded,
-        )
-        self.dispatcher = Dispatcher(config, self.ledger)
-        self.web: WebConsole | None = None  # [web]: the console and the result previews
-        if config.web.enabled:
-            from segnode.node.web.console import WebConsole  # needs the web extra
-
-            self.web = WebConsole(self)
-        self.metrics: Metrics | None = None
-        if config.metrics.enabled:
-            self.metrics = Metrics(
-                self.ledger,
-                {
-                    "segnode_streaming_bytes": lambda: self.streaming.memory_bytes,
-                    "segnode_streaming_series": lambda: self.streaming.series_in_memory,
-                },
+            self.ledger, self.spool = open_state(config)
+            try:
+                self.ledger.join(node_name(config), self.address, config.ledger.lease_s)
+            except LedgerInUse:
+                self.ledger.close()
+                raise
+            self._last_heartbeat = time.monotonic()
+            self.manifest: ModelManifest = load_manifest(config.model.manifest)
+            check_runnable(self.manifest)
+            #: The engine still to load in the background (``[model] load = "background"``).
+            self._unloaded: Engine | None = None
+            self._loader: threading.Thread | None = None
+            #: Why the engine could not be loaded in the background (the node then stops).
+            self.engine_failure: str | None = None
+            if engine is None:
+                options = engine_options(model_specs(config)[0], config.data_dir)
+                engine = create_engine(config.model.engine, **options)
+                if config.model.load == "background":
+                    self._unloaded = engine
+                else:
+                    engine.load(self.manifest)
+            self.engine = engine
+            self.pool = EnginePool.of_config(config, engine, self.manifest)
+            self.router = Router(
+                config.routing,
+                config.dispatch.destinations,
+                senders_from_peers(config.node.peers),
+                lambda ae: config.series.policy_for(ae).priority,
             )
-        self.retention = Retention(config, self.ledger)
-        self.notifier = Notifier()
-        self._stop = threading.Event()
-        self._create_lock = threading.Lock()
+            self.senders = SenderBook(
+                load_patterns(self.ledger), save=lambda p: save_pattern(self.ledger, p)
+            )
+            # The one owner of series-completion state: its thread runs _series_complete and
+            # the quiet-period scan.
+            self.completion = CompletionLoop(
+                self._series_complete,
+                complete_on_release=config.series.complete_on_release,
+                policy=lambda ae: config.series.policy_for(ae).completion,
+                senders=self.senders,
+                hints=lambda uid: self.streaming.hints(uid),
+                on_hold=self.ledger.record_hold,
+                quiet=self._quiet_series,
+                quiet_every_s=self._tick,
+            )
+            # Fast path: decode while receiving, geometric completeness, no timer between stages.
+            sc = config.streaming
+            self.streaming = StreamingAssembler(
+                workers=sc.workers,
+                max_bytes=sc.max_memory_mb * 2**20,
+                min_slices=config.series.min_slices,
+                on_geometry=self.completion.geometry_complete,
+                decode_pixels=sc.enabled,
+                warm_bytes=sc.warm_mb * 2**20,
+            )
+            self.scp = StoreSCP(
+                config,
+                self.ledger,
+                self.spool,
+                self.completion,
+                on_instance=self._instance_stored,
+                busy_elsewhere=lambda: self.worker.current_job is not None,
+            )
+            self.worker = Worker(
+                config,
+                self.ledger,
+                self.pool,
+                volumes=self.streaming,  # (geometry-only when disabled: take() is None)
+                on_encoded=self._encoded,
+            )
+            self.dispatcher = Dispatcher(config, self.ledger)
+            self.web: WebConsole | None = None  # [web]: the console and the result previews
+            if config.web.enabled:
+                from segnode.node.web.console import WebConsole  # needs the web extra
+
+                self.web = WebConsole(self)
+            self.metrics: Metrics | None = None
+            if config.metrics.enabled:
+                self.metrics = Metrics(
+                    self.ledger,
+                    {
+                        "segnode_streaming_bytes": lambda: self.streaming.memory_bytes,
+                        "segnode_streaming_series": lambda: self.streaming.series_in_memory,
+                    },
+                )
+            self.retention = Retention(config, self.ledger)
+            self.notifier = Notifier()
+            self._stop = threading.Event()
+            self._create_lock = threading.Lock()
+        except BaseException:  # the next node on this data_dir (a restart, a test) may start
+            self.data_dir_lock.release()
+            raise
 
     def _instance_stored(self, arrival: Arrival) -> None:
         """SCP hook, after an instance is durable: queue its decoding, count it."""
@@ -323,7 +408,12 @@ class Node:
         self.streaming.start()
         if self.metrics is not None:
             mc = self.config.metrics
-            self.metrics.start(mc.host, mc.port)
+            try:
+                self.metrics.start(mc.host, mc.port)
+            except OSError as exc:  # named here: the caller's message is about node.port
+                raise SegnodeError(
+                    f"metrics.port {mc.host}:{mc.port}: cannot listen: {exc.strerror or exc}"
+                ) from exc
         if self._unloaded is not None:
             self.worker.engine_ready.clear()  # jobs wait for the engine
         self.scp.start()
@@ -433,14 +523,22 @@ class Node:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT stop gracefully."""
+        """SIGTERM and SIGINT stop gracefully; SIGHUP (a closed terminal, or a reload asked
+        of a service that has none) is logged and ignored, not the default sudden death."""
 
         def handler(signum: int, _frame: FrameType | None) -> None:
             log.info("signal %d: stopping", signum)
             self.request_stop()
 
+        def hangup(_signum: int, _frame: FrameType | None) -> None:
+            log.warning(
+                "SIGHUP ignored: segnode does not reload its configuration; restart it "
+                "(systemctl restart segnode) to apply a change"
+            )
+
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGHUP, hangup)
 
     def shutdown(self) -> None:
         """Stop accepting, let the association and job in flight finish, close the ledger."""
@@ -465,4 +563,5 @@ class Node:
                 log.warning("could not record the stop in the ledger: %s", exc)
             self.ledger.close()
             self.notifier.close()
+            self.data_dir_lock.release()
         log.info("segnode stopped")
