@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,6 +35,19 @@ from segnode.engines.base import EngineError
 from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
+#: What ``--precision`` is for a model the configuration does not name.
+DEFAULT_PRECISION = "fp16"
+
+
+@dataclass(frozen=True)
+class Configured:
+    """A model as the node's configuration runs it (``[model]`` or ``[models.NAME]``): what
+    ``engine build`` builds when ``--engine`` and ``--precision`` are not given, so that the
+    prebuilt engine is the one the node loads."""
+
+    manifest: Path
+    engine: str
+    precision: str
 
 
 def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -49,15 +64,23 @@ def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="model name under engines/models, or a manifest .json / .onnx path "
-        "(default: the configured model)",
+        "(default: the configured model); a [models.NAME] of the configuration is built "
+        "with its engine and precision",
     )
     build.add_argument(
         "--engine",
         choices=("tensorrt", "torch"),
-        default="tensorrt",
-        help="tensorrt: a TensorRT engine; torch: the compiled model of the torch engine",
+        default=None,
+        help="tensorrt: a TensorRT engine; torch: the compiled model of the torch engine "
+        "(default: the model's configured engine when it is one of these, else tensorrt)",
     )
-    build.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
+    build.add_argument(
+        "--precision",
+        choices=("fp16", "fp32"),
+        default=None,
+        help=f"default: the model's configured precision ({DEFAULT_PRECISION} for one the "
+        "configuration does not name)",
+    )
     build.add_argument("--flavour", choices=("auto", "tensorrt", "tensorrt_rtx"), default="auto")
     build.add_argument(
         "--target",
@@ -88,18 +111,24 @@ def add_engine_parser(subparsers: Any) -> argparse.ArgumentParser:
     return engine  # type: ignore[no-any-return]
 
 
-def resolve_model(spec: str | None, default_model: Path) -> ModelManifest:
-    """Load the manifest named by ``spec``: a path, a bundled model name, or the default;
-    one the engines cannot run as its contract says is refused
+def resolve_model(
+    spec: str | None, default_model: Path, configured: Mapping[str, Configured] | None = None
+) -> ModelManifest:
+    """Load the manifest named by ``spec``: a model of the configuration, a path, a bundled
+    model name, or the default; one the engines cannot run as its contract says is refused
     (:func:`segnode.engines.manifest.check_runnable`)."""
-    manifest = _find_model(spec, default_model)
+    manifest = _find_model(spec, default_model, configured or {})
     check_runnable(manifest)
     return manifest
 
 
-def _find_model(spec: str | None, default_model: Path) -> ModelManifest:
+def _find_model(
+    spec: str | None, default_model: Path, configured: Mapping[str, Configured]
+) -> ModelManifest:
     if spec is None:
         return load_manifest(default_model)
+    if spec in configured:
+        return load_manifest(configured[spec].manifest)
     path = Path(spec)
     if path.suffix in (".json", ".onnx") or path.exists():
         if path.is_dir():
@@ -109,7 +138,21 @@ def _find_model(spec: str | None, default_model: Path) -> ModelManifest:
     if bundled.exists():
         return load_manifest(bundled)
     names = sorted(p.name for p in MODELS_DIR.iterdir() if (p / f"{p.name}.json").exists())
-    raise EngineError(f"no model {spec!r}: not a file, and bundled models are {names}")
+    raise EngineError(
+        f"no model {spec!r}: not a file, the configuration names {sorted(configured)}, and "
+        f"bundled models are {names}"
+    )
+
+
+def _build_defaults(args: argparse.Namespace, configured: Mapping[str, Configured]) -> None:
+    """Fill ``--engine`` and ``--precision`` from the configured model (``--model NAME``, or
+    ``default`` without one) where they were not given."""
+    known = configured.get(args.model if args.model is not None else "default")
+    if getattr(args, "engine", None) is None:
+        engine = known.engine if known is not None else ""
+        args.engine = engine if engine in ("tensorrt", "torch") else "tensorrt"
+    if getattr(args, "precision", None) is None:
+        args.precision = known.precision if known is not None else DEFAULT_PRECISION
 
 
 def _mb(size: int) -> str:
@@ -121,6 +164,7 @@ def run_engine_command(
     *,
     data_dir: Path,
     default_model: Path,
+    configured: Mapping[str, Configured] | None = None,
     out: TextIO | None = None,
 ) -> int:
     """Run ``engine build`` or ``engine list``; return the process exit status.
@@ -133,20 +177,27 @@ def run_engine_command(
         The node's data folder; engines live in ``<data_dir>/engines``.
     default_model
         Manifest (or ONNX) used when ``--model`` is not given.
+    configured
+        The configuration's models by name (``default`` for ``[model]``): ``--model NAME``
+        finds them, and ``build`` takes their engine and precision unless given.
     out
         Where to print (standard output by default); errors go to standard error.
     """
     stream = out or sys.stdout
     cache_dir = Path(data_dir) / "engines"
+    models = configured or {}
     try:
         if args.engine_command == "export-triton":
-            return _export_triton(args, resolve_model(args.model, default_model), stream)
-        if args.engine_command == "build" and getattr(args, "engine", "tensorrt") == "torch":
-            return _build_torch(args, resolve_model(args.model, default_model), cache_dir, stream)
+            return _export_triton(args, resolve_model(args.model, default_model, models), stream)
+        if args.engine_command == "build":
+            _build_defaults(args, models)
+        if args.engine_command == "build" and args.engine == "torch":
+            manifest = resolve_model(args.model, default_model, models)
+            return _build_torch(args, manifest, cache_dir, stream)
         from segnode.engines.trt_backend import BuildSettings, build_engine, list_engines
 
         if args.engine_command == "build":
-            manifest = resolve_model(args.model, default_model)
+            manifest = resolve_model(args.model, default_model, models)
             settings = BuildSettings(args.precision, args.flavour, args.target)
             # one engine per ONNX file: the model itself, or every fold (of every part)
             for unit in manifest.model_files():

@@ -313,6 +313,54 @@ def test_engine_cli_build_and_list(rtx: Flavour, tissue: ModelManifest, tmp_path
     assert run_engine_command(args, data_dir=tmp_path, default_model=tissue.onnx_path) == 1
 
 
+def test_engine_build_takes_the_configured_models_engine_and_precision(
+    rtx: Flavour, tissue: ModelManifest, tmp_path: Path
+) -> None:
+    """``segnode engine build`` prebuilds what the node will load: without ``--precision`` the
+    configured model's precision (the default [model] runs fp32), and ``--model NAME`` finds a
+    ``[models.NAME]`` of the configuration with its own."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    manifest = tissue.onnx_path.with_suffix(".json")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(
+        f'data_dir = "{tmp_path / "data"}"\n'
+        f'[model]\nmanifest = "{manifest}"\nengine = "tensorrt"\nprecision = "fp32"\n'
+        f'[models.lungs]\nmanifest = "{manifest}"\nengine = "tensorrt"\nprecision = "fp16"\n'
+    )
+
+    def build(*extra: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "segnode.node.ops.cli", "engine", "build", "--config", str(cfg)]
+            + list(extra),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert ", fp32, batch" in build()
+    assert ", fp16, batch" in build("--model", "lungs")
+    assert ", fp16, batch" in build("--precision", "fp16")  # given: it wins
+    done = subprocess.run(
+        [sys.executable, "-m", "segnode.node.ops.cli", "engine", "build", "--config", str(cfg)]
+        + ["--model", "kidneys"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "the configuration names ['default', 'lungs']" in done.stderr
+
+
 def test_atomic_write_leaves_no_temporary_files(tmp_path: Path) -> None:
     target = tmp_path / "a" / "x.bin"
     atomic_write(target, b"one")

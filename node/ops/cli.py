@@ -483,10 +483,16 @@ def _run(args: argparse.Namespace) -> int:
             from segnode.engines.importers.cli import run_model_command
 
             return run_model_command(args)
-        from segnode.engines.engine_cli import run_engine_command
+        from segnode.engines.engine_cli import Configured, run_engine_command
+        from segnode.node.routing.rules import model_specs
 
         cfg = _config(args)
-        return run_engine_command(args, data_dir=cfg.data_dir, default_model=cfg.model.manifest)
+        configured = {
+            m.name: Configured(m.manifest, m.engine, m.precision) for m in model_specs(cfg)
+        }
+        return run_engine_command(
+            args, data_dir=cfg.data_dir, default_model=cfg.model.manifest, configured=configured
+        )
     except ConfigError as exc:
         print(f"segnode: configuration error: {exc}", file=sys.stderr)
         return 2
