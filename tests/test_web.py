@@ -521,6 +521,49 @@ def test_grafana_dashboard_uses_the_node_metrics(tmp_path: Path) -> None:
     assert stages and stages <= {s for s, *_ in STAGES} | {"delivery"}
 
 
+def test_a_job_finishing_again_after_a_retry_adds_only_what_it_ran_again(
+    tmp_path: Path,
+) -> None:
+    """Failed in delivery, retried, sent: its receive, inference and encode intervals are
+    observed once; the new delivery and both finishes (failed, sent) are counted."""
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    from segnode.node.ops.metrics import Metrics
+    from segnode.storage.ledger import Ledger
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    metrics = Metrics(ledger)
+    t = datetime(2026, 12, 5, 4, 0, tzinfo=UTC)
+    stages = {
+        key: t + timedelta(seconds=i)
+        for i, key in enumerate(
+            ("first_instance", "last_instance", "queued", "started", "volume", "inference")
+        )
+    }
+    stages |= {"encoded": t + timedelta(seconds=7), "finished": t + timedelta(seconds=60)}
+    failed = SimpleNamespace(id=7, state="failed", stages=stages, delivery_acks=[None])
+    sent_at = t + timedelta(seconds=90)
+    again = {**stages, "finished": sent_at}
+    sent = SimpleNamespace(id=7, state="sent", stages=again, delivery_acks=[sent_at])
+
+    def count(stage: str) -> float:
+        value = metrics.registry.get_sample_value("segnode_stage_seconds_count", {"stage": stage})
+        return value or 0.0
+
+    metrics.observe_job(failed)  # type: ignore[arg-type]
+    before = {s: count(s) for s in ("receive", "inference", "encode", "total", "delivery")}
+    metrics.observe_job(sent)  # type: ignore[arg-type]
+    assert count("inference") == before["inference"] == 1
+    assert count("receive") == count("encode") == 1
+    assert count("total") == before["total"] + 1  # last instance -> finished: a new interval
+    assert count("delivery") == before["delivery"] + 1 == 1
+    finished = "segnode_jobs_finished_total"
+    assert metrics.registry.get_sample_value(finished, {"state": "failed"}) == 1
+    assert metrics.registry.get_sample_value(finished, {"state": "sent"}) == 1
+    ledger.close()
+
+
 # -- the preview -----------------------------------------------------------------------------
 
 

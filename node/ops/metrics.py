@@ -6,7 +6,9 @@ default) serves the Prometheus text format at ``/metrics``. Everything lives in 
 
 Stage durations come from the ledger, not from timers in the pipeline, so they are exactly the
 figures ``segnode jobs`` prints: at each scrape, jobs that finished since the previous scrape
-are read once and their stage intervals observed in ``segnode_stage_seconds{stage=...}``:
+are read once and their stage intervals observed in ``segnode_stage_seconds{stage=...}``
+(a job that finishes again after a retry adds only the intervals it ran again, while
+``segnode_jobs_finished_total`` counts each finish by its end state):
 
 ========== ===================================================
 receive    first instance -> last instance
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
@@ -46,6 +49,8 @@ STAGES = (
     ("encode", "inference", "encoded"),
     ("total", "last_instance", "finished"),
 )
+#: How many recent jobs' observed intervals are remembered (a retry comes within days).
+OBSERVED_JOBS = 10_000
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -95,6 +100,9 @@ class Metrics:
         )
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        #: The intervals already observed per job (the most recent jobs): a job that finishes
+        #: again (failed, then retried and sent) adds only what it did since.
+        self._observed: OrderedDict[int, set[tuple[str, datetime, datetime]]] = OrderedDict()
 
     # -- feeding -----------------------------------------------------------------------------
 
@@ -108,16 +116,20 @@ class Metrics:
         self.series_completed.labels(trigger=trigger).inc()
 
     def observe_job(self, job: JobView) -> None:
-        """Observe the stage intervals of one finished job."""
+        """Observe the stage intervals of one finished job (each interval once: a retried job's
+        inference is not counted again when only its delivery was redone)."""
         st = job.stages
-        for name, a, b in STAGES:
-            t0, t1 = st.get(a), st.get(b)
-            if t0 is not None and t1 is not None and t1 >= t0:
-                self.stage.labels(stage=name).observe((t1 - t0).total_seconds())
-        encoded = st.get("encoded")
-        for ack in job.delivery_acks:
-            if encoded is not None and ack is not None and ack >= encoded:
-                self.stage.labels(stage="delivery").observe((ack - encoded).total_seconds())
+        intervals = [(name, st.get(a), st.get(b)) for name, a, b in STAGES]
+        intervals += [("delivery", st.get("encoded"), ack) for ack in job.delivery_acks]
+        seen = self._observed.pop(job.id, set())
+        self._observed[job.id] = seen
+        while len(self._observed) > OBSERVED_JOBS:
+            self._observed.popitem(last=False)
+        for name, t0, t1 in intervals:
+            if t0 is None or t1 is None or t1 < t0 or (name, t0, t1) in seen:
+                continue
+            seen.add((name, t0, t1))
+            self.stage.labels(stage=name).observe((t1 - t0).total_seconds())
         self.jobs_finished.labels(state=job.state).inc()
 
     def refresh(self) -> None:
