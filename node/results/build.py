@@ -28,6 +28,7 @@ import copy
 import io
 import logging
 import uuid
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,12 +62,26 @@ from segnode.engines.manifest import LabelSpec, ModelManifest
 from segnode.node.errors import NoSegmentsError as NoSegmentsError
 from segnode.node.errors import ResultError as ResultError
 from segnode.node.ingest.volume import Volume
+from segnode.node.results.charset import result_character_set
 from segnode.node.results.statistics import SegmentStatistics as SegmentStatistics
 from segnode.node.results.statistics import label_counts, numbering
 from segnode.node.results.statistics import segment_numbers as segment_numbers
 from segnode.node.results.statistics import segment_statistics as segment_statistics
 
 logger = logging.getLogger(__name__)
+
+# highdicom warns of a Patient Name without a caret with the name in the message
+# (highdicom.valuerep.check_person_name, called by every SOPClass built here); Python prints
+# warnings to stderr, the journal, which holds no patient data (docs/operations.md). The
+# filter is installed once, here, because warnings.catch_warnings is not thread-safe and
+# results are encoded on worker threads. A single-component name is valid DICOM (PS3.5
+# 6.2.1.2) and is copied as it is.
+warnings.filterwarnings(
+    "ignore",
+    message=r'The string "[\s\S]*" is unlikely to represent the intended person name',
+    category=UserWarning,
+    module=r"highdicom\.",
+)
 
 SEGMENTATION_STORAGE = "1.2.840.10008.5.1.4.1.1.66.4"
 LABEL_MAP_SEGMENTATION_STORAGE = "1.2.840.10008.5.1.4.1.1.66.7"
@@ -250,12 +265,9 @@ def source_base(
 
 
 def _character_set(volume: Volume) -> str | list[str] | None:
-    value = volume.sources[0].get("SpecificCharacterSet")
-    if not value:
-        return None
-    if isinstance(value, str):
-        return value
-    return [str(v) for v in value]
+    """The Specific Character Set of the SEG and SR of ``volume``
+    (:func:`segnode.node.results.charset.result_character_set` of its first source)."""
+    return result_character_set(volume.sources[0])
 
 
 def build_seg(
