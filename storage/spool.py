@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ from pathlib import Path
 
 #: Anything os.write accepts.
 Buffer = bytes | bytearray | memoryview
+
+# Components of ASCII digits joined by single dots ([0-9], not \d: \d matches any Unicode digit).
+_UID = re.compile(r"[0-9]+(?:\.[0-9]+)*")
 
 
 class SpoolError(Exception):
@@ -27,11 +31,11 @@ def valid_uid(uid: str) -> bool:
     """Whether ``uid`` is a syntactically valid DICOM UID (PS3.5 §9.1).
 
     Leading zeros in components are tolerated when reading real data elsewhere; for file
-    names we only need digits and dots, so this accepts any dotted digit string of 1-64 chars.
+    names we only need digits and dots, so this accepts any dotted string of ASCII digits
+    of 1-64 chars. (Not :meth:`str.isdigit`, which also holds for ``'²'``, ``'٣'`` and
+    other Unicode digits that no UID may contain.)
     """
-    return (
-        0 < len(uid) <= 64 and all(part.isdigit() for part in uid.split(".")) and (".." not in uid)
-    )
+    return len(uid) <= 64 and _UID.fullmatch(uid) is not None
 
 
 def write_atomic(path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o600) -> int:

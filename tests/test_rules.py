@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 from pydicom import dcmread
+from pydicom.dataelem import RawDataElement
+from pydicom.tag import Tag
 
 from segnode.node.config import DEFAULT_MODEL, from_dict
 from segnode.node.errors import ConfigError
@@ -265,6 +267,45 @@ def test_facts_from_ct_and_enhanced_ct(tmp_path: Path) -> None:
     e = facts_from_dataset(dcmread(enh, stop_before_pixels=True))
     assert e.sop_class_uid == "1.2.840.10008.5.1.4.1.1.2.1"
     assert (e.slices, e.slice_thickness, e.pixel_spacing) == (6, 2.0, (0.8, 0.8))
+
+
+def _as_read(ds: Any, keyword: str, vr: str, text: bytes) -> None:
+    """Give ``ds`` the element ``keyword`` holding ``text`` as a file would."""
+    tag = Tag(keyword)
+    ds[tag] = RawDataElement(tag, vr, len(text), text, 0, True, True)
+
+
+@pytest.mark.filterwarnings("ignore:Invalid value for VR")
+@pytest.mark.parametrize(
+    ("spacing", "thickness", "frames"),
+    [
+        (b"0.7 ", b"1.25", None),  # one value: pydicom gives a DSfloat, which has no len()
+        (b"nan\\0.7 ", b"nan ", b"nan "),
+        (b"0.7\\inf ", b"inf ", b"inf "),
+        (b"0\\0.7 ", b"1.25", None),
+        (b"-0.7\\-0.7", b"1.25", None),
+        (b"0.7\\0.7\\0.7 ", b"1.25", None),
+        (b"0.7\\abc ", b"abc ", b"abc "),
+    ],
+    ids=["one-value", "nan", "inf", "zero", "negative", "three-values", "text"],
+)
+def test_facts_from_unusable_values_match_no_spacing_criterion(
+    tmp_path: Path, spacing: bytes, thickness: bytes, frames: bytes | None
+) -> None:
+    """Header values no geometry comes from are facts no criterion matches, not a
+    TypeError that stops the series from completing."""
+    files = write_sample_study(tmp_path, slices=2, size=16)
+    ds = dcmread(files["axial"][0], stop_before_pixels=True)
+    _as_read(ds, "PixelSpacing", "DS", spacing)
+    _as_read(ds, "SliceThickness", "DS", thickness)
+    if frames is not None:
+        _as_read(ds, "NumberOfFrames", "IS", frames)
+    f = facts_from_dataset(ds, instances=3)
+    assert f.pixel_spacing is None and f.slices == 3
+    assert f.slice_thickness == (1.25 if thickness == b"1.25" else None)
+    d = router('[[rules]]\nname = "fine"\npixel_spacing = [0.3, 1.0]').decide(f)
+    assert d.jobs == ()
+    assert d.ignored is not None and "rule 'fine': PixelSpacing (absent) outside" in d.ignored
 
 
 def test_multipart_related_is_parseable() -> None:

@@ -13,7 +13,9 @@ import highdicom as hd
 import numpy as np
 import pydicom
 import pytest
+from pydicom.dataelem import RawDataElement
 from pydicom.dataset import Dataset
+from pydicom.tag import Tag
 from pydicom.uid import (
     DeflatedExplicitVRLittleEndian,
     ExplicitVRLittleEndian,
@@ -309,6 +311,13 @@ def test_gantry_tilt() -> None:
         assemble_from_datasets(datasets)
 
 
+def _as_read(ds: Dataset, keyword: str, text: bytes) -> None:
+    """Give ``ds`` a DS element holding ``text`` as a file would (pydicom refuses to set a
+    value that is not a number, but reads one)."""
+    tag = Tag(keyword)
+    ds[tag] = RawDataElement(tag, "DS", len(text), text, 0, True, True)
+
+
 def _claim_jpeg_ls(datasets: list[Dataset]) -> None:
     datasets[0].file_meta.TransferSyntaxUID = JPEGLSLossless  # claims JPEG-LS, holds raw bytes
 
@@ -339,16 +348,76 @@ _ONE_BAD_ATTRIBUTE = {
         _claim_jpeg_ls,
         "cannot decode pixel data in transfer syntax JPEG-LS",
     ),
+    # Values pydicom reads without complaint that no geometry or HU can come from.
+    "nan_position": (
+        lambda d: setattr(d[2], "ImagePositionPatient", ["nan", 0, 0]),
+        r"instance 3 \(.*\): ImagePositionPatient \[nan, 0.0, 0.0\] is not finite",
+    ),
+    "infinite_position": (
+        lambda d: setattr(d[2], "ImagePositionPatient", [0, "inf", 0]),
+        r"instance 3 \(.*\): ImagePositionPatient .* is not finite",
+    ),
+    "nan_orientation": (
+        lambda d: setattr(d[0], "ImageOrientationPatient", [1, 0, 0, 0, 1, "nan"]),
+        r"instance 1 \(.*\): ImageOrientationPatient .* is not finite",
+    ),
+    "nan_pixel_spacing": (
+        lambda d: setattr(d[4], "PixelSpacing", ["nan", 0.7]),
+        r"instance 5 \(.*\): PixelSpacing \[nan, 0.7\] is not finite",
+    ),
+    "zero_pixel_spacing": (
+        lambda d: [setattr(x, "PixelSpacing", [0, 0]) for x in d],
+        r"instance 1 \(.*\): PixelSpacing \[0.0, 0.0\] must be positive",
+    ),
+    "negative_pixel_spacing": (
+        lambda d: [setattr(x, "PixelSpacing", [-0.7, -0.7]) for x in d],
+        r"instance 1 \(.*\): PixelSpacing \[-0.7, -0.7\] must be positive",
+    ),
+    "one_value_pixel_spacing": (
+        lambda d: setattr(d[1], "PixelSpacing", 0.7),
+        r"instance 2 \(.*\): PixelSpacing must have 2 values, got 1",
+    ),
+    "zero_rescale_slope": (
+        lambda d: [setattr(x, "RescaleSlope", 0) for x in d],
+        r"instance 1 \(.*\): RescaleSlope 0.0 must be a finite non-zero number",
+    ),
+    "nan_rescale_slope": (
+        lambda d: setattr(d[2], "RescaleSlope", "nan"),
+        r"instance 3 \(.*\): RescaleSlope nan must be a finite non-zero number",
+    ),
+    "infinite_rescale_intercept": (
+        lambda d: setattr(d[3], "RescaleIntercept", "-inf"),
+        r"instance 4 \(.*\): RescaleIntercept -inf is not finite",
+    ),
+    "unreadable_rescale_slope": (
+        lambda d: _as_read(d[3], "RescaleSlope", b"abc "),
+        r"instance 4 \(.*\): unreadable RescaleSlope 'abc'",
+    ),
 }
 
 
 @pytest.mark.filterwarnings("ignore:The number of bytes of compressed pixel data")
+@pytest.mark.filterwarnings("ignore:Invalid value for VR DS")
 @pytest.mark.parametrize(("damage", "match"), _ONE_BAD_ATTRIBUTE.values(), ids=_ONE_BAD_ATTRIBUTE)
 def test_one_bad_attribute_is_refused(damage: Callable[[list[Dataset]], None], match: str) -> None:
     datasets = small()
     damage(datasets)
     with pytest.raises(VolumeError, match=match):
         assemble_from_datasets(datasets)
+
+
+def test_enhanced_ct_bad_frame_values_are_refused(tmp_path: Path) -> None:
+    """The multi-frame path reads its functional groups through the same checks."""
+    ds = pydicom.dcmread(enhanced(tmp_path, per_frame_rescale=True))
+    ds.PerFrameFunctionalGroupsSequence[2].PixelValueTransformationSequence[0].RescaleSlope = 0
+    with pytest.raises(VolumeError, match=r"frame 3 of instance .*: RescaleSlope 0.0 must be"):
+        assemble_from_datasets([ds])
+    ds = pydicom.dcmread(enhanced(tmp_path))
+    ds.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].PixelSpacing = [0.7, 0]
+    with pytest.raises(
+        VolumeError, match=r"frame 1 of instance .*: PixelSpacing \[0.7, 0.0\] must"
+    ):
+        assemble_from_datasets([ds])
 
 
 def test_non_ct_modality() -> None:

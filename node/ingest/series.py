@@ -81,6 +81,10 @@ HintsFn = Callable[[str], "SeriesHints | None"]
 OnHold = Callable[[str, str], None]
 #: ``quiet()``: the pending series nothing was received for during the quiet period.
 QuietFn = Callable[[], Iterable[str]]
+#: ``on_failure(series_uid, error)``: ``on_complete`` raised for the series
+#: :data:`MAX_COMPLETION_FAILURES` times in a row; True when the series is settled (the node
+#: records it as ignored with the reason), False to go on retrying it.
+OnFailure = Callable[[str, Exception], bool]
 T = TypeVar("T")
 
 RELEASE = "association-release"
@@ -99,6 +103,10 @@ MODE_SIGNALS: dict[str, frozenset[str]] = {
 }
 #: Series whose last association's end is remembered (to see the next one continue it).
 MAX_REMEMBERED = 4096
+#: Failed completions in a row after which a series goes to ``on_failure``: the quiet-period
+#: scan retries a pending series every ``quiet_every_s``, so a series whose headers make
+#: completion raise would otherwise be retried (and its traceback logged) forever.
+MAX_COMPLETION_FAILURES = 3
 
 
 @dataclass(frozen=True)
@@ -253,6 +261,10 @@ class CompletionLoop:
         those no open association touched (``quiet-period``). No scan when None.
     quiet_every_s
         Seconds between two quiet-period scans.
+    on_failure
+        Given a series whose ``on_complete`` raised :data:`MAX_COMPLETION_FAILURES` times in
+        a row, with the last error, to settle it; without it such a series is retried at
+        every signal.
     """
 
     def __init__(
@@ -266,8 +278,10 @@ class CompletionLoop:
         on_hold: OnHold | None = None,
         quiet: QuietFn | None = None,
         quiet_every_s: float = 1.0,
+        on_failure: OnFailure | None = None,
     ) -> None:
         self._on_complete = on_complete
+        self._on_failure = on_failure
         self._release = complete_on_release
         self._policy = policy or (lambda _ae: "auto")
         self.senders = senders or SenderBook()
@@ -286,6 +300,8 @@ class CompletionLoop:
         self._holds: dict[str, float] = {}
         # Series whose hold was reported (an ordered set, bounded like _last_end).
         self._told: dict[str, None] = {}
+        # Series whose completion raised -> how many times in a row (bounded like _last_end).
+        self._failures: dict[str, int] = {}
         self._next_quiet = 0.0
 
     # -- the thread ------------------------------------------------------------------------
@@ -573,8 +589,27 @@ class CompletionLoop:
     def _deliver(self, series_uid: str, trigger: str) -> None:
         try:
             self._on_complete(series_uid, trigger)
-        except Exception:  # a job-creation failure must not end the completion thread
-            log.exception("completing series failed")
+        except Exception as exc:  # a job-creation failure must not end the completion thread
+            failures = self._failures.pop(series_uid, 0) + 1
+            log.exception("completing series %s failed (%d time(s) in a row)", series_uid, failures)
+            if failures >= MAX_COMPLETION_FAILURES and self._settle(series_uid, exc):
+                return
+            self._failures[series_uid] = failures
+            while len(self._failures) > MAX_REMEMBERED:
+                del self._failures[next(iter(self._failures))]
+        else:
+            self._failures.pop(series_uid, None)
+
+    def _settle(self, series_uid: str, error: Exception) -> bool:
+        """Hand a series whose completion keeps failing to ``on_failure``; whether it is
+        settled."""
+        if self._on_failure is None:
+            return False
+        try:
+            return self._on_failure(series_uid, error)
+        except Exception:
+            log.exception("recording the failed completion of series %s failed", series_uid)
+            return False
 
 
 class SeriesGeometry:

@@ -201,6 +201,35 @@ class Slice:
     columns: int
     source_index: int  # index into the datasets (single-frame) or frame index (multi-frame)
 
+    def __post_init__(self) -> None:
+        """Refuse values no volume can be built from (a slice is valid once constructed):
+        both the spool and the streaming assembly build their slices here."""
+        for keyword, values in (
+            ("ImagePositionPatient", self.position),
+            ("ImageOrientationPatient", self.orientation),
+            ("PixelSpacing", self.pixel_spacing),
+        ):
+            if not np.all(np.isfinite(values)):
+                raise VolumeError(
+                    f"{self.label}: {keyword} {list(map(float, values))} is not finite; "
+                    "the modality wrote an invalid geometry"
+                )
+        if min(self.pixel_spacing) <= 0:
+            raise VolumeError(
+                f"{self.label}: PixelSpacing {list(self.pixel_spacing)} must be positive "
+                "(mm between rows, mm between columns; PS3.3 C.7.6.2.1.1)"
+            )
+        if not (np.isfinite(self.slope) and self.slope != 0):
+            raise VolumeError(
+                f"{self.label}: RescaleSlope {self.slope} must be a finite non-zero number "
+                "(HU = stored * slope + intercept; PS3.3 C.11.1.1.2)"
+            )
+        if not np.isfinite(self.intercept):
+            raise VolumeError(
+                f"{self.label}: RescaleIntercept {self.intercept} is not finite "
+                "(HU = stored * slope + intercept; PS3.3 C.11.1.1.2)"
+            )
+
 
 def assemble_volume(paths: Sequence[Path], *, min_slices: int = MIN_SLICES) -> Volume:
     """Read DICOM files and assemble them into a :class:`Volume`.
@@ -323,14 +352,22 @@ def same_uid(datasets: Sequence[Dataset], keyword: str, what: str) -> str:
     return values[0]
 
 
-def _float_list(value: object, n: int, what: str, label: str) -> list[float]:
+def _float_list(value: object, n: int, keyword: str, label: str) -> list[float]:
+    """The ``n`` numbers of attribute ``keyword`` of slice ``label``; :class:`VolumeError`
+    naming both when there are not ``n`` or they do not read as numbers.
+
+    One value reads as a number, not a list: pydicom gives a ``DSfloat`` for VM 1.
+    """
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        items = list(value)
+    else:
+        items = [value]
+    if len(items) != n:
+        raise VolumeError(f"{label}: {keyword} must have {n} values, got {len(items)}")
     try:
-        out = [float(v) for v in value]  # type: ignore[attr-defined]
-    except (TypeError, ValueError) as exc:
-        raise VolumeError(f"{label}: unreadable {what} {value!r}") from exc
-    if len(out) != n:
-        raise VolumeError(f"{label}: {what} must have {n} values, got {len(out)}")
-    return out
+        return [float(v) for v in items]
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise VolumeError(f"{label}: unreadable {keyword} {value!r}") from exc
 
 
 def _check_orientation(orientation: npt.NDArray[np.float64], label: str) -> None:
@@ -392,16 +429,18 @@ def _plane_slice(
     """The :class:`Slice` of frame ``index`` of ``ds`` from the datasets holding its Image
     Position / Orientation (Patient), Pixel Spacing and Rescale Slope / Intercept: ``ds``
     itself for a single-frame instance, functional group items for a multi-frame one."""
-    ps = _float_list(measures.PixelSpacing, 2, "Pixel Spacing", label)
+    ps = _float_list(measures.PixelSpacing, 2, "PixelSpacing", label)
     return Slice(
         label=label,
-        position=np.array(_float_list(position.ImagePositionPatient, 3, "position", label)),
+        position=np.array(
+            _float_list(position.ImagePositionPatient, 3, "ImagePositionPatient", label)
+        ),
         orientation=np.array(
-            _float_list(orientation.ImageOrientationPatient, 6, "orientation", label)
+            _float_list(orientation.ImageOrientationPatient, 6, "ImageOrientationPatient", label)
         ),
         pixel_spacing=(ps[0], ps[1]),
-        slope=_number(rescale.get("RescaleSlope"), 1.0),
-        intercept=_number(rescale.get("RescaleIntercept"), 0.0),
+        slope=_number(rescale.get("RescaleSlope"), 1.0, "RescaleSlope", label),
+        intercept=_number(rescale.get("RescaleIntercept"), 0.0, "RescaleIntercept", label),
         rows=int(ds.Rows),
         columns=int(ds.Columns),
         source_index=index,
@@ -437,7 +476,7 @@ def _assemble_multiframe(ds: Dataset, min_slices: int) -> Volume:
         )
     slices = []
     for f in range(frames):
-        label = f"frame {f + 1}"
+        label = f"frame {f + 1} of instance {ds.get('SOPInstanceUID', '?')}"
         position = _functional_group(ds, f, "PlanePositionSequence")
         orientation = _functional_group(ds, f, "PlaneOrientationSequence")
         measures = _functional_group(ds, f, "PixelMeasuresSequence")
@@ -606,13 +645,14 @@ def rescale_into(
         np.copyto(out, stored, casting="unsafe")
 
 
-def _number(value: object, default: float) -> float:
+def _number(value: object, default: float, keyword: str, label: str) -> float:
+    """Rescale value ``keyword`` of slice ``label`` (``default`` when absent or empty)."""
     if value is None or value == "":
         return default
     try:
         return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        raise VolumeError(f"unreadable rescale value {value!r}") from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise VolumeError(f"{label}: unreadable {keyword} {value!r}") from exc
 
 
 def source_header(ds: Dataset, *, share: bool = False) -> Dataset:

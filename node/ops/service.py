@@ -21,7 +21,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from pydicom.errors import InvalidDicomError
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from segnode.engines.base import Engine, EngineError, create_engine
 from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
@@ -210,6 +210,7 @@ class Node:
                 on_hold=self.ledger.record_hold,
                 quiet=self._quiet_series,
                 quiet_every_s=self._tick,
+                on_failure=self._completion_failed,
             )
             # Fast path: decode while receiving, geometric completeness, no timer between stages.
             sc = config.streaming
@@ -324,6 +325,20 @@ class Node:
             self.worker.wake.set()
             if self.metrics is not None:
                 self.metrics.series_complete(trigger)
+
+    def _completion_failed(self, series_uid: str, error: Exception) -> bool:
+        """Completion hook: completing the series raised again and again; record it as
+        ignored with the reason, as routing records a series no rule selects (its instances
+        stay in the spool and the ledger, ``segnode jobs`` lists it; new instances reopen
+        it). Returns whether it is settled: a ledger that cannot be reached is retried."""
+        if isinstance(error, OperationalError):
+            return False
+        reason = f"completing the series failed: {type(error).__name__}: {error}"
+        with self._create_lock:
+            if self.ledger.ignore_series(series_uid, reason):
+                log.error("series ignored: %s", reason)
+                self.streaming.discard(series_uid)
+        return True
 
     @property
     def address(self) -> str:

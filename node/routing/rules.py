@@ -54,6 +54,7 @@ routing existed: Modality CT, Image Type without LOCALIZER, the default model, a
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -410,10 +411,34 @@ def parse_routing(
 
 
 def _float(value: Any) -> float | None:
+    """``value`` as a finite number; None when absent, unreadable or not finite (a header
+    value no criterion can match)."""
     try:
-        return float(value)
-    except (TypeError, ValueError):
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
         return None
+    return number if math.isfinite(number) else None
+
+
+def _number_element(ds: Dataset, keyword: str) -> Any:
+    """The value of numeric element ``keyword`` of ``ds``; None when absent or when pydicom
+    cannot convert what the file holds (an IS of ``inf`` raises OverflowError there)."""
+    try:
+        return ds.get(keyword)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _pixel_spacing(value: Any) -> tuple[float, float] | None:
+    """Pixel Spacing (PS3.3 C.7.6.2.1.1) as (between rows, between columns) in mm; None
+    unless it is two finite positive numbers. One value reads as a single ``DSfloat``, not
+    a list, and is not a pixel spacing either."""
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes) or len(value) != 2:
+        return None
+    row, col = _float(value[0]), _float(value[1])
+    if row is None or col is None or row <= 0 or col <= 0:
+        return None
+    return (row, col)
 
 
 def facts_from_dataset(
@@ -438,20 +463,15 @@ def facts_from_dataset(
     measures: Dataset | None = None
     for seq in ("SharedFunctionalGroupsSequence", "PerFrameFunctionalGroupsSequence"):
         groups = ds.get(seq)
-        if groups and "PixelMeasuresSequence" in groups[0]:
+        if groups and groups[0].get("PixelMeasuresSequence"):
             measures = groups[0].PixelMeasuresSequence[0]
             break
     src = measures if measures is not None else ds
-    spacing = src.get("PixelSpacing")
-    pixel_spacing = None
-    if spacing is not None and len(spacing) == 2:
-        row, col = _float(spacing[0]), _float(spacing[1])
-        if row is not None and col is not None:
-            pixel_spacing = (row, col)
+    pixel_spacing = _pixel_spacing(_number_element(src, "PixelSpacing"))
     image_type = ds.get("ImageType") or ()
     if isinstance(image_type, str):
         image_type = image_type.split("\\")
-    frames = int(_float(ds.get("NumberOfFrames", 1)) or 1)
+    frames = int(_float(_number_element(ds, "NumberOfFrames")) or 1)
     return SeriesFacts(
         series_instance_uid=series_uid or str(ds.get("SeriesInstanceUID", "")),
         calling_ae=calling_ae.strip(),
@@ -460,7 +480,7 @@ def facts_from_dataset(
         image_type=tuple(str(v).strip().upper() for v in image_type if str(v).strip()),
         body_part=str(ds.get("BodyPartExamined", "") or "").strip(),
         series_description=str(ds.get("SeriesDescription", "") or ""),
-        slice_thickness=_float(src.get("SliceThickness")),
+        slice_thickness=_float(_number_element(src, "SliceThickness")),
         pixel_spacing=pixel_spacing,
         slices=instances * max(1, frames),
     )
