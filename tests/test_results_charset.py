@@ -114,3 +114,35 @@ def test_japanese_name_keeps_its_bytes(pinned_clock: datetime.datetime) -> None:
     assert str(seg.PatientName) == "Yamada^Tarou=山田^太郎"
     raw = pydicom.dcmread(io.BytesIO(encode(seg)))
     assert raw.get_item("PatientName").value.rstrip(b" ") == JIS_NAME
+
+
+def test_malformed_demographics_are_left_empty_not_fatal(
+    pinned_clock: datetime.datetime, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Patient's Sex of ``female`` or a Birth Date ``1970-01-01`` used to fail the whole job
+    (highdicom refuses them) with the value in the reason; the results now carry them empty
+    (Type 2), on both SEG paths and the SR, and the log names the attribute, not the value."""
+    datasets = []
+    for ds in synthetic_datasets(SMALL):
+        ds.PatientSex = "female"
+        ds.PatientBirthDate = "1970-01-01"
+        ds.StudyTime = "10h20"
+        buffer = io.BytesIO()
+        pydicom.dcmwrite(buffer, ds, enforce_file_format=True)
+        datasets.append(pydicom.dcmread(io.BytesIO(buffer.getvalue())))
+    volume = assemble_from_datasets(datasets)
+    labels = phantom_labels(*volume.shape[1:], volume.shape[0])
+    caplog.clear()  # writing the test's own files warned of the values
+    with caplog.at_level("WARNING"):
+        ours = assert_equal_to_highdicom(volume, labels, "BINARY")
+    seg = pydicom.dcmread(io.BytesIO(ours.data))
+    assert seg.PatientSex == "" and seg.PatientBirthDate == "" and seg.StudyTime == ""
+    assert seg.StudyDate == datasets[0].StudyDate  # a valid one is copied
+    stats = segment_statistics(volume, labels, MANIFEST)
+    plan = SrPlan.prepare(volume, prepare_seg(volume, "BINARY"), equipment=SR_EQUIPMENT)
+    with caplog.at_level("WARNING"):
+        sr = pydicom.dcmread(io.BytesIO(plan.encode(stats, now=NOW)))
+    assert sr.PatientSex == "" and sr.PatientBirthDate == ""
+    logged = caplog.text
+    assert "PatientSex is not a valid DICOM value" in logged
+    assert "female" not in logged and "1970-01-01" not in logged

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import re
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -82,6 +83,15 @@ warnings.filterwarnings(
     category=UserWarning,
     module=r"highdicom\.",
 )
+
+#: Copied attributes whose values highdicom checks, and the forms it takes (PS3.3 C.7.1.1,
+#: C.7.2.1; PS3.5 6.2: DA ``YYYYMMDD``, TM ``HH[MM[SS[.F{1,6}]]]``).
+_COPIED_FORMS = {
+    "PatientSex": re.compile(r"[MFO]"),
+    "PatientBirthDate": re.compile(r"[0-9]{8}"),
+    "StudyDate": re.compile(r"[0-9]{8}"),
+    "StudyTime": re.compile(r"[0-9]{2}(?:[0-9]{2}(?:[0-9]{2}(?:\.[0-9]{1,6})?)?)?"),
+}
 
 SEGMENTATION_STORAGE = "1.2.840.10008.5.1.4.1.1.66.4"
 LABEL_MAP_SEGMENTATION_STORAGE = "1.2.840.10008.5.1.4.1.1.66.7"
@@ -210,7 +220,10 @@ def _source_headers(volume: Volume) -> list[Dataset]:
     highdicom copies Patient/Study attributes from the first source by attribute access and
     requires identical Image Orientation (Patient) strings; the volume accepted tolerance,
     so the first header gets empty Type 2 attributes where missing and every header the
-    first one's orientation (copies; the volume's headers are not changed).
+    first one's orientation (copies; the volume's headers are not changed). A Patient's Sex,
+    Birth Date, Study Date or Time that is not a DICOM value (``female``, ``1970-01-01``) is
+    left empty, as Type 2 allows, and logged without the value: highdicom refuses it, and
+    one malformed demographic must not cost the radiologist the segmentation.
     """
     sources = list(volume.sources)
     first = copy.deepcopy(sources[0])
@@ -219,6 +232,13 @@ def _source_headers(volume: Volume) -> list[Dataset]:
         "StudyID", "StudyDate", "StudyTime", "ReferringPhysicianName",
     ):  # fmt: skip
         if keyword not in first:
+            setattr(first, keyword, "")
+    for keyword, form in _COPIED_FORMS.items():
+        value = str(first.get(keyword) or "").strip()
+        if value and form.fullmatch(value) is None:
+            logger.warning(
+                "the source's %s is not a valid DICOM value; left empty in the results", keyword
+            )
             setattr(first, keyword, "")
     sources[0] = first
     if "ImageOrientationPatient" in first:
