@@ -139,9 +139,14 @@ def test_outbox_lifecycle(ledger: Ledger, tmp_path: Path) -> None:
     due = ledger.due_deliveries()
     assert [(d.kind, d.destination) for d in due[:2]] == [("SEG", "A@h:1"), ("SEG", "B@h:2")]
     assert len(due) == 4
+    assert {(d.kind, d.waits_on) for d in due} == {("SEG", 0), ("SR", 1)}  # each SR after its SEG
     later = utcnow() + timedelta(hours=1)
     ledger.delivery_retry(due[0].id, "down", later)
-    assert len(ledger.due_deliveries()) == 3
+    # The SR to A waits for the SEG to A (README: SEG first, then SR); B goes on.
+    assert {(d.kind, d.destination) for d in ledger.due_deliveries()} == {
+        ("SEG", "B@h:2"),
+        ("SR", "B@h:2"),
+    }
     for d in due[1:]:
         ledger.delivery_done(d.id, 0)
     assert ledger.job_state(jid) == "encoded"

@@ -11,8 +11,9 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,8 @@ from sqlalchemy import select
 from scripts.harness import CountingSCP, free_port
 from segnode.node.config import Config, from_dict
 from segnode.node.outbox.scu import Backoff, CircuitBreakers, Dispatcher
-from segnode.storage.ledger import InstanceRecord, Ledger
-from segnode.storage.models import Event
+from segnode.storage.ledger import InstanceRecord, Ledger, utcnow
+from segnode.storage.models import Delivery, Event
 from segnode.storage.spool import write_atomic
 from tests.conftest import LOOPBACK, ROOT, wait_for
 
@@ -239,3 +240,179 @@ def test_failure_status_uses_attempts_with_backoff(tmp_path: Path, ledger: Ledge
     assert view.deliveries[0][3] == 3
     retries = [e.at for e in events(ledger, "delivery-retry")]
     assert len(retries) >= 2
+
+
+def answering(scp: CountingSCP, answer: Callable[[str], int]) -> list[tuple[str, int]]:
+    """Make ``scp`` (not started yet) answer each C-STORE with ``answer(kind)``; return the
+    list it fills with ``(kind, status)`` in the order the requests arrived."""
+    seen: list[tuple[str, int]] = []
+
+    def handle(event: Any) -> int:
+        cls = str(event.request.AffectedSOPClassUID)
+        kind = "SEG" if cls == SegmentationStorage else "SR"
+        status = answer(kind)
+        seen.append((kind, status))
+        return status
+
+    scp._handle_store = handle  # type: ignore[method-assign]
+    return seen
+
+
+def delivery_ids(ledger: Ledger, job_id: int) -> list[int]:
+    with ledger._read() as s:
+        q = select(Delivery.id).where(Delivery.job_id == job_id).order_by(Delivery.id)
+        return list(s.scalars(q))
+
+
+def test_cancel_ends_unsent_deliveries_and_retry_sends_them(tmp_path: Path, ledger: Ledger) -> None:
+    """``segnode cancel`` of a job waiting on a destination that is down: its deliveries leave
+    the pending counts, are never sent, and a retry makes them pending afresh and sends them."""
+    port = free_port()
+    dest = f"COUNTER@{LOOPBACK}:{port}"
+    cfg = outbox_config(tmp_path, [dest])
+    job_id = encoded_job(ledger, tmp_path, [dest])
+    down = Dispatcher(cfg, ledger, rng=random.Random(1))
+    assert down.run_once() == 0  # refused: the deliveries wait for the destination
+    down.stop()
+    assert len(events(ledger, "destination-down")) == 1
+    assert ledger.counts()["deliveries_pending"] == 2
+
+    assert ledger.cancel_job(job_id)
+    view = ledger.job(job_id)
+    assert view is not None and view.state == "cancelled"
+    assert [st for _, _, st, _ in view.deliveries] == ["cancelled", "cancelled"]
+    assert all("cancelled" in (e or "") for e in view.delivery_errors)
+    assert len(events(ledger, "delivery-cancelled")) == 2
+    assert ledger.counts()["deliveries_pending"] == 0
+    assert ledger.next_delivery_time() is None
+    # A send already selected before the cancel does not start either.
+    assert not any(ledger.delivery_sending(i) for i in delivery_ids(ledger, job_id))
+
+    scp = CountingSCP(port).start()
+    d = Dispatcher(cfg, ledger, rng=random.Random(2))
+    try:
+        assert d.run_once() == 0 and not scp.counts()  # up again: still nothing goes out
+        assert ledger.retry_job(job_id)
+        view = ledger.job(job_id)
+        assert view is not None and view.state == "encoded"
+        assert [(st, a) for _, _, st, a in view.deliveries] == [("pending", 0), ("pending", 0)]
+        assert ledger.counts()["deliveries_pending"] == 2
+        wait_for(lambda: d.run_once() >= 0 and ledger.job_state(job_id) == "sent", 10, "sent")
+    finally:
+        d.stop()
+        scp.stop()
+    assert sorted(scp.counts().values()) == [1, 1]
+    view = ledger.job(job_id)
+    assert view is not None and [a for *_, a in view.deliveries] == [1, 1]
+
+
+def test_retry_of_a_job_whose_sends_in_flight_succeeded_after_its_cancel_ends_sent(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    """Cancelled while both sends were in flight, and both were then acknowledged: a retry
+    has nothing to run or send again, and the job ends sent (it used to run again and stay
+    encoded with nothing to send)."""
+    dest = f"COUNTER@{LOOPBACK}:{free_port()}"
+    job_id = encoded_job(ledger, tmp_path, [dest])
+    ids = delivery_ids(ledger, job_id)
+    assert all(ledger.delivery_sending(i) for i in ids)  # both on the wire
+    assert ledger.cancel_job(job_id)
+    for i in ids:
+        ledger.delivery_done(i, 0)  # ... and both acknowledged
+    view = ledger.job(job_id)
+    assert view is not None and view.state == "cancelled"
+    assert [st for _, _, st, _ in view.deliveries] == ["sent", "sent"]
+    assert ledger.retry_job(job_id)
+    view = ledger.job(job_id)
+    assert view is not None and view.state == "sent"
+    assert ledger.counts()["deliveries_pending"] == 0
+
+
+def test_sr_waits_for_the_seg_to_be_accepted(tmp_path: Path, ledger: Ledger) -> None:
+    """Per destination the SR is not sent before the destination has accepted the SEG, even
+    when the SEG is refused once (README: SEG first, then SR)."""
+    refused: list[str] = []
+
+    def once(kind: str) -> int:  # the first SEG is refused, everything after accepted
+        if kind == "SEG" and not refused:
+            refused.append(kind)
+            return 0xA700
+        return 0
+
+    scp = CountingSCP()
+    seen = answering(scp, once)
+    scp.start()
+    cfg = outbox_config(tmp_path, [scp.peer], max_attempts=3, retry_initial_s=0.2)
+    job_id = encoded_job(ledger, tmp_path, [scp.peer])
+    d = Dispatcher(cfg, ledger, rng=random.Random(4))
+    try:
+        assert d.run_once() == 0  # the SEG refused; the SR is not due behind it
+        assert seen == [("SEG", 0xA700)]
+        seg_due = ledger.next_delivery_time()
+        assert seg_due is not None and seg_due > utcnow()  # the SR does not make it due now
+        wait_for(lambda: d.run_once() >= 0 and ledger.job_state(job_id) == "sent", 10, "sent")
+    finally:
+        d.stop()
+        scp.stop()
+    assert seen == [("SEG", 0xA700), ("SEG", 0), ("SR", 0)]
+
+
+def test_failed_delivery_ends_the_jobs_other_deliveries(tmp_path: Path, ledger: Ledger) -> None:
+    """A destination answering 0xA700 to everything: the SEG fails after max_attempts and the
+    job fails; the SR is never sent and ends cancelled with the reason, nothing stays
+    pending. ``segnode retry`` gives both a fresh set of attempts."""
+    accept = [False]
+    scp = CountingSCP()
+    seen = answering(scp, lambda kind: 0 if accept[0] else 0xA700)
+    scp.start()
+    cfg = outbox_config(tmp_path, [scp.peer], max_attempts=3)
+    job_id = encoded_job(ledger, tmp_path, [scp.peer])
+    d = Dispatcher(cfg, ledger, rng=random.Random(6))
+    d.start()
+    try:
+        wait_for(lambda: ledger.job_state(job_id) == "failed", 15, "job failed")
+    finally:
+        d.stop()
+    assert seen == [("SEG", 0xA700)] * 3
+    view = ledger.job(job_id)
+    assert view is not None and "0xA700" in (view.reason or "")
+    assert [(k, st, a) for k, _, st, a in view.deliveries] == [
+        ("SEG", "failed", 3),
+        ("SR", "cancelled", 0),
+    ]
+    assert "job " in (view.delivery_errors[1] or "") and "0xA700" in (view.delivery_errors[1] or "")
+    counts = ledger.counts()
+    assert counts["deliveries_pending"] == 0 and counts["deliveries_failed"] == 1
+    assert ledger.next_delivery_time() is None
+
+    assert ledger.retry_job(job_id)
+    view = ledger.job(job_id)
+    assert view is not None and view.state == "encoded"
+    assert [(st, a) for _, _, st, a in view.deliveries] == [("pending", 0), ("pending", 0)]
+    accept[0] = True
+    d = Dispatcher(cfg, ledger, rng=random.Random(8))
+    d.start()
+    try:
+        wait_for(lambda: ledger.job_state(job_id) == "sent", 15, "sent after retry")
+    finally:
+        d.stop()
+        scp.stop()
+    view = ledger.job(job_id)
+    assert view is not None and [a for *_, a in view.deliveries] == [1, 1]
+    assert seen[3:] == [("SEG", 0), ("SR", 0)]
+
+
+def test_expiry_fails_the_old_and_cancels_the_rest(tmp_path: Path, ledger: Ledger) -> None:
+    """Deliveries past dispatch.max_age_s fail; the job's younger ones are cancelled with it."""
+    dest = f"COUNTER@{LOOPBACK}:{free_port()}"
+    job_id = encoded_job(ledger, tmp_path, [dest])
+    seg, sr = delivery_ids(ledger, job_id)
+    with ledger._tx() as s:  # the SR was made pending later (a retry of it alone, say)
+        row = s.get(Delivery, sr)
+        assert row is not None
+        row.created_at = utcnow() + timedelta(hours=1)
+    assert ledger.expire_deliveries(utcnow() + timedelta(minutes=1), "too old") == [job_id]
+    view = ledger.job(job_id)
+    assert view is not None and view.state == "failed"
+    assert [st for _, _, st, _ in view.deliveries] == ["failed", "cancelled"]
+    assert ledger.counts()["deliveries_pending"] == 0

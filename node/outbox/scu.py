@@ -11,7 +11,9 @@ Two kinds of failure are kept apart:
   connection was lost waiting for the answer. That uses one of the delivery's attempts; the
   next try waits an exponential backoff with jitter (``dispatch.retry_initial_s`` doubled per
   attempt, at most ``dispatch.retry_max_s``, of which half is random so that many nodes or
-  objects do not retry in step). After ``dispatch.max_attempts`` the delivery and its job fail.
+  objects do not retry in step). After ``dispatch.max_attempts`` the delivery and its job fail,
+  and the job's other deliveries not yet sent are cancelled with that reason (none stays
+  pending for a job that is over).
 * **The destination cannot be reached** - connection refused or timed out, association
   rejected. That says nothing about the objects: no attempt is used. The destination backs
   off as a whole, and after ``dispatch.breaker_failures`` consecutive failures its circuit
@@ -20,7 +22,17 @@ Two kinds of failure are kept apart:
   must survive a restart - what is due when, the last error - is in the ledger.
 
 A delivery still pending ``dispatch.max_age_s`` after it was created fails with that reason,
-visible in ``segnode jobs``; ``segnode retry --failed`` requeues such jobs.
+visible in ``segnode jobs``; ``segnode retry --failed`` requeues such jobs: every delivery not
+yet sent is pending again with its attempts at 0 and its age counted from the retry (the
+earlier attempts stay in the job's events); sent ones are not sent again. ``segnode cancel``
+cancels a job's unsent deliveries with it, and a retry of that job makes them pending again
+in the same way.
+
+Per destination the results go in order, SEG first, then SR (then a rejection note): the
+ledger does not make a result due while an earlier one of its job to the same destination is
+unacknowledged and not due itself, and within a pass a result is sent only once the earlier
+ones it waits on were accepted (:class:`InOrder`), so an SR never reaches a destination that
+has not accepted its SEG.
 
 A C-STORE sends the result file's dataset bytes as the worker wrote them (PS3.10, Explicit VR
 Little Endian): nothing is decoded or encoded again, unless the destination accepted only
@@ -226,6 +238,35 @@ class CircuitBreakers:
         with self._lock:
             st = self._state.pop(dest, None)
             return st is not None and st.failures >= self.threshold
+
+
+class InOrder:
+    """Within one pass to one destination: whether a job's next result may be sent.
+
+    A result waits on the earlier results of its job to the destination that were not
+    acknowledged when it was selected (:attr:`~segnode.storage.ledger.DueDelivery.waits_on`);
+    it goes only once this pass has seen all of them accepted. Once one of a job's results
+    is not accepted (refused, no answer, not sent), the job's later ones wait for a later
+    pass, where the ledger holds them back until the earlier one is due again.
+    """
+
+    def __init__(self) -> None:
+        self._accepted: dict[int, int] = defaultdict(int)
+        self._held: set[int] = set()
+
+    def may_send(self, d: DueDelivery) -> bool:
+        """Whether every earlier result ``d`` waits on was accepted in this pass."""
+        if d.job_id in self._held or self._accepted[d.job_id] < d.waits_on:
+            self._held.add(d.job_id)
+            return False
+        return True
+
+    def outcome(self, d: DueDelivery, accepted: bool) -> None:
+        """Record whether ``d`` was accepted (anything else holds its job's later results)."""
+        if accepted:
+            self._accepted[d.job_id] += 1
+        else:
+            self._held.add(d.job_id)
 
 
 class KeptAssociations:
@@ -531,10 +572,14 @@ class Dispatcher:
         if assoc is None and (assoc := self._associate(dest, peer)) is None:
             return 0
         sent = 0
+        order = InOrder()
         try:
             for d in items:
                 if self._stop.is_set():
                     break
+                if not order.may_send(d):
+                    log.debug("job %d %s to %s waits for an earlier result", d.job_id, d.kind, dest)
+                    continue
                 if not assoc.is_established:
                     # The peer released or aborted after the last object (some close after
                     # each): a new association, no attempt used.
@@ -542,6 +587,7 @@ class Dispatcher:
                         break
                     untried = False
                 if not self._claimed(d):
+                    order.outcome(d, False)
                     continue
                 code = self._store(assoc, d)
                 if code == -1 and untried:
@@ -550,9 +596,11 @@ class Dispatcher:
                     if (assoc := self._associate(dest, peer)) is None:
                         break
                     if not self._claimed(d):
+                        order.outcome(d, False)
                         continue
                     code = self._store(assoc, d)
                 untried = False
+                order.outcome(d, code == 0x0000)
                 if code is None:
                     continue
                 if code == 0x0000:
@@ -580,11 +628,15 @@ class Dispatcher:
 
     def _claimed(self, d: DueDelivery) -> bool:
         """Stamp the start of an attempt; False when another node took the delivery over
-        (this node's claim ran out) or it was settled meanwhile: it is not sent."""
+        (this node's claim ran out) or it was settled meanwhile (its job cancelled or
+        failed): it is not sent."""
         if self.ledger.delivery_sending(d.id, self.claim_s):
             return True
         log.info(
-            "job %d %s to %s: taken over by another node; not sent", d.job_id, d.kind, d.destination
+            "job %d %s to %s: cancelled, or taken over by another node; not sent",
+            d.job_id,
+            d.kind,
+            d.destination,
         )
         return False
 
@@ -665,37 +717,49 @@ class Dispatcher:
     def _send_stow(self, target: StowTarget, items: list[DueDelivery]) -> int:
         """DICOMweb STOW-RS, one request per object (:mod:`segnode.node.outbox.stow`); same
         bookkeeping."""
-        dest = target.name
         sent = 0
+        order = InOrder()
         for d in items:
             if self._stop.is_set():
                 break
-            try:
-                data = Path(d.path).read_bytes()
-            except OSError as exc:
-                self.ledger.delivery_failed(d.id, f"result file unreadable: {exc}")
+            if not order.may_send(d):
                 continue
-            if not self._claimed(d):
-                continue
-            try:
-                timeout = self.config.dispatch.timeout_s
-                result = stow_store(target, data, d.sop_instance_uid, timeout)
-            except StowUnreachable as exc:
-                self._unreachable(dest, str(exc))
+            outcome = self._stow_one(target, d)
+            if outcome is None:
                 break
-            except StowFailed as exc:
-                if exc.status is not None and self.breakers.success(dest):
-                    log.info("%s reachable again: circuit closed", dest)
-                self._retry(d, str(exc))
-                continue
-            if self.breakers.success(dest):
-                log.info("%s reachable again: circuit closed", dest)
-            if result.warning is not None:
-                log.warning("destination %s stored with %s", dest, result.warning)
-            self.ledger.delivery_done(d.id, f"HTTP {result.http_status}")
-            sent += 1
-            log.info("job %d %s delivered to %s", d.job_id, d.kind, dest)
+            order.outcome(d, outcome)
+            sent += outcome
         return sent
+
+    def _stow_one(self, target: StowTarget, d: DueDelivery) -> bool | None:
+        """STOW-RS the result file of ``d``; return whether it was stored, None when the
+        destination cannot be reached (the pass to it ends)."""
+        dest = target.name
+        try:
+            data = Path(d.path).read_bytes()
+        except OSError as exc:
+            self.ledger.delivery_failed(d.id, f"result file unreadable: {exc}")
+            return False
+        if not self._claimed(d):
+            return False
+        try:
+            timeout = self.config.dispatch.timeout_s
+            result = stow_store(target, data, d.sop_instance_uid, timeout)
+        except StowUnreachable as exc:
+            self._unreachable(dest, str(exc))
+            return None
+        except StowFailed as exc:
+            if exc.status is not None and self.breakers.success(dest):
+                log.info("%s reachable again: circuit closed", dest)
+            self._retry(d, str(exc))
+            return False
+        if self.breakers.success(dest):
+            log.info("%s reachable again: circuit closed", dest)
+        if result.warning is not None:
+            log.warning("destination %s stored with %s", dest, result.warning)
+        self.ledger.delivery_done(d.id, f"HTTP {result.http_status}")
+        log.info("job %d %s delivered to %s", d.job_id, d.kind, dest)
+        return True
 
 
 def echo(peer: Peer, calling_ae: str = "SEGNODE", timeout: float = 10.0) -> int:
@@ -714,6 +778,7 @@ def echo(peer: Peer, calling_ae: str = "SEGNODE", timeout: float = 10.0) -> int:
 __all__ = [
     "CircuitBreakers",
     "Dispatcher",
+    "InOrder",
     "KeptAssociations",
     "echo",
     "file_bytes_sends",

@@ -7,7 +7,8 @@ cancel, and appending events. Every state change goes through
 :func:`~segnode.storage.ledger.states.move` / :func:`~segnode.storage.ledger.states.move_delivery`.
 
 Must not touch: send attempts and their outcomes (the outbox module's; this one only creates
-deliveries with the results, cancels those of a superseded version and puts failed ones back
+deliveries with the results, cancels the unsent ones of a superseded or cancelled job through
+:func:`~segnode.storage.ledger.outbox.cancel_unsent`, and puts failed and cancelled ones back
 to pending on a retry), nor the instances' hot path; it builds job snapshots through
 :class:`~segnode.storage.ledger.views.Views`.
 """
@@ -26,8 +27,10 @@ from sqlalchemy.orm import Session
 
 from segnode.storage.ledger.connection import utcnow
 from segnode.storage.ledger.nodes import NodeStore
+from segnode.storage.ledger.outbox import cancel_unsent
 from segnode.storage.ledger.states import (
     ACTIVE_STATES,
+    UNSENT_FINAL,
     DeliveryStatus,
     JobState,
     move,
@@ -126,15 +129,7 @@ class JobStore(Views, NodeStore):
                 for old_job in s.scalars(select(Job).where(Job.id.in_(undelivered))):
                     move(s, old_job, JobState.SUPERSEDED, now, message=why)
                     old_job.finished_at, old_job.reason = now, why
-                pending = s.scalars(
-                    select(Delivery).where(
-                        Delivery.job_id.in_(undelivered),
-                        Delivery.status == DeliveryStatus.PENDING,
-                    )
-                )
-                for d in pending.all():
-                    move_delivery(s, d, DeliveryStatus.CANCELLED, now, f"superseded by v{version}")
-                    d.last_error = f"superseded by v{version}"
+                cancel_unsent(s, undelivered, f"superseded by v{version}", now)
             older = s.scalars(
                 select(Job.id).where(
                     Job.series_id == series.id,
@@ -453,36 +448,57 @@ class JobStore(Views, NodeStore):
             return True
 
     def retry_job(self, job_id: int) -> bool:
-        """Requeue a failed or cancelled job (same result UIDs)."""
+        """Requeue a failed or cancelled job (same result UIDs).
+
+        A job whose results were encoded and not all delivered goes back to the outbox
+        (``encoded``): every delivery not yet sent (failed, or cancelled with the job) is
+        pending again with a fresh start - attempts 0 (``dispatch.max_attempts`` anew), due
+        now, its age (``dispatch.max_age_s``) counted from the retry; sent ones stay sent and
+        are not sent again. The attempts before the retry stay in the job's events. Any other
+        job goes back to the worker (``queued``).
+        """
         with self._tx() as s:
             job = s.get(Job, job_id, with_for_update=True)
             if job is None or job.state not in (JobState.FAILED, JobState.CANCELLED):
                 return False
-            undelivered = s.scalar(
-                select(func.count(Delivery.id)).where(
-                    Delivery.job_id == job_id, Delivery.status == DeliveryStatus.FAILED
-                )
-            )
-            if job.encoded_at is not None and undelivered:
-                now = utcnow()
-                failed = s.scalars(
-                    select(Delivery).where(
-                        Delivery.job_id == job_id, Delivery.status == DeliveryStatus.FAILED
-                    )
-                )
-                for d in failed.all():
+            now = utcnow()
+            unsent = s.scalars(
+                select(Delivery)
+                .where(Delivery.job_id == job_id, Delivery.status.in_(UNSENT_FINAL))
+                .order_by(Delivery.id)
+            ).all()
+            if job.encoded_at is not None and not unsent and self._all_sent(s, job_id):
+                # Cancelled while its last sends were in flight, which then succeeded: nothing
+                # to run or send again; it ends as sent (running it again would leave it
+                # encoded with nothing left to send).
+                move(s, job, JobState.ENCODED, now, kind="job-retried", message="send again")
+                move(s, job, JobState.SENT, now, message="all delivered before the retry")
+                job.reason = None
+                job.finished_at = now
+                return True
+            if job.encoded_at is not None and unsent:
+                for d in unsent:
                     move_delivery(s, d, DeliveryStatus.PENDING, now, "retried")
                     d.next_attempt_at = d.created_at = now
                     d.attempts = 0
-                move(s, job, JobState.ENCODED, utcnow(), kind="job-retried", message="send again")
+                    d.lease_until = None
+                move(s, job, JobState.ENCODED, now, kind="job-retried", message="send again")
+                self._notify(s)
             else:
-                move(s, job, JobState.QUEUED, utcnow(), kind="job-retried", message="run again")
+                move(s, job, JobState.QUEUED, now, kind="job-retried", message="run again")
             job.reason = None
             job.finished_at = None
             return True
 
+    @staticmethod
+    def _all_sent(s: Session, job_id: int) -> bool:
+        """Whether the job has deliveries and every one of them was sent."""
+        statuses = set(s.scalars(select(Delivery.status).where(Delivery.job_id == job_id)))
+        return statuses == {DeliveryStatus.SENT}
+
     def cancel_job(self, job_id: int) -> bool:
-        """Cancel a job that has not finished."""
+        """Cancel a job that has not finished; its deliveries not yet sent are cancelled
+        with it (no longer due nor pending; :meth:`retry_job` makes them pending again)."""
         with self._tx() as s:
             job = s.get(Job, job_id, with_for_update=True)
             if job is None or job.state not in ACTIVE_STATES:
@@ -490,6 +506,7 @@ class JobStore(Views, NodeStore):
             now = utcnow()
             move(s, job, JobState.CANCELLED, now, message=f"cancelled while {job.state}")
             job.finished_at = now
+            cancel_unsent(s, (job.id,), f"not sent: job {job.id} cancelled", now)
             return True
 
     def event(self, kind: str, message: str, *, job_id: int | None = None) -> None:

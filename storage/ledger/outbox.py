@@ -2,8 +2,15 @@
 
 Owns :class:`DueDelivery` and :class:`Outbox`: which deliveries are due, the start of an
 attempt (one plain statement on the hot connection), its outcome (sent, retry later, given
-up; the job becomes ``sent`` or ``failed``), deferring a destination that cannot be reached,
-expiring deliveries past their age.
+up; the job becomes ``sent`` or ``failed``, and a failed job's unsent deliveries are
+cancelled), deferring a destination that cannot be reached, expiring deliveries past their
+age; and :func:`cancel_unsent`, which ends the unsent deliveries of jobs that ended.
+
+Order per destination: a job's results go to each destination in their order (SEG, then SR,
+then any rejection note). A delivery is not due while an earlier one of its job to the same
+destination is unacknowledged and not due itself (:func:`_earlier_unsent`); one that is due
+behind such an earlier one carries their number (:attr:`DueDelivery.waits_on`), and the
+outbox sends it only once those were accepted in the same pass.
 
 Must not touch: job creation, claiming or results (the jobs module's); a delivery's status
 changes only through :func:`~segnode.storage.ledger.states.move_delivery`.
@@ -11,13 +18,14 @@ changes only through :func:`~segnode.storage.ledger.states.move_delivery`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import Select, case, func, select, update
 from sqlalchemy.engine import CursorResult
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from segnode.storage.ledger.connection import LedgerBase, utcnow
 from segnode.storage.ledger.states import DeliveryStatus, JobState, move, move_delivery
@@ -36,6 +44,9 @@ class DueDelivery:
     sop_instance_uid: str
     attempts: int
     sop_class_uid: str = ""
+    #: Earlier results of the job to this destination not acknowledged when it was selected
+    #: (they are due too, before it): send it only once all of them were accepted.
+    waits_on: int = 0
 
 
 #: What :meth:`Outbox.due_deliveries` selects: the fields of :class:`DueDelivery`, by name.
@@ -51,6 +62,32 @@ _DUE_COLUMNS = (
 )
 
 
+def _earlier_unsent(now: datetime | None = None) -> Select[int]:
+    """How many earlier results of a delivery's job (in a query joining its :class:`Result`)
+    to the same destination are unacknowledged; with ``now``, only those not due at ``now``
+    (pending until later, given up or cancelled), which hold the delivery back.
+
+    README "What comes back": SEG first, then SR; the SR must not reach a destination that
+    has not accepted the SEG it references (nor a rejection note one that has not accepted
+    the replacements it follows).
+    """
+    earlier, earlier_result = aliased(Delivery), aliased(Result)
+    query = (
+        select(func.count(earlier.id))
+        .join(earlier_result, earlier_result.id == earlier.result_id)
+        .where(
+            earlier.job_id == Delivery.job_id,
+            earlier.destination == Delivery.destination,
+            earlier.status != DeliveryStatus.SENT,
+            earlier_result.order < Result.order,
+        )
+    )
+    if now is not None:
+        due = (earlier.status == DeliveryStatus.PENDING) & (earlier.next_attempt_at <= now)
+        query = query.where(~due)
+    return query
+
+
 class Outbox(LedgerBase):
     """Deliveries and their attempts (a part of :class:`~segnode.storage.ledger.Ledger`)."""
 
@@ -58,6 +95,9 @@ class Outbox(LedgerBase):
         self, now: datetime | None = None, limit: int = 64, claim_s: float | None = None
     ) -> list[DueDelivery]:
         """Pending deliveries whose next attempt is due, oldest job first, SEG before SR.
+
+        One whose job's earlier result to the same destination is unacknowledged is due only
+        when that one is due too (it comes first), and says so (:attr:`DueDelivery.waits_on`).
 
         On a shared (PostgreSQL) ledger they are claimed: owned by this node, and not due
         for any other node (still due for this one) for ``claim_s`` seconds (default: the
@@ -68,7 +108,7 @@ class Outbox(LedgerBase):
         """
         now = now or utcnow()
         query = (
-            select(*_DUE_COLUMNS)
+            select(*_DUE_COLUMNS, _earlier_unsent().scalar_subquery().label("waits_on"))
             .join(Result, Result.id == Delivery.result_id)
             .join(Job, Job.id == Delivery.job_id)
             .join(Series, Series.id == Job.series_id)
@@ -77,6 +117,7 @@ class Outbox(LedgerBase):
             # Not while newer instances of the series wait for their job: that job will
             # supersede this one (a series that grows after encoding is not sent).
             .where(Series.pending_since.is_(None))
+            .where(_earlier_unsent(now).scalar_subquery() == 0)
             .order_by(Job.priority.desc(), Delivery.job_id, Result.order)
             .limit(limit)
         )
@@ -119,7 +160,8 @@ class Outbox(LedgerBase):
     def delivery_sending(self, delivery_id: int, claim_s: float | None = None) -> bool:
         """Record that the outbox starts an attempt of this delivery (the send stage); return
         False when it must not be sent: another node has taken it over (this node's claim ran
-        out) or it is no longer pending.
+        out) or it is no longer pending (settled since it was selected: its job was cancelled,
+        or failed through another delivery).
 
         One plain statement on the hot-path connection. SQLite: without a WAL fsync (losing
         the stamp to a power cut loses only a figure, and the attempt's outcome, the next
@@ -131,8 +173,8 @@ class Outbox(LedgerBase):
         with self._write_lock, self._hot_lock:
             hot = self._hot_connection()
             if self.dialect == "sqlite":
-                hot.execute(self._sql(_DELIVERY_SENDING), (stamp, delivery_id))
-                return True
+                cur = hot.execute(self._sql(_DELIVERY_SENDING), (stamp, delivery_id))
+                return bool(cur.rowcount)
             until = now + (self.lease if claim_s is None else timedelta(seconds=claim_s))
             cur = hot.execute(
                 self._sql(_DELIVERY_SENDING_CLAIMED),
@@ -185,7 +227,8 @@ class Outbox(LedgerBase):
             s.add(Event(at=utcnow(), kind="delivery-retry", job_id=d.job_id, message=error[:2048]))
 
     def delivery_failed(self, delivery_id: int, error: str) -> None:
-        """Give up on a delivery; the job fails with the reason."""
+        """Give up on a delivery; the job fails with the reason, and its other unsent
+        deliveries are cancelled (:func:`cancel_unsent`)."""
         now = utcnow()
         with self._tx() as s:
             d = s.get(Delivery, delivery_id)
@@ -195,7 +238,8 @@ class Outbox(LedgerBase):
             _give_up(s, d, error, now)
 
     def next_delivery_time(self) -> datetime | None:
-        """When the earliest pending delivery is due (and no other node's claim holds it)."""
+        """When the earliest pending delivery is due (and no other node's claim holds it;
+        one waiting for an earlier result to its destination is not counted)."""
         due = case(
             (Delivery.lease_until > Delivery.next_attempt_at, Delivery.lease_until),
             else_=Delivery.next_attempt_at,
@@ -203,8 +247,10 @@ class Outbox(LedgerBase):
         with self._read() as s:
             return s.scalar(  # type: ignore[no-any-return]
                 select(func.min(due))
+                .join(Result, Result.id == Delivery.result_id)
                 .join(Job, Job.id == Delivery.job_id)
                 .where(Delivery.status == DeliveryStatus.PENDING, Job.state == JobState.ENCODED)
+                .where(_earlier_unsent(utcnow()).scalar_subquery() == 0)
             )
 
     def defer_destination(
@@ -234,7 +280,8 @@ class Outbox(LedgerBase):
             return int(n or 0)
 
     def expire_deliveries(self, created_before: datetime, reason: str) -> list[int]:
-        """Fail pending deliveries older than ``created_before``; return the failed job ids."""
+        """Fail pending deliveries older than ``created_before``, and their jobs (whose other
+        unsent deliveries are cancelled); return the failed job ids."""
         now = utcnow()
         failed: list[int] = []
         with self._tx() as s:
@@ -246,30 +293,68 @@ class Outbox(LedgerBase):
                     Delivery.created_at < created_before,
                     Job.state == JobState.ENCODED,
                 )
+                .order_by(Delivery.id)
             ).all()
+            # Every expired delivery fails for its own age first; only then do the jobs fail
+            # and cancel what is left (younger deliveries).
             for d in rows:
-                job = _give_up(s, d, reason, now)
+                _fail(s, d, reason, now)
+            for d in rows:
+                job = _fail_job(s, d, reason, now)
                 if job is not None:
                     failed.append(job.id)
         return failed
 
 
+def cancel_unsent(s: Session, job_ids: Collection[int], why: str, now: datetime) -> int:
+    """Cancel the pending deliveries of ``job_ids`` (their jobs ended: superseded, cancelled
+    or failed), each recorded as a ``delivery-cancelled`` event with ``why``; return how many.
+
+    A cancelled delivery is no longer due, nor counted pending; one whose send is in flight
+    is still recorded ``sent`` if its acknowledgement arrives.
+    """
+    if not job_ids:
+        return 0
+    rows = s.scalars(
+        select(Delivery)
+        .where(Delivery.job_id.in_(job_ids), Delivery.status == DeliveryStatus.PENDING)
+        .order_by(Delivery.id)
+    ).all()
+    for d in rows:
+        move_delivery(s, d, DeliveryStatus.CANCELLED, now, why)
+        d.last_error = why[:1024]
+        d.lease_until = None
+    return len(rows)
+
+
 def _give_up(s: Session, d: Delivery, reason: str, now: datetime) -> Job | None:
-    """Fail delivery ``d`` for ``reason``, and with it its job when that job is waiting on
-    its deliveries (``encoded``); return the job when it failed."""
+    """Fail delivery ``d`` for ``reason``, and with it its job (:func:`_fail_job`)."""
+    _fail(s, d, reason, now)
+    return _fail_job(s, d, reason, now)
+
+
+def _fail(s: Session, d: Delivery, reason: str, now: datetime) -> None:
+    """Give up delivery ``d`` (pending) for ``reason``."""
     move_delivery(s, d, DeliveryStatus.FAILED, now, reason)
     d.last_error = reason[:1024]
     d.lease_until = None
+
+
+def _fail_job(s: Session, d: Delivery, reason: str, now: datetime) -> Job | None:
+    """Fail the job of the given-up delivery ``d`` when that job is waiting on its deliveries
+    (``encoded``), and cancel its other unsent deliveries with the reason; return the job
+    when it failed."""
     job = s.get(Job, d.job_id, with_for_update=True)
     if job is None or job.state != JobState.ENCODED:
         return None
     job.reason = f"delivery to {d.destination} failed: {reason}"[:2048]
     move(s, job, JobState.FAILED, now, message=job.reason)
     job.finished_at = now
+    cancel_unsent(s, (job.id,), f"not sent: job {job.id} failed ({job.reason})", now)
     return job
 
 
-_DELIVERY_SENDING = "UPDATE deliveries SET sending_at = ? WHERE id = ?"
+_DELIVERY_SENDING = "UPDATE deliveries SET sending_at = ? WHERE id = ? AND status = 'pending'"
 _DELIVERY_SENDING_CLAIMED = (
     "UPDATE deliveries SET sending_at = ?, lease_until = ? "
     "WHERE id = ? AND status = 'pending' AND owner = ?"

@@ -69,7 +69,13 @@ FINAL_STATES = tuple(state for state, moves in TRANSITIONS.items() if state not 
 
 
 class DeliveryStatus(StrEnum):
-    """Where one result's delivery to one destination is."""
+    """Where one result's delivery to one destination is.
+
+    ``failed``: this object was given up (its attempts or its age ran out, or it cannot be
+    sent). ``cancelled``: it was not sent because of its job - a newer version superseded
+    the job, an operator cancelled it, or another of its deliveries failed and the job
+    failed with it; its ``last_error`` and event say which.
+    """
 
     PENDING = "pending"
     SENT = "sent"
@@ -79,15 +85,19 @@ class DeliveryStatus(StrEnum):
 
 #: The moves a delivery may make (:func:`move_delivery`). A delivery given up (failed) or
 #: cancelled may still turn out sent: its acknowledgement arrived after it was given up, and
-#: the ledger records what happened.
+#: the ledger records what happened. An operator's retry of a failed or cancelled job puts
+#: its failed and cancelled deliveries back to pending (a superseded job is never retried).
 DELIVERY_MOVES: dict[DeliveryStatus, frozenset[DeliveryStatus]] = {
     DeliveryStatus.PENDING: frozenset(
         {DeliveryStatus.SENT, DeliveryStatus.FAILED, DeliveryStatus.CANCELLED}
     ),
     DeliveryStatus.FAILED: frozenset({DeliveryStatus.PENDING, DeliveryStatus.SENT}),
-    DeliveryStatus.CANCELLED: frozenset({DeliveryStatus.SENT}),
+    DeliveryStatus.CANCELLED: frozenset({DeliveryStatus.PENDING, DeliveryStatus.SENT}),
     DeliveryStatus.SENT: frozenset(),
 }
+
+#: Deliveries that will not be attempted again unless an operator retries their job.
+UNSENT_FINAL = (DeliveryStatus.FAILED, DeliveryStatus.CANCELLED)
 
 
 class TransitionError(RuntimeError):
