@@ -167,6 +167,9 @@ def ct_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
         tmp_path_factory.mktemp("fz"), PhantomGeometry(rows=16, columns=16, slices=1), seed=601
     )
     ds = dcmread(path)
+    # The dataset alone, as a C-STORE carries it: no preamble or File Meta Information.
+    ds.preamble = None
+    del ds.file_meta
     buf = BytesIO()
     ds.save_as(buf, enforce_file_format=False, implicit_vr=False, little_endian=True)
     return buf.getvalue()

@@ -458,6 +458,38 @@ def test_huge_pdata_pdu_is_aborted_at_once(make_node: Any) -> None:
     assert echo.returncode == 0, echo.stdout + echo.stderr
 
 
+@pytest.mark.interop
+def test_pdata_packed_with_empty_pdvs_is_aborted_without_growing(make_node: Any) -> None:
+    """1 MiB P-DATA-TF PDUs of header-only command PDVs not marked last (the audit's a01):
+    before, none counted against the command limit and each kept its PDU alive, 60 MiB sent
+    grew the node to 2.4 GiB. Now the first such PDV is an invalid PDU: A-ABORT."""
+    node: NodeProcess = make_node()
+    pid = node_pid(node)
+    steady_thread_count(pid)
+    rss_before = steady_rss_mib(pid)
+    s, announced = raw_association(node)
+    empty = struct.pack(">IBB", 2, 1, 0x01)  # command fragment, not last, no data
+    body = empty * (announced // len(empty))
+    pdu = struct.pack(">BBI", P_DATA_TF, 0, len(body)) + body
+    sent = 0
+    with s:
+        for _ in range(16):
+            try:
+                s.sendall(pdu)
+            except OSError:  # the node closed its end after the abort
+                break
+            sent += 1
+            if select.select([s], [], [], 0.05)[0]:  # the node answered
+                break
+        kind, reply = recv_pdu(s)
+    grown = rss_mib(pid) - rss_before
+    print(f"{sent} PDU(s) of {len(pdu)} bytes sent; answer {kind} {reply[:4]!r}; RSS +{grown:.0f}")
+    assert kind == A_ABORT and reply[2:4] == bytes([0x02, 0x06]), (kind, reply[:4])
+    assert grown < 64, f"RSS grew {grown:.0f} MiB"
+    echo = echoscu(node)
+    assert echo.returncode == 0, echo.stdout + echo.stderr
+
+
 # -- 3. C-STORE on a Verification-only association ------------------------------------------
 
 

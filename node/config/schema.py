@@ -79,6 +79,7 @@ class NodeConfig:
     max_associations: int = setting(16, 1, 1000)
     max_pending: int = setting(64, 1, 10_000)
     max_pending_per_host: int = setting(16, 1, 10_000)
+    max_associations_per_host: int = setting(0, 0, 1000)
     association_request_timeout_s: float = setting(10.0, 0.1, 600)
     network_timeout_s: float = setting(60.0, 1)
     min_transfer_rate_kib_s: float = setting(16.0, 0)

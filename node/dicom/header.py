@@ -4,6 +4,10 @@ The C-STORE handler gets the dataset as the peer encoded it. We parse the elemen
 Pixel Data (UIDs, modality, manufacturer) and then check the Pixel Data element's framing
 (declared length against the bytes that remain; for encapsulated data the sequence delimiter)
 so that a truncated transfer is refused with a failure status rather than acknowledged.
+
+A deflated dataset (PS3.5 §A.5) is inflated in bounded steps: a few megabytes of deflate can
+expand to gigabytes, so inflating stops, and the dataset is refused, once its output passes the
+node's instance size limit.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
+from pydicom.dataelem import RawDataElement
 from pydicom.dataset import Dataset
 from pydicom.filereader import read_dataset
 from pydicom.tag import BaseTag
@@ -45,6 +50,7 @@ _LONG_VRS = {
 
 #: Elements converted (and so validated) while the C-STORE is answered.
 CHECKED = (
+    "SOPClassUID",
     "SOPInstanceUID",
     "StudyInstanceUID",
     "SeriesInstanceUID",
@@ -58,8 +64,20 @@ CHECKED = (
 )
 
 
+#: Bound on the inflated size of a deflated dataset when the caller gives none: the default
+#: ``node.max_instance_mb``.
+DEFAULT_MAX_INFLATED = 1024 * 2**20
+
+#: Output of one inflate step; the bound is checked between steps.
+_INFLATE_STEP = 16 * 2**20
+
+
 class HeaderError(Exception):
     """The dataset cannot be understood (answer 0xC210 range)."""
+
+
+class InflateLimitError(HeaderError):
+    """A deflated dataset inflates past the size limit (answer 0xA700, out of resources)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +98,7 @@ def _stop_at_pixels(tag: BaseTag, _vr: str | None, _length: int) -> bool:
 class _ViewReader(io.RawIOBase):
     """A seekable read-only file over a buffer, without copying it (BytesIO would)."""
 
-    def __init__(self, data: bytes | memoryview) -> None:
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
         super().__init__()
         self._view = memoryview(data)
         self._pos = 0
@@ -111,7 +129,12 @@ class _ViewReader(io.RawIOBase):
         return self._pos
 
 
-def parse_header(stream: bytes | memoryview, transfer_syntax: str) -> Header:
+def parse_header(
+    stream: bytes | memoryview,
+    transfer_syntax: str,
+    *,
+    max_inflated: int = DEFAULT_MAX_INFLATED,
+) -> Header:
     """Parse the non-pixel elements of an encoded dataset and check its framing.
 
     Parameters
@@ -120,29 +143,33 @@ def parse_header(stream: bytes | memoryview, transfer_syntax: str) -> Header:
         The dataset as sent (no preamble or file meta).
     transfer_syntax
         The negotiated transfer syntax UID.
+    max_inflated
+        Most bytes a deflated dataset may inflate to (the node's instance size limit).
 
     Raises
     ------
+    InflateLimitError
+        If a deflated dataset inflates past ``max_inflated`` bytes.
     HeaderError
         If the elements cannot be parsed or Pixel Data is truncated.
     """
     implicit = transfer_syntax == ImplicitVRLittleEndian
     little = transfer_syntax != ExplicitVRBigEndian
-    data = stream
+    data: bytes | bytearray | memoryview = stream
     _check_vr_encoding(stream, transfer_syntax, implicit)
     if transfer_syntax == DeflatedExplicitVRLittleEndian:
-        try:
-            data = zlib.decompress(stream, -zlib.MAX_WBITS)
-        except zlib.error as exc:
-            raise HeaderError(f"deflated dataset cannot be inflated: {exc}") from exc
+        data = inflate(stream, max_inflated)
     fp = _ViewReader(data)
     try:
         ds = read_dataset(cast(BinaryIO, fp), implicit, little, stop_when=_stop_at_pixels)
+        _check_value_lengths(ds)
         # Convert the elements the SCP and the framing check read, so that a malformed value
         # of one of them fails here. The others stay raw (converting all of them cost ~1 ms
         # per instance); a malformed one fails the job later, with its reason.
         for keyword in CHECKED:
             _ = ds.get(keyword)
+    except HeaderError:
+        raise
     except Exception as exc:  # pydicom raises many types on garbage  # noqa: BLE001
         raise HeaderError(f"dataset cannot be parsed: {type(exc).__name__}: {exc}") from exc
     pos = fp.tell()
@@ -171,6 +198,40 @@ def parse_header(stream: bytes | memoryview, transfer_syntax: str) -> Header:
     return Header(dataset=ds, has_pixel_data=length is not None, pixel_span=span)
 
 
+def inflate(stream: bytes | memoryview, limit: int) -> bytearray:
+    """Inflate a Deflated Explicit VR Little Endian dataset (raw deflate, PS3.5 §A.5) in
+    steps of at most ``_INFLATE_STEP`` bytes, stopping as soon as the output passes ``limit``.
+
+    Raises
+    ------
+    InflateLimitError
+        If the dataset inflates to more than ``limit`` bytes.
+    HeaderError
+        If the stream is not valid deflate or ends before its last block.
+    """
+    inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+    out = bytearray()
+    pending: bytes | memoryview = stream
+    try:
+        while True:
+            chunk = inflater.decompress(pending, min(_INFLATE_STEP, limit + 1 - len(out)))
+            out += chunk
+            if len(out) > limit:
+                # (Short: it is the Error Comment, an LO of 64 characters.)
+                raise InflateLimitError(
+                    f"deflated dataset inflates past the {limit / 2**20:g} MiB instance limit"
+                )
+            pending = inflater.unconsumed_tail
+            # Input left, or output the last step had no room for: go on.
+            if inflater.eof or not (pending or chunk):
+                break
+    except zlib.error as exc:
+        raise HeaderError(f"deflated dataset cannot be inflated: {exc}") from exc
+    if not inflater.eof:
+        raise HeaderError("deflated dataset cannot be inflated: the deflate stream is truncated")
+    return out
+
+
 #: Value Representations (PS3.5 §6.2), to tell explicit from implicit VR encoding.
 _VRS = frozenset(
     b"AE AS AT CS DA DS DT FD FL IS LO LT OB OD OF OL OV OW PN SH SL SQ SS ST SV TM UC UI UL UN "
@@ -194,6 +255,21 @@ def _check_vr_encoding(stream: bytes | memoryview, transfer_syntax: str, implici
         raise HeaderError(f"dataset is not in explicit VR as {UID(transfer_syntax).name} requires")
 
 
+def _check_value_lengths(ds: Dataset) -> None:
+    """Each top-level element before Pixel Data must hold the bytes its length declares
+    (pydicom reads a value that runs past the end of the stream short, without an error)."""
+    for tag in ds.keys():  # noqa: SIM118 (iterating ds converts every element)
+        elem = ds.get_item(tag)
+        if not isinstance(elem, RawDataElement) or elem.length == 0xFFFFFFFF:
+            continue
+        value = elem.value
+        if value is not None and len(value) < elem.length:
+            raise HeaderError(
+                f"element {tag} declares {elem.length} bytes but only {len(value)} arrived "
+                "(truncated)"
+            )
+
+
 def _native_length(ds: Dataset) -> int | None:
     """Bytes that native (uncompressed) Pixel Data must hold, or None if unknown."""
     try:
@@ -209,7 +285,7 @@ def _native_length(ds: Dataset) -> int | None:
 
 
 def _check_pixel_framing(
-    data: bytes | memoryview, pos: int, implicit: bool, little: bool
+    data: bytes | bytearray | memoryview, pos: int, implicit: bool, little: bool
 ) -> tuple[int | None, int]:
     """Check the Pixel Data element's framing; return its declared length (None: absent) and
     where its value starts."""
@@ -249,7 +325,7 @@ def _check_pixel_framing(
     return int(length), start
 
 
-def _delimited_before_trailer(data: bytes | memoryview, start: int) -> bool:
+def _delimited_before_trailer(data: bytes | bytearray | memoryview, start: int) -> bool:
     """Walk encapsulated items; True if a sequence delimiter is reached inside ``data``."""
     pos = start
     while pos + 8 <= len(data):

@@ -21,11 +21,13 @@ action Table 9-10 names for it in the current ``Sta``. Where the work happens:
   within milliseconds of its connect; an idle or trickling connection is always the oldest).
   ARTIM runs over the whole request: a trickle cannot renew it.
 * **An association thread** is started only for an A-ASSOCIATE-RQ the local user accepted
-  (``Sta3`` -> AE-7 -> ``Sta6``), within ``max_associations``. It enforces the announced
-  maximum PDU length (a longer P-DATA-TF is an invalid PDU: A-ABORT before its body is read),
-  bounds command sets and datasets, and times the data phase: ``network_timeout`` of silence
-  between messages, and while a PDU or DIMSE message is in progress, ``network_timeout`` plus
-  the time its bytes take at ``min_rate`` (a peer that trickles cannot hold the association).
+  (``Sta3`` -> AE-7 -> ``Sta6``), within ``max_associations`` in all and
+  ``max_associations_per_host`` per address. It enforces the announced maximum PDU length (a
+  longer P-DATA-TF is an invalid PDU: A-ABORT before its body is read), bounds command sets and
+  datasets by their bytes on the wire and their number of fragments, and times the data phase:
+  ``network_timeout`` of silence between messages, and while a PDU or DIMSE message is in
+  progress, ``network_timeout`` plus the time its bytes take at ``min_rate`` (a peer that
+  trickles cannot hold the association).
 * DIMSE requests must match their presentation context: the Affected SOP Class UID must be the
   context's abstract syntax (0x0122 SOP Class Not Supported otherwise; nothing is stored).
 * The C-STORE handler returns a :class:`StoreOutcome`: the status, its Error Comment and the
@@ -50,7 +52,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -92,6 +94,10 @@ QUICKACK: int = getattr(socket, "TCP_QUICKACK", 0)
 MAX_ASSOCIATE_RQ = 256 << 10
 #: The largest DIMSE command set accepted (a real one is under 1 kB).
 MAX_COMMAND_BYTES = 64 << 10
+#: What a PDV counts against its message's limit at least: each fragment costs a memoryview
+#: and a list slot besides its wire bytes, so a message of tiny fragments must not cost more
+#: memory than its limit allows (a sender fragments to the maximum PDU length, kilobytes).
+MIN_FRAGMENT_COST = 1 << 10
 #: Listen backlog (the kernel caps it at net.core.somaxconn).
 BACKLOG = 1024
 #: In Sta13, bytes read and thrown away while waiting for the peer to close; beyond, close.
@@ -246,6 +252,37 @@ def _uint16(value: bytes | None, default: int = 0) -> int:
     return struct.unpack("<H", value[:2])[0] if value and len(value) >= 2 else default
 
 
+def _each_pdv(body: memoryview) -> Iterator[tuple[int, int, memoryview]]:
+    """The PDVs of a checked P-DATA-TF body: (context ID, control header, value)."""
+    offset, end = 0, len(body)
+    while offset < end:
+        (length,) = struct.unpack_from(">I", body, offset)
+        yield body[offset + 4], body[offset + 5], body[offset + 6 : offset + 4 + length]
+        offset += 4 + length
+
+
+def _fragment_cost(value: memoryview) -> int:
+    """What a PDV counts against its message's limit: its bytes on the wire (value and the
+    6-byte PDV header), at least :data:`MIN_FRAGMENT_COST`."""
+    return max(len(value) + 6, MIN_FRAGMENT_COST)
+
+
+def _context_fault(contexts: Iterable[PresentationContext]) -> str:
+    """What makes a decoded A-ASSOCIATE-RQ's presentation contexts invalid, "" if nothing: each
+    item has one abstract syntax and at least one transfer syntax (PS3.8 §9.3.2.2), and an ID
+    names one context (the A-ASSOCIATE-AC answers each ID once, §9.3.3.2)."""
+    seen: set[int | None] = set()
+    for cx in contexts:
+        if not cx.abstract_syntax:
+            return f"presentation context {cx.context_id} without an abstract syntax"
+        if not cx.transfer_syntax:
+            return f"presentation context {cx.context_id} without a transfer syntax"
+        if cx.context_id in seen:
+            return f"presentation context ID {cx.context_id} proposed twice"
+        seen.add(cx.context_id)
+    return ""
+
+
 def pdata_pdus(context_id: int, command: bytes, max_pdu: int) -> list[bytes]:
     """P-DATA-TF PDU(s) carrying a command set, split to the peer's maximum PDU length."""
     room = len(command) if max_pdu == 0 else max(1, max_pdu - 6)
@@ -290,6 +327,9 @@ class AcceptorOptions:
     #: Bytes per second a PDU or message in progress must average beyond ``network_timeout``.
     min_rate: float = 16 << 10
     max_associations: int = 16
+    #: Associations one IP address may hold at once; 0: half of ``max_associations``, at least
+    #: 4 (so one host cannot take every slot, and a modality may still send over 4 at once).
+    max_associations_per_host: int = 0
     max_pending: int = 64
     max_pending_per_host: int = 16
     #: Largest encoded dataset accepted in one C-STORE (0 = no limit); larger aborts.
@@ -301,21 +341,28 @@ class AcceptorOptions:
 
 
 class _RateLimitedWarning:
-    """A warning that, under a flood, is logged at most once per ``interval`` with a count."""
+    """A warning that, under a flood, is logged at most once per ``interval`` with a count;
+    called with a ``key`` (a peer's address), once per interval for each key."""
+
+    #: Keys remembered at most; past it, those whose interval has passed are forgotten.
+    MAX_KEYS = 1024
 
     def __init__(self, interval: float = 10.0) -> None:
         self.interval = interval
-        self._last = -1e9
-        self._suppressed = 0
+        # key -> (when last logged, how many suppressed since)
+        self._seen: dict[str, tuple[float, int]] = {}
 
-    def __call__(self, msg: str, *args: object) -> None:
+    def __call__(self, msg: str, *args: object, key: str = "") -> None:
         now = time.monotonic()
-        if now - self._last < self.interval:
-            self._suppressed += 1
+        last, suppressed = self._seen.get(key, (-1e9, 0))
+        if now - last < self.interval:
+            self._seen[key] = (last, suppressed + 1)
             return
-        if self._suppressed:
-            msg += f" ({self._suppressed} more like it in the last {self.interval:.0f} s)"
-        self._last, self._suppressed = now, 0
+        if suppressed:
+            msg += f" ({suppressed} more like it in the last {self.interval:.0f} s)"
+        if len(self._seen) >= self.MAX_KEYS:
+            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.interval}
+        self._seen[key] = (now, 0)
         log.warning(msg, *args)
 
 
@@ -354,6 +401,8 @@ class Acceptor:
         self._backoff = ACCEPT_BACKOFF_S[0]
         self._evicted = _RateLimitedWarning()
         self._refused = _RateLimitedWarning()
+        self._refused_host = _RateLimitedWarning()
+        self._per_host = options.max_associations_per_host or max(4, options.max_associations // 2)
         self._accept_failed = _RateLimitedWarning()
 
     @property
@@ -627,14 +676,26 @@ class Acceptor:
         """Sta3: reject (Evt8) or accept (Evt7, in the association's own thread)."""
         rejection = self._rejection(assoc)
         if rejection is None:
+            host = assoc.info.address
             with self._lock:
                 full = len(self._associations) >= self.options.max_associations
+                held = sum(1 for a in self._associations if a.info.address == host)
             if full:
                 self._refused(
                     "association from %r refused: %d associations already active",
                     assoc.info.calling_ae,
                     self.options.max_associations,
                 )
+            elif held >= self._per_host:
+                self._refused_host(
+                    "association from %r at %s refused: %d associations from that address "
+                    "already active",
+                    assoc.info.calling_ae,
+                    host,
+                    held,
+                    key=host,
+                )
+            if full or held >= self._per_host:
                 rejection = (0x02, 0x03, 0x02)  # transient, provider (presentation), local limit
         if rejection is not None:
             assoc.rejection = rejection
@@ -812,7 +873,7 @@ class _Association:
             self._send(pdu)
         return State.STA6
 
-    def _dt2(self, pdvs: list[tuple[int, int, memoryview]]) -> State:
+    def _dt2(self, pdvs: Iterable[tuple[int, int, memoryview]]) -> State:
         self._receive_pdvs(pdvs)
         return State.STA6
 
@@ -834,7 +895,7 @@ class _Association:
         self._start_artim()
         return State.STA13
 
-    def _ar6(self, pdvs: list[tuple[int, int, memoryview]]) -> State:
+    def _ar6(self, pdvs: Iterable[tuple[int, int, memoryview]]) -> State:
         # P-DATA while our A-RELEASE-RQ is outstanding: the node may not answer (no P-DATA
         # request is possible in Sta7), so a request that arrives now is neither stored nor
         # acknowledged; its sender sees the association end and sends it again.
@@ -1051,7 +1112,10 @@ class _Association:
             return
         if len(self._inbox) < 6 + length:
             return
-        raw, self._inbox = bytes(self._inbox[: 6 + length]), bytearray()
+        # What follows the request in the same read is the data phase's first bytes: kept for
+        # the association's thread (a peer that sends at once must not wait for a timeout).
+        raw = bytes(self._inbox[: 6 + length])
+        del self._inbox[: 6 + length]
         pdu = A_ASSOCIATE_RQ()
         try:
             pdu.decode(raw)
@@ -1060,6 +1124,12 @@ class _Association:
             log.warning(
                 "undecodable A-ASSOCIATE-RQ from %s (%s)", self.info.address, type(exc).__name__
             )
+            self.abort_reason = 0x06
+            self.fire(Event.EVT19)
+            return
+        fault = _context_fault(rq.presentation_context_definition_list)
+        if fault:
+            log.warning("invalid A-ASSOCIATE-RQ from %s (%s); aborting", self.info.address, fault)
             self.abort_reason = 0x06
             self.fire(Event.EVT19)
             return
@@ -1213,9 +1283,11 @@ class _Association:
         self.abort_reason = 0x02
         return event, None
 
-    def _pdvs(self, body: memoryview) -> list[tuple[int, int, memoryview]]:
-        """The PDVs of a P-DATA-TF (context ID, control header, value); an invalid PDU raises."""
-        pdvs = []
+    def _pdvs(self, body: memoryview) -> Iterator[tuple[int, int, memoryview]]:
+        """Check the PDV items of a P-DATA-TF (PS3.8 §9.3.5.1) and return them (context ID,
+        control header, value) one at a time: a PDU packed with PDVs builds no list of them,
+        and its message's limits stop it at the first fragment too many. An invalid PDU
+        raises."""
         offset, end = 0, len(body)
         if end < 6:
             raise ProtocolError("P-DATA-TF without a PDV", 0x06)
@@ -1228,15 +1300,24 @@ class _Association:
             cx_id, control = body[offset + 4], body[offset + 5]
             if cx_id not in self.info.contexts:
                 raise ProtocolError(f"PDV on presentation context {cx_id} not accepted", 0x06)
-            pdvs.append((cx_id, control, body[offset + 6 : offset + 4 + length]))
+            if length == 2 and not control & 0x02:
+                # An empty fragment carries nothing; only a last one has a meaning (a sender
+                # whose data ended on a fragment boundary may send it).
+                raise ProtocolError("empty PDV that is not the last fragment", 0x06)
             offset += 4 + length
-        return pdvs
+        return _each_pdv(body)
 
     def _read(self, n: int) -> memoryview:
         """Read exactly ``n`` bytes, within the data phase's time limits."""
         buf = bytearray(n)
         view = memoryview(buf)
-        got = 0
+        got = min(n, len(self._inbox))
+        if got:  # read with the A-ASSOCIATE-RQ, before this thread started
+            view[:got] = self._inbox[:got]
+            del self._inbox[:got]
+            if not self._busy:
+                self._busy, self._busy_since, self._busy_bytes = True, time.monotonic(), 0
+            self._busy_bytes += got
         conn = self.conn
         while got < n:
             try:
@@ -1275,7 +1356,7 @@ class _Association:
 
     # -- DIMSE message assembly ------------------------------------------------------------
 
-    def _receive_pdvs(self, pdvs: list[tuple[int, int, memoryview]]) -> None:
+    def _receive_pdvs(self, pdvs: Iterable[tuple[int, int, memoryview]]) -> None:
         try:
             for cx_id, control, value in pdvs:
                 if control & 0x01:
@@ -1288,14 +1369,19 @@ class _Association:
     def _on_command(self, cx_id: int, value: memoryview, last: bool) -> None:
         if self._pending is not None:
             raise ProtocolError("command received while a dataset was expected", 0x02)
-        self._command.append(value)
-        self._command_size += len(value)
+        if value:
+            self._command.append(value)
+        self._command_size += _fragment_cost(value)
         if self._command_size > MAX_COMMAND_BYTES:
-            raise ProtocolError(f"command set larger than {MAX_COMMAND_BYTES} bytes", 0x06)
+            raise ProtocolError(
+                f"command set over {MAX_COMMAND_BYTES} bytes (PDV headers included, "
+                f"at least {MIN_FRAGMENT_COST} a fragment)",
+                0x06,
+            )
         if not last:
             return
-        raw = value if len(self._command) == 1 else memoryview(b"".join(self._command))
-        self._command, self._command_size = [], 0
+        parts, self._command, self._command_size = self._command, [], 0
+        raw = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
         command = decode_command(raw)
         if _uint16(command.get(0x0800), NO_DATASET) != NO_DATASET:
             self._pending, self._pending_cx = command, cx_id
@@ -1306,11 +1392,16 @@ class _Association:
     def _on_dataset(self, cx_id: int, value: memoryview, last: bool) -> None:
         if self._pending is None or cx_id != self._pending_cx:
             raise ProtocolError("dataset fragment without its command", 0x02)
-        self._dataset.append(value)
-        self._dataset_size += len(value)
+        if value:
+            self._dataset.append(value)
+        self._dataset_size += _fragment_cost(value)
         limit = self.options.max_dataset_bytes
         if limit and self._dataset_size > limit:
-            raise ProtocolError(f"dataset larger than {limit} bytes", 0x00)
+            raise ProtocolError(
+                f"dataset over {limit} bytes (PDV headers included, "
+                f"at least {MIN_FRAGMENT_COST} a fragment)",
+                0x00,
+            )
         if not last:
             return
         parts, self._dataset, self._dataset_size = self._dataset, [], 0

@@ -6,8 +6,9 @@ association). The C-STORE handler follows pynetdicom's ``apps/common.py:handle_s
 it never decodes pixels and never waits for inference. It validates the request, parses the
 elements before Pixel Data, writes the bytes as received to the spool atomically, records the
 instance in the ledger, and only then answers 0x0000. Failures map to statuses (PS3.4
-§B.2.3) with an Error Comment (0000,0902) saying why: 0xA700 out of resources (disk or
-ledger), 0xA900 SOP instance mismatch, 0xC210-0xC212 cannot understand.
+§B.2.3) with an Error Comment (0000,0902) saying why: 0xA700 out of resources (disk, ledger,
+a deflated dataset inflating past the instance limit), 0xA900 data set does not match the
+request or its SOP class, 0xC210-0xC212 cannot understand.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 from segnode.node.config import Config, NodeConfig
 from segnode.node.dicom import tls
 from segnode.node.dicom.guards import AccessPolicy, DiskGuard, SeriesBudget
-from segnode.node.dicom.header import Header, HeaderError, parse_header
+from segnode.node.dicom.header import Header, HeaderError, InflateLimitError, parse_header
 from segnode.node.dicom.ul import (
     IMPLEMENTATION_CLASS_UID,
     IMPLEMENTATION_VERSION,
@@ -160,6 +161,7 @@ class StoreSCP:
             network_timeout=nc.network_timeout_s,
             min_rate=nc.min_transfer_rate_kib_s * 1024,
             max_associations=nc.max_associations,
+            max_associations_per_host=nc.max_associations_per_host,
             max_pending=nc.max_pending,
             max_pending_per_host=nc.max_pending_per_host,
             # An instance larger than a whole series may be is refused while it streams in.
@@ -462,15 +464,27 @@ class StoreSCP:
         sop_class, sop_uid, calling = req.sop_class_uid, req.sop_instance_uid, info.calling_ae
         ts = req.transfer_syntax
         try:
-            header = parse_header(req.dataset, ts)
+            header = parse_header(req.dataset, ts, max_inflated=self.options.max_dataset_bytes)
+        except InflateLimitError as exc:
+            log.warning(
+                "instance from %s refused: %s (%d bytes as sent)", calling, exc, len(req.dataset)
+            )
+            return OUT_OF_RESOURCES, str(exc)
         except HeaderError as exc:
             log.warning("refused unparseable instance from %s: %s", calling, exc)
             return CANNOT_UNDERSTAND, f"cannot parse dataset: {exc}"
         ds = header.dataset
-        ds_sop = str(ds.get("SOPInstanceUID", ""))
-        if ds_sop and ds_sop != sop_uid:
-            log.warning("refused instance whose SOP Instance UID differs from the request")
-            return SOP_MISMATCH, "SOP Instance UID differs from the C-STORE request"
+        mismatch = _mismatch(header, sop_class, sop_uid)
+        if mismatch is not None:
+            ds_class = str(ds.get("SOPClassUID", "")).rstrip("\x00 ")
+            log.warning(
+                "refused instance from %s: %s (request: %s; dataset: %s)",
+                calling,
+                mismatch,
+                UID(sop_class).name if sop_class else "none",
+                UID(ds_class).name if ds_class else "none",
+            )
+            return SOP_MISMATCH, mismatch
         study_uid = str(ds.get("StudyInstanceUID", ""))
         series_uid = str(ds.get("SeriesInstanceUID", ""))
         if not (valid_uid(study_uid) and valid_uid(series_uid)):
@@ -608,6 +622,33 @@ class StoreSCP:
         """After the response: tell metrics and the streaming decoder."""
         if self.on_instance is not None:
             self.on_instance(arrival)
+
+
+def _mismatch(header: Header, sop_class: str, sop_uid: str) -> str | None:
+    """Why a dataset does not match its C-STORE request or its SOP class (0xA900, PS3.4
+    §B.2.3), or None.
+
+    SOP Class UID and SOP Instance UID are Type 1 in every storage IOD (SOP Common module,
+    PS3.3 §C.12.1) and must be the request's Affected SOP Class and Instance UIDs (PS3.4
+    §B.4.1.1); the file meta written for the instance is built from the request, so a dataset
+    that contradicts it would be stored under another identity. Pixel Data is Type 1 in the
+    CT IODs the node processes (PS3.3 §A.3, §A.38); other classes are only recorded as
+    ignored, so their contents are not judged.
+    """
+    ds = header.dataset
+    ds_sop = str(ds.get("SOPInstanceUID", "")).rstrip("\x00 ")
+    if not ds_sop:
+        return "dataset has no SOP Instance UID (0008,0018)"
+    if ds_sop != sop_uid:
+        return "SOP Instance UID differs from the C-STORE request"
+    ds_class = str(ds.get("SOPClassUID", "")).rstrip("\x00 ")
+    if not ds_class:
+        return "dataset has no SOP Class UID (0008,0016)"
+    if ds_class != sop_class:
+        return "SOP Class UID differs from the C-STORE request"
+    if sop_class in CT_CLASSES and not header.has_pixel_data:
+        return f"{UID(sop_class).name} dataset has no Pixel Data (7FE0,0010)"
+    return None
 
 
 def record_from_file(path: Path) -> InstanceRecord:
