@@ -23,11 +23,13 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     SegmentationStorage,
     Verification,
 )
+from sqlalchemy import select
 
 from segnode.node.config import from_dict
 from segnode.node.ingest.scp import StoreSCP
 from segnode.node.ingest.series import CompletionLoop
 from segnode.storage.ledger import Ledger
+from segnode.storage.models import Event
 from segnode.storage.spool import Spool
 from tests.conftest import LOOPBACK, wait_for
 from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
@@ -142,6 +144,35 @@ def test_duplicate_acknowledged_once(h: Harness, series: list[Path]) -> None:
     assert send(a, series[0]) == 0
     a.release()  # type: ignore[attr-defined]
     assert h.ledger.counts()["instances"] == 1
+
+
+def test_a_resend_with_other_content_is_kept_out_but_reported(
+    h: Harness, series: list[Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same SOP Instance UID with other content (a corrected resend) is acknowledged and
+    the stored copy kept, as for any duplicate, but the difference is a warning and an event,
+    not passed over; an identical resend is neither."""
+    changed = dcmread(series[0])
+    changed.InstanceNumber = 999
+    changed.ImageComments = "corrected after the first send"
+    other = tmp_path / "changed.dcm"
+    changed.save_as(other, enforce_file_format=True)
+    a = h.assoc()
+    assert send(a, series[0]) == 0
+    with caplog.at_level("WARNING"):
+        assert send(a, series[0]) == 0  # identical
+        assert not [r for r in caplog.records if "other content" in r.getMessage()]
+        assert send(a, other) == 0
+    a.release()  # type: ignore[attr-defined]
+    assert h.ledger.counts()["instances"] == 1
+    stored = dcmread(h.ledger.instance_paths(str(changed.SeriesInstanceUID))[0])
+    assert "ImageComments" not in stored  # the first copy is kept
+    warned = [r.getMessage() for r in caplog.records if "other content" in r.getMessage()]
+    assert len(warned) == 1 and str(changed.SOPInstanceUID) in warned[0]
+    assert "send a corrected instance with a new SOP Instance UID" in warned[0]
+    with h.ledger._read() as s:
+        kinds = list(s.scalars(select(Event.kind).where(Event.kind == "duplicate-differs")))
+    assert len(kinds) == 1
 
 
 def test_split_over_two_associations(h: Harness, series: list[Path]) -> None:

@@ -535,7 +535,7 @@ class StoreSCP:
         sop_uid, series_uid = rec.sop_instance_uid, rec.series_instance_uid
         if not room or (over := self.budget.admits(series_uid, incoming)) is not None:
             if self.ledger.has_instance(sop_uid):
-                return self._duplicate(info, series_uid)
+                return self._duplicate(info, series_uid, sop_uid, incoming)
             if not room:
                 log.error("instance refused: free disk below node.min_free_disk_mb")
                 return OUT_OF_RESOURCES, "free disk below the node's floor"
@@ -551,7 +551,7 @@ class StoreSCP:
         try:
             if not self.ledger.record_instance(rec, path, incoming):
                 if self._recorded_file_whole(sop_uid, path):
-                    return self._duplicate(info, series_uid)
+                    return self._duplicate(info, series_uid, sop_uid, incoming)
                 # Recorded without its file (another node died, or this node's commit was
                 # not confirmed): this node stores it, and the row points at this copy,
                 # made durable before the answer.
@@ -589,8 +589,29 @@ class StoreSCP:
         # Retention deleted the files of a delivered series: a resend is a duplicate.
         return self.ledger.instance_purged(sop_uid)
 
-    def _duplicate(self, info: AssociationInfo, series_uid: str) -> _Status:
+    def _duplicate(
+        self, info: AssociationInfo, series_uid: str, sop_uid: str, incoming: int
+    ) -> _Status:
+        """Acknowledge an instance already stored; one whose size differs from the stored
+        copy's is a different instance under the same UID (a corrected resend): the stored copy
+        is kept, and the difference is logged and recorded as an event, not passed over."""
         log.info("duplicate instance from %s acknowledged, not stored again", info.calling_ae)
+        try:
+            found = self.ledger.instance_file(sop_uid)
+        except Exception as exc:  # the answer stays success: the instance is stored
+            log.warning("could not compare a duplicate with its stored copy: %s", exc)
+            found = None
+        if found is not None and found[1] != incoming:
+            message = (
+                f"instance {sop_uid} of series {series_uid} sent again by {info.calling_ae} "
+                f"with other content ({incoming} bytes; the stored copy has {found[1]}): the "
+                "stored copy is kept; send a corrected instance with a new SOP Instance UID"
+            )
+            log.warning("%s", message)
+            try:
+                self.ledger.event("duplicate-differs", message)
+            except Exception as exc:
+                log.warning("could not record the event: %s", exc)
         self.tracker.touched(info.id, series_uid)
         return SUCCESS
 
