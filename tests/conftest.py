@@ -248,3 +248,15 @@ def orthanc(tmp_path: Path) -> Iterator[Orthanc]:
     o = start_orthanc(tmp_path / "orthanc")
     yield o
     o.stop()
+
+
+@pytest.fixture
+def asm() -> Iterator[Any]:
+    """A started :class:`~segnode.node.ingest.streaming.StreamingAssembler` (2 decode
+    workers, 256 MiB), stopped after the test."""
+    from segnode.node.ingest.streaming import StreamingAssembler
+
+    a = StreamingAssembler(workers=2, max_bytes=256 * 2**20)
+    a.start()
+    yield a
+    a.stop()

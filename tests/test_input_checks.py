@@ -5,7 +5,7 @@ series whose completion raises."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,14 +106,6 @@ _BAD_INPUT: dict[str, tuple[Callable[[list[Dataset]], None], str]] = {
         r"instance 4 \(.*\): unreadable RescaleSlope 'abc'",
     ),
 }
-
-
-@pytest.fixture
-def asm() -> Iterator[StreamingAssembler]:
-    a = StreamingAssembler(workers=2, max_bytes=64 * 2**20)
-    a.start()
-    yield a
-    a.stop()
 
 
 @pytest.mark.filterwarnings("ignore:Invalid value for VR")

@@ -182,12 +182,7 @@ def test_max_age_fails_visibly_and_retry_failed_requeues(tmp_path: Path) -> None
     try:
         jobs = [encoded_job(led, data, [dest]) for _ in range(2)]
         cfg = outbox_config(data, [dest], max_age_s=0.5)
-        d = Dispatcher(cfg, led, rng=random.Random(3))
-        d.start()
-        try:
-            wait_for(lambda: all(led.job_state(j) == "failed" for j in jobs), 15, "jobs expired")
-        finally:
-            d.stop()
+        dispatch_until(cfg, led, jobs, "failed", seed=3)  # expired
         view = led.job(jobs[0])
         assert view is not None and view.reason is not None and "max_age_s" in view.reason
         assert {st for _, _, st, _ in view.deliveries} == {"failed"}
@@ -210,36 +205,25 @@ def test_max_age_fails_visibly_and_retry_failed_requeues(tmp_path: Path) -> None
     assert out.returncode == 0 and "requeued 2 failed job(s)" in out.stdout, out
     led = Ledger(data / "ledger.sqlite")
     scp = CountingSCP(port).start()
-    d = Dispatcher(outbox_config(data, [dest], max_age_s=60), led)
-    d.start()
     try:
-        wait_for(lambda: all(led.job_state(j) == "sent" for j in jobs), 15, "sent after retry")
+        dispatch_until(outbox_config(data, [dest], max_age_s=60), led, jobs, "sent")
     finally:
-        d.stop()
         scp.stop()
         led.close()
     assert sorted(scp.counts().values()) == [1, 1, 1, 1]
 
 
-def test_failure_status_uses_attempts_with_backoff(tmp_path: Path, ledger: Ledger) -> None:
-    """A destination that answers a failure status: attempts are used, then the job fails."""
-    scp = CountingSCP()
-    scp._handle_store = lambda event: 0xA700  # type: ignore[method-assign]
-    scp.start()
-    cfg = outbox_config(tmp_path, [scp.peer], max_attempts=3)
-    job_id = encoded_job(ledger, tmp_path, [scp.peer])
-    d = Dispatcher(cfg, ledger, rng=random.Random(5))
+def dispatch_until(
+    cfg: Config, led: Ledger, jobs: list[int], state: str, seed: int | None = None
+) -> None:
+    """Run a :class:`Dispatcher` on its thread until every job of ``jobs`` is in ``state``
+    (15 s at most), then stop it."""
+    d = Dispatcher(cfg, led, rng=None if seed is None else random.Random(seed))
     d.start()
     try:
-        wait_for(lambda: ledger.job_state(job_id) == "failed", 15, "job failed")
+        wait_for(lambda: all(led.job_state(j) == state for j in jobs), 15, f"jobs {state}")
     finally:
         d.stop()
-        scp.stop()
-    view = ledger.job(job_id)
-    assert view is not None and "0xA700" in (view.reason or "")
-    assert view.deliveries[0][3] == 3
-    retries = [e.at for e in events(ledger, "delivery-retry")]
-    assert len(retries) >= 2
 
 
 def answering(scp: CountingSCP, answer: Callable[[str], int]) -> list[tuple[str, int]]:
@@ -358,22 +342,19 @@ def test_sr_waits_for_the_seg_to_be_accepted(tmp_path: Path, ledger: Ledger) -> 
 
 
 def test_failed_delivery_ends_the_jobs_other_deliveries(tmp_path: Path, ledger: Ledger) -> None:
-    """A destination answering 0xA700 to everything: the SEG fails after max_attempts and the
-    job fails; the SR is never sent and ends cancelled with the reason, nothing stays
-    pending. ``segnode retry`` gives both a fresh set of attempts."""
+    """A destination answering 0xA700 to everything: each answer uses one attempt, with
+    backoff between; the SEG fails after max_attempts and the job fails; the SR is never
+    sent and ends cancelled with the reason, nothing stays pending. ``segnode retry`` gives
+    both a fresh set of attempts."""
     accept = [False]
     scp = CountingSCP()
     seen = answering(scp, lambda kind: 0 if accept[0] else 0xA700)
     scp.start()
     cfg = outbox_config(tmp_path, [scp.peer], max_attempts=3)
     job_id = encoded_job(ledger, tmp_path, [scp.peer])
-    d = Dispatcher(cfg, ledger, rng=random.Random(6))
-    d.start()
-    try:
-        wait_for(lambda: ledger.job_state(job_id) == "failed", 15, "job failed")
-    finally:
-        d.stop()
+    dispatch_until(cfg, ledger, [job_id], "failed", seed=6)
     assert seen == [("SEG", 0xA700)] * 3
+    assert len(events(ledger, "delivery-retry")) >= 2  # the attempts backed off between
     view = ledger.job(job_id)
     assert view is not None and "0xA700" in (view.reason or "")
     assert [(k, st, a) for k, _, st, a in view.deliveries] == [
@@ -390,12 +371,9 @@ def test_failed_delivery_ends_the_jobs_other_deliveries(tmp_path: Path, ledger: 
     assert view is not None and view.state == "encoded"
     assert [(st, a) for _, _, st, a in view.deliveries] == [("pending", 0), ("pending", 0)]
     accept[0] = True
-    d = Dispatcher(cfg, ledger, rng=random.Random(8))
-    d.start()
     try:
-        wait_for(lambda: ledger.job_state(job_id) == "sent", 15, "sent after retry")
+        dispatch_until(cfg, ledger, [job_id], "sent", seed=8)  # after the retry
     finally:
-        d.stop()
         scp.stop()
     view = ledger.job(job_id)
     assert view is not None and [a for *_, a in view.deliveries] == [1, 1]

@@ -32,9 +32,11 @@ from pynetdicom.sop_class import CTImageStorage, MRImageStorage  # type: ignore[
 
 from segnode.node.dicom.header import HeaderError, InflateLimitError, parse_header
 from segnode.node.ingest.scp import file_meta
-from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
+from tests import test_scp
 from tests.test_scp import Harness, send
 
+#: The small synthetic series of the C-STORE tests (a module-scoped fixture).
+series = test_scp.series
 MiB = 2**20
 CT = str(CTImageStorage)
 
@@ -44,12 +46,6 @@ def h(tmp_path: Path) -> Iterator[Harness]:
     harness = Harness(tmp_path / "node", max_instance_mb=1)
     yield harness
     harness.close()
-
-
-@pytest.fixture(scope="module")
-def slices(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    out = tmp_path_factory.mktemp("slices")
-    return write_synthetic_series(out, PhantomGeometry(rows=64, columns=64, slices=2))
 
 
 def fresh(path: Path) -> Dataset:
@@ -128,8 +124,8 @@ def test_inflate_stops_at_the_limit() -> None:
     assert peak < 8 * MiB
 
 
-def test_inflate_within_the_limit_and_truncated_stream(slices: list[Path]) -> None:
-    head = encoded(fresh(slices[0]))
+def test_inflate_within_the_limit_and_truncated_stream(series: list[Path]) -> None:
+    head = encoded(fresh(series[0]))
     stream = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
     whole = stream.compress(head) + stream.flush()
     header = parse_header(whole, DeflatedExplicitVRLittleEndian, max_inflated=len(head))
@@ -143,12 +139,12 @@ def test_inflate_within_the_limit_and_truncated_stream(slices: list[Path]) -> No
 
 def test_deflate_bomb_refused_with_a700_and_not_stored(
     h: Harness,
-    slices: list[Path],
+    series: list[Path],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    ds = fresh(slices[0])
+    ds = fresh(series[0])
     del ds.PixelData
     ds.Rows = ds.Columns = 2048  # 8 MiB of 16-bit pixels, eight times node.max_instance_mb
     data = bomb(encoded(ds), 2048 * 2048 * 2)
@@ -165,8 +161,8 @@ def test_deflate_bomb_refused_with_a700_and_not_stored(
     )
 
 
-def test_deflated_instance_within_the_limit_is_stored(h: Harness, slices: list[Path]) -> None:
-    ds = fresh(slices[1])
+def test_deflated_instance_within_the_limit_is_stored(h: Harness, series: list[Path]) -> None:
+    ds = fresh(series[1])
     ds.file_meta = FileMetaDataset()
     ds.file_meta.TransferSyntaxUID = DeflatedExplicitVRLittleEndian
     a = h.assoc(contexts=[(CT, DeflatedExplicitVRLittleEndian)])
@@ -206,14 +202,14 @@ def _no_pixels(ds: Dataset) -> None:
 )
 def test_mismatched_dataset_refused_with_a900(
     h: Harness,
-    slices: list[Path],
+    series: list[Path],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     mutate: Callable[[Dataset], None],
     reason: str,
 ) -> None:
-    ds = fresh(slices[0])
+    ds = fresh(series[0])
     sop_uid = str(ds.SOPInstanceUID)
     mutate(ds)
     with caplog.at_level(logging.WARNING, logger="segnode.node.ingest.scp"):
@@ -222,6 +218,6 @@ def test_mismatched_dataset_refused_with_a900(
     assert nothing_stored(h)
     assert any("MODALITY" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
     # The node keeps serving: the same slice, whole, is stored.
-    whole = fresh(slices[0])
+    whole = fresh(series[0])
     assert send_raw(h, tmp_path, monkeypatch, str(whole.SOPInstanceUID), encoded(whole)) == 0
     assert h.ledger.counts()["instances"] == 1

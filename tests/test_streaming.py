@@ -4,7 +4,6 @@ completeness fires once at the right instance, memory stays under the cap."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -67,14 +66,6 @@ def series_uid_of(path: Path) -> str:
     from pydicom import dcmread
 
     return str(dcmread(path, stop_before_pixels=True).SeriesInstanceUID)
-
-
-@pytest.fixture
-def asm() -> Iterator[StreamingAssembler]:
-    a = StreamingAssembler(workers=2, max_bytes=256 * 2**20)
-    a.start()
-    yield a
-    a.stop()
 
 
 @pytest.mark.parametrize(
