@@ -14,7 +14,7 @@ from segnode.node.config import NodeConfig, PeerRule, from_dict
 from segnode.node.dicom.guards import AccessPolicy, DiskGuard, SeriesBudget
 from segnode.node.ops.retention import Retention
 from segnode.storage.ledger import InstanceRecord, Ledger
-from segnode.storage.spool import Spool
+from segnode.storage.spool import Spool, write_atomic
 from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.scp_harness import SCPHarness, store
 from tests.test_outbox import encoded_job
@@ -195,6 +195,50 @@ def test_retention_deletes_delivered_series_only(tmp_path: Path) -> None:
         assert led.job(sent) is not None  # history stays
         off = Retention(replace(from_dict({}), data_dir=data), led)
         assert not off.enabled and off.maybe_run() == 0
+    finally:
+        led.close()
+
+
+def test_retention_keeps_a_series_whose_other_models_job_failed(tmp_path: Path) -> None:
+    """Two models' jobs of one series: one failed before its results (its retry runs again on
+    the spool files), the other sent. The series is kept until the retry succeeds; it used to
+    be purged because only the latest job was looked at, and the retry then found no files."""
+    from pydicom.uid import generate_uid
+
+    from segnode.storage.ledger import NewJob
+
+    data = tmp_path / "data"
+    led = Ledger(data / "ledger.sqlite")
+    try:
+        series, study = generate_uid(), generate_uid()
+        spool = data / "spool" / f"{generate_uid()}.dcm"
+        write_atomic(spool, b"x")
+        rec = InstanceRecord(
+            generate_uid(), "1.2.840.10008.5.1.4.1.1.2", series, study, "", "CT", "M"
+        )
+        led.record_instance(rec, spool, 1)
+        bad, good = led.create_jobs(
+            series, trigger="test", jobs=[NewJob("bad", "b", "e"), NewJob("good", "g", "e")]
+        )
+        for _ in range(2):
+            job = led.claim_next_job()
+            assert job is not None
+            if job.id == bad:
+                led.fail_job(bad, "ONNX file not found")
+            else:
+                assert led.save_results(good, [], [])  # nothing to send: done
+        assert led.job_state(bad) == "failed" and led.job_state(good) == "done"
+        cfg = from_dict({"retention": {"spool_days": 1e-5, "check_interval_s": 1}})
+        r = Retention(replace(cfg, data_dir=data), led)
+        r.spool_root = data / "spool"
+        time.sleep(1.0)
+        assert r.run_once() == 0 and spool.exists()  # the failed job may be retried
+        assert led.retry_job(bad)
+        job = led.claim_next_job()
+        assert job is not None and job.id == bad and spool.exists()
+        assert led.save_results(bad, [], [])
+        time.sleep(1.0)
+        assert r.run_once() == 1 and not spool.exists()  # retried and done: let go
     finally:
         led.close()
 

@@ -20,6 +20,10 @@ from segnode.storage.ledger.connection import LedgerBase, utcnow
 from segnode.storage.ledger.states import ACTIVE_STATES, JobState
 from segnode.storage.models import Event, Instance, Job, Series, SpoolPurge
 
+#: A job in these states may be retried (``segnode retry``); one not yet encoded runs again
+#: on the series' spool files.
+_RETRYABLE = (JobState.FAILED, JobState.CANCELLED)
+
 
 class Retention(LedgerBase):
     """Retention's questions and records (a part of :class:`~segnode.storage.ledger.Ledger`)."""
@@ -27,6 +31,11 @@ class Retention(LedgerBase):
     def purge_candidates(self, finished_before: datetime, limit: int = 50) -> list[PurgeCandidate]:
         """Series whose latest job finished (``sent``, or ``done``) before ``finished_before``,
         with nothing pending, not purged since.
+
+        A series with a job still working, or one that failed or was cancelled before its
+        results were encoded (an operator's retry runs it again on these files), is kept,
+        whichever model's job it is: only a retry that succeeds, or a newer version of the
+        series, lets it go.
         """
         with self._read() as s:
             latest = (
@@ -37,7 +46,13 @@ class Retention(LedgerBase):
             sibling = aliased(Job)  # another model's job of the series, still working
             busy = (
                 select(sibling.id)
-                .where(sibling.series_id == Series.id, sibling.state.in_(ACTIVE_STATES))
+                .where(
+                    sibling.series_id == Series.id,
+                    or_(
+                        sibling.state.in_(ACTIVE_STATES),
+                        sibling.state.in_(_RETRYABLE) & sibling.encoded_at.is_(None),
+                    ),
+                )
                 .exists()
             )
             rows = s.execute(
