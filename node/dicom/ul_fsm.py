@@ -14,7 +14,8 @@ defines an outcome for *every* state x event pair (13 x 19 = 247):
   ignores the network and timer ones and refuses the local primitives
   (:class:`InvalidTransition`), leaving the state as it was.
 
-The acceptor (:mod:`segnode.node.dicom.ul`) performs the actions; this module only says which one.
+The acceptor (:mod:`segnode.node.dicom.ul`; one association's actions in
+:mod:`segnode.node.dicom.ul_association`) performs the actions; this module only says which one.
 """
 
 from __future__ import annotations
