@@ -215,7 +215,13 @@ class StoreSCP:
             log.info(
                 "DICOM TLS (min %s, client certificate %s) on %s:%d",
                 tc.min_version,
-                "required" if tc.require_client_cert else "optional",
+                (
+                    "not requested (no tls.ca_file)"
+                    if tc.ca_file is None
+                    else "required"
+                    if tc.require_client_cert
+                    else "optional"
+                ),
                 nc.host,
                 self.tls_port or self.port,
             )
