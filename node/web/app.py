@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,17 +120,38 @@ class Console:
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
 
 
-def host_name(header: str) -> str:
-    """The host of a ``Host`` header, lower case, without the port (``[::1]`` kept whole)."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header.partition("]")[0] + "]"
-    return header.partition(":")[0]
+#: A ``Host`` header (RFC 9110 7.2, RFC 3986 3.2.2): an IP literal in brackets, or a name or
+#: IPv4 address (RFC 3986's unreserved characters: ``_`` occurs in real host names), then an
+#: optional port. Nothing else may follow the host.
+_HOST = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9._~-]+)(:[0-9]{0,5})?")
+
+#: Bytes of a request head (request line and header fields) that the console answers; a
+#: larger one is refused with 431. The server (h11) also stops buffering an incomplete head
+#: at this size (:mod:`segnode.node.web.server`).
+MAX_HEAD_BYTES = 32 * 1024
+
+#: Job ids are SQLite integers (1 to 2**63 - 1); any other number names no job.
+MAX_JOB_ID = 2**63 - 1
+_JOB_ID = re.compile(r"[0-9]{1,19}")
+
+
+def head_size(scope: Scope) -> int:
+    """The size of a request's head as sent, near enough: its request line and fields."""
+    line = len(scope["method"]) + len(scope.get("raw_path", b"")) + len(scope["query_string"])
+    return line + 12 + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+
+
+def host_name(header: str) -> str | None:
+    """The host of a ``Host`` header, lower case, without the port (``[::1]`` kept whole);
+    None when the header is not a host and optional port."""
+    m = _HOST.fullmatch(header.strip().lower())
+    return m.group(1) if m else None
 
 
 class SecurityHeaders:
-    """ASGI middleware adding :data:`SECURITY_HEADERS` (and ``no-store`` on the API), and
-    refusing (400) a ``Host`` header outside ``hosts`` (None: any)."""
+    """ASGI middleware adding :data:`SECURITY_HEADERS` (and ``no-store`` on the API),
+    refusing (431) a head over :data:`MAX_HEAD_BYTES`, and refusing (400) a ``Host`` header
+    outside ``hosts`` (None: any), a malformed one, or more than one."""
 
     def __init__(self, app: ASGIApp, hosts: frozenset[str] | None = None) -> None:
         self.app = app
@@ -140,12 +162,14 @@ class SecurityHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.hosts is not None:
-            host = next((v for k, v in scope["headers"] if k == b"host"), b"")
-            if host_name(host.decode("latin-1")) not in self.hosts:
-                refusal = _error(400, "unexpected Host header (this console is for loopback)")
-                await refusal(scope, receive, send)
-                return
+        if head_size(scope) > MAX_HEAD_BYTES:
+            too_large = _error(431, f"request head over {MAX_HEAD_BYTES // 1024} KiB")
+            await too_large(scope, receive, send)
+            return
+        refusal = self._host_refusal([v for k, v in scope["headers"] if k == b"host"])
+        if refusal is not None:
+            await _error(400, refusal)(scope, receive, send)
+            return
         api = str(scope.get("path", "")).startswith("/api/")
 
         async def send_with_headers(message: Message) -> None:
@@ -158,6 +182,20 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+    def _host_refusal(self, hosts: list[bytes]) -> str | None:
+        """Why the ``Host`` headers ``hosts`` are refused, or None. More than one, or one
+        that is not a host (``[::1]evil.com``), is always refused (RFC 9112 3.2); none (or an
+        empty one) only when ``hosts`` is set."""
+        if len(hosts) > 1:
+            return "more than one Host header"
+        raw = hosts[0].decode("latin-1").strip() if hosts else ""
+        name = host_name(raw) if raw else None
+        if raw and name is None:
+            return "malformed Host header"
+        if self.hosts is not None and name not in self.hosts:
+            return "unexpected Host header (this console is for loopback)"
+        return None
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -182,6 +220,10 @@ class _BadRequest(Exception):
     """A query parameter is invalid (answered with 400 and the message)."""
 
 
+class _NotFound(Exception):
+    """The path names nothing (answered with 404 and the message)."""
+
+
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
@@ -196,7 +238,8 @@ def create_app(console: Console) -> Starlette:
     access, ledger = console.access, console.ledger
 
     def guarded(fn: Endpoint, *, action: bool = False) -> Endpoint:
-        """``fn`` behind the token rules; a bad query parameter answers 400."""
+        """``fn`` behind the token rules; a bad query parameter answers 400, a path that
+        names nothing 404."""
 
         async def endpoint(request: Request) -> Response:
             if (action or access.reads_need_token) and not access.allows(request):
@@ -207,11 +250,20 @@ def create_app(console: Console) -> Starlette:
                 return await fn(request)
             except _BadRequest as exc:
                 return _error(400, str(exc))
+            except _NotFound as exc:
+                return _error(404, str(exc))
 
         return endpoint
 
     def job_id(request: Request) -> int:
-        return int(request.path_params["job_id"])
+        """The path's job id. Anything no job can have (not 1 to 2**63 - 1, the SQLite
+        integers) names an unknown job; the path is parsed here, not by Starlette's ``int``
+        convertor, which raises on 4,300 digits and more."""
+        raw = request.path_params["job_id"]
+        jid = int(raw) if _JOB_ID.fullmatch(raw) else 0
+        if not 1 <= jid <= MAX_JOB_ID:
+            raise _NotFound(f"job {raw[:32]} does not exist")
+        return jid
 
     async def healthz(_request: Request) -> Response:
         return JSONResponse({"ok": True})
@@ -299,15 +351,15 @@ def create_app(console: Console) -> Starlette:
         Route("/readyz", readyz),
         Route("/api/v1/status", guarded(status)),
         Route("/api/v1/jobs", guarded(jobs)),
-        Route("/api/v1/jobs/{job_id:int}", guarded(job)),
-        Route("/api/v1/jobs/{job_id:int}/preview.png", guarded(preview)),
+        Route("/api/v1/jobs/{job_id}", guarded(job)),
+        Route("/api/v1/jobs/{job_id}/preview.png", guarded(preview)),
         Route(
-            "/api/v1/jobs/{job_id:int}/retry",
+            "/api/v1/jobs/{job_id}/retry",
             guarded(action("retry", ledger.retry_job, "is not failed or cancelled"), action=True),
             methods=["POST"],
         ),
         Route(
-            "/api/v1/jobs/{job_id:int}/cancel",
+            "/api/v1/jobs/{job_id}/cancel",
             guarded(action("cancel", ledger.cancel_job, "is not active"), action=True),
             methods=["POST"],
         ),
