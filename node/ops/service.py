@@ -509,12 +509,23 @@ class Node:
         quiet-period scan runs on the completion thread)."""
         tick = self._tick
         wd = self.notifier.watchdog_interval()
+        # A ping every quarter of systemd's watchdog timeout, on a schedule of its own: the
+        # wait is cut by the time the tick's work took (the lease, retention, the status
+        # line's ledger counts, slow on a loaded disk), so the gap between two pings is that
+        # work or the beat, whichever is longer, not their sum.
+        beat = None if wd is None else wd / 2
+        next_ping = time.monotonic()
         last_status = 0.0
-        while not self._stop.wait(tick if wd is None else min(tick, wd)):
+        while True:
+            wait = tick if beat is None else min(tick, max(0.0, next_ping - time.monotonic()))
+            if self._stop.wait(wait):
+                break
+            if beat is not None and time.monotonic() >= next_ping:
+                next_ping = time.monotonic() + beat
+                if self.healthy():
+                    self.notifier.send("WATCHDOG=1")
             self._keep_lease()
             self.retention.maybe_run()
-            if wd is not None and self.healthy():
-                self.notifier.send("WATCHDOG=1")
             if time.monotonic() - last_status > 5:
                 last_status = time.monotonic()
                 self.notifier.send(f"STATUS={self.status_line()}")
