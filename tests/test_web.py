@@ -345,7 +345,8 @@ def test_actions_refused_without_a_token_file(tmp_path: Path) -> None:
         ledger.close()
 
 
-def test_https_with_the_node_certificate(tmp_path: Path) -> None:
+def web_certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, made with openssl."""
     openssl = require_tool("openssl")
     cert, key = tmp_path / "web.pem", tmp_path / "web.key"
     subprocess.run(
@@ -354,6 +355,11 @@ def test_https_with_the_node_certificate(tmp_path: Path) -> None:
          "-addext", "subjectAltName=IP:127.0.0.1"],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
+    return cert, key
+
+
+def test_https_with_the_node_certificate(tmp_path: Path) -> None:
+    cert, key = web_certificate(tmp_path)
     from segnode.node.web.app import Access, Console, create_app
     from segnode.node.web.server import WebServer, https_context
     from segnode.storage.ledger import Ledger

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import ssl
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,8 @@ from typing import Any
 import pytest
 
 from segnode.node.config import TLSConfig
-from tests.conftest import LOOPBACK, require_tool
+from tests.conftest import LOOPBACK
+from tests.test_web import web_certificate
 
 TOKEN = "s3cret-token-for-the-limit-tests-0123456789"
 HALF_SENT = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # no blank line: the head never ends
@@ -170,18 +170,6 @@ def test_a_request_must_arrive_within_the_deadline(tmp_path: Path, servers: Any)
             s.close()
 
 
-def _certificate(tmp_path: Path) -> tuple[Path, Path]:
-    openssl = require_tool("openssl")
-    cert, key = tmp_path / "web.pem", tmp_path / "web.key"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return cert, key
-
-
 def _half_client_hello() -> bytes:
     ctx = ssl.create_default_context()
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
@@ -198,7 +186,7 @@ def test_tls_handshakes_count_and_have_a_deadline(tmp_path: Path, servers: Any) 
     they are closed at once; HTTPS still works afterwards."""
     from segnode.node.web.server import https_context
 
-    cert, key = _certificate(tmp_path)
+    cert, key = web_certificate(tmp_path)
     tls = https_context(TLSConfig(cert_file=cert, key_file=key, min_version="1.2"))
     server = start_server(
         tmp_path, servers, ssl_context=tls, max_connections=3, request_timeout_s=2.0
