@@ -14,10 +14,10 @@ from segnode.node.config import NodeConfig, PeerRule, from_dict
 from segnode.node.dicom.guards import AccessPolicy, DiskGuard, SeriesBudget
 from segnode.node.ops.retention import Retention
 from segnode.storage.ledger import InstanceRecord, Ledger
-from segnode.storage.spool import Spool, write_atomic
+from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.scp_harness import SCPHarness, store
-from tests.test_outbox import encoded_job
+from tests.test_outbox import encoded_job, one_instance
 
 
 @pytest.fixture(scope="module")
@@ -210,13 +210,8 @@ def test_retention_keeps_a_series_whose_other_models_job_failed(tmp_path: Path) 
     data = tmp_path / "data"
     led = Ledger(data / "ledger.sqlite")
     try:
-        series, study = generate_uid(), generate_uid()
-        spool = data / "spool" / f"{generate_uid()}.dcm"
-        write_atomic(spool, b"x")
-        rec = InstanceRecord(
-            generate_uid(), "1.2.840.10008.5.1.4.1.1.2", series, study, "", "CT", "M"
-        )
-        led.record_instance(rec, spool, 1)
+        series = generate_uid()
+        spool = one_instance(led, data, series, generate_uid())
         bad, good = led.create_jobs(
             series, trigger="test", jobs=[NewJob("bad", "b", "e"), NewJob("good", "g", "e")]
         )

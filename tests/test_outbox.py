@@ -54,13 +54,19 @@ def result_file(path: Path, sop_class: str, sop_uid: str, study: str, **attribut
     return path
 
 
-def encoded_job(ledger: Ledger, out: Path, destinations: list[str]) -> int:
-    """Record one instance, make a job, claim it and save SEG + SR results: an encoded job."""
-    study, series = generate_uid(), generate_uid()
+def one_instance(ledger: Ledger, out: Path, series: str, study: str) -> Path:
+    """Record one CT instance of ``series`` (a one-byte spool file under ``out``); its path."""
     spool = out / "spool" / f"{generate_uid()}.dcm"
     write_atomic(spool, b"x")
     rec = InstanceRecord(generate_uid(), "1.2.840.10008.5.1.4.1.1.2", series, study, "", "CT", "M")
     ledger.record_instance(rec, spool, 1)
+    return spool
+
+
+def encoded_job(ledger: Ledger, out: Path, destinations: list[str]) -> int:
+    """Record one instance, make a job, claim it and save SEG + SR results: an encoded job."""
+    study, series = generate_uid(), generate_uid()
+    one_instance(ledger, out, series, study)
     job_id = ledger.create_job(series, trigger="test", model="m", engine="e")
     assert job_id is not None
     job = ledger.claim_next_job()
