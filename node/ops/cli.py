@@ -174,13 +174,14 @@ def cmd_db(args: argparse.Namespace) -> int:
     from sqlalchemy import create_engine
     from sqlalchemy.pool import NullPool
 
+    from segnode.node.ops.service import make_data_dir
     from segnode.storage import migrations
 
     cfg = _config(args)
     url, where = ledger_url(cfg)
     if args.db_command == "upgrade":
         if url.startswith("sqlite"):
-            cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_data_dir(cfg.data_dir)  # a file in its place: a configuration error
             os.umask(0o077)
         found = migrations.upgrade_database(url)
         if found.alembic == migrations.HEAD:
