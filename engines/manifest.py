@@ -766,22 +766,28 @@ def _composite(raw: dict[str, Any], p: Path) -> ModelManifest:
     return ModelManifest(
         name=name,
         version=version,
-        onnx_path=first.onnx_path,
         labels=labels,
-        patch_size=first.patch_size,
-        overlap=first.overlap,
-        input_name=first.input_name,
-        output_name=first.output_name,
-        output_kind=first.output_kind,
-        batch_min=first.batch_min,
-        batch_opt=first.batch_opt,
-        batch_max=first.batch_max,
+        **{key: getattr(first, key) for key in _FROM_FIRST_PART},
         fp16=all(part.manifest.fp16 for part in parts),
         extra={k: v for k, v in raw.items() if k not in _COMPOSITE_KEYS},
         manifest_version=2,
         parts=tuple(parts),
     )
 
+
+#: The fields a composite's own manifest takes from its first part (each part still runs
+#: with its own, from :attr:`ModelManifest.parts`).
+_FROM_FIRST_PART = (
+    "onnx_path",
+    "patch_size",
+    "overlap",
+    "input_name",
+    "output_name",
+    "output_kind",
+    "batch_min",
+    "batch_opt",
+    "batch_max",
+)
 
 _KNOWN_V1 = {
     "name",

@@ -124,6 +124,11 @@ class Branch(enum.Enum):
     IF_REQUESTOR = "the local user is the association-requestor", S.STA9, S.STA10
 
 
+#: The two descriptions too long for one row of the table below.
+_AE_6 = "Stop ARTIM; issue an A-ASSOCIATE indication, or send A-ASSOCIATE-RJ and start ARTIM"
+_AA_8 = "Send A-ABORT PDU (service-provider source), issue A-P-ABORT indication, start ARTIM"
+
+
 class Action(_Standard):
     """PS3.8 §9.2.3 actions: the name, the description and the state the action leads to, or
     the :class:`Branch` that decides between two."""
@@ -146,11 +151,7 @@ class Action(_Standard):
     AE_3 = "AE-3", "Issue A-ASSOCIATE confirmation (accept) primitive", S.STA6
     AE_4 = "AE-4", "Issue A-ASSOCIATE confirmation (reject), close transport", S.STA1
     AE_5 = "AE-5", "Issue transport connection response; start ARTIM timer", S.STA2
-    AE_6 = (
-        "AE-6",
-        "Stop ARTIM; issue an A-ASSOCIATE indication, or send A-ASSOCIATE-RJ and start ARTIM",
-        Branch.IF_ACCEPTABLE,
-    )
+    AE_6 = "AE-6", _AE_6, Branch.IF_ACCEPTABLE
     AE_7 = "AE-7", "Send A-ASSOCIATE-AC PDU", S.STA6
     AE_8 = "AE-8", "Send A-ASSOCIATE-RJ PDU and start ARTIM timer", S.STA13
     DT_1 = "DT-1", "Send P-DATA-TF PDU", S.STA6
@@ -172,11 +173,7 @@ class Action(_Standard):
     AA_5 = "AA-5", "Stop ARTIM timer", S.STA1
     AA_6 = "AA-6", "Ignore PDU", S.STA13
     AA_7 = "AA-7", "Send A-ABORT PDU", S.STA13
-    AA_8 = (
-        "AA-8",
-        "Send A-ABORT PDU (service-provider source), issue A-P-ABORT indication, start ARTIM",
-        S.STA13,
-    )
+    AA_8 = "AA-8", _AA_8, S.STA13
 
 
 class _NotPossible:
