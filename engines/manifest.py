@@ -393,12 +393,22 @@ def load_manifest(path: str | Path) -> ModelManifest:
     p = Path(path)
     if p.suffix == ".onnx":
         p = p.with_suffix(".json")
+    return _from_raw(_read(p), p)
+
+
+def _read(p: Path) -> dict[str, Any]:
+    """The manifest file's JSON object."""
     try:
         raw = json.loads(p.read_text())
     except (OSError, ValueError) as exc:
         raise ManifestError(f"cannot read model manifest {p}: {exc}") from exc
     if not isinstance(raw, dict):
         raise ManifestError(f"{p}: a manifest is a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _from_raw(raw: dict[str, Any], p: Path) -> ModelManifest:
+    """:func:`load_manifest` once the file is read."""
     version = raw.get("manifest_version", 1)
     if version not in MANIFEST_VERSIONS or isinstance(version, bool):
         raise ManifestError(f"{p}: manifest_version: unsupported {version!r} (supported: 1, 2)")
@@ -731,11 +741,16 @@ def _composite(raw: dict[str, Any], p: Path) -> ModelManifest:
         path = (p.parent / entry["manifest"]).resolve()
         if not path.is_file():
             raise ManifestError(f"{where}.manifest: no such file {path}")
-        part = load_manifest(path)
-        if part.manifest_version != 2 or part.parts:
-            kind = "a composite" if part.parts else f"a version-{part.manifest_version} manifest"
+        part_raw = _read(path)
+        if "parts" in part_raw:  # refused before it is read: it could name this file again
             raise ManifestError(
-                f"{where}.manifest: {path} is {kind}; parts are version-2 trained models"
+                f"{where}.manifest: {path} is a composite; parts are version-2 trained models"
+            )
+        part = _from_raw(part_raw, path)
+        if part.manifest_version != 2:
+            raise ManifestError(
+                f"{where}.manifest: {path} is a version-{part.manifest_version} manifest; "
+                "parts are version-2 trained models"
             )
         mapping = entry.get("labels")
         if not isinstance(mapping, dict) or not mapping:

@@ -508,6 +508,11 @@ def test_composite_parts_are_version_2_single_models(composite_dir: Path) -> Non
     )
     with pytest.raises(ManifestError, match=r"parts\[0\]\.manifest: .* is a composite"):
         load_manifest(nested)
+    # A composite that names itself (or a composite naming it back) is refused the same way,
+    # not by running out of stack.
+    nested.write_text(nested.read_text().replace(inner.name, nested.name))
+    with pytest.raises(ManifestError, match=r"parts\[0\]\.manifest: .* is a composite"):
+        load_manifest(nested)
     raw_v1 = {**json.loads(inner.read_text()), "manifest_version": 1}
     inner.write_text(json.dumps(raw_v1))
     with pytest.raises(ManifestError, match="parts: a composite model needs manifest_version 2"):
