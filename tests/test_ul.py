@@ -13,10 +13,12 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import sqlite3
 import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydicom import dcmread
@@ -44,7 +46,7 @@ from segnode.node.dicom.ul import (
 from segnode.node.ingest.scp import file_meta
 from segnode.node.ingest.streaming import Arrival
 from segnode.storage.ledger import InstanceRecord, Ledger
-from segnode.storage.spool import Spool, SpoolError, _after
+from segnode.storage.spool import Spool, SpoolError, Staged, StagingFile, _after
 from tests.conftest import LOOPBACK
 from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 from tests.scp_harness import SCPHarness, store
@@ -496,6 +498,64 @@ def test_a_failed_write_takes_back_the_row_committed_beside_it(
     a.release()
     assert h.ledger.counts()["instances"] == 1
     assert len(list(h.spool.root.rglob("*.dcm"))) == 1
+
+
+def test_a_failed_folder_sync_removes_the_renamed_file(
+    h: SCPHarness, ct: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file is renamed into the spool, then its folder's sync fails (EMFILE, EIO): the
+    answer is 0xA700 and neither the file nor its row stays. A file left behind was taken in
+    at the next start as an acknowledged instance whose row was lost."""
+    real = Spool.sync_folder
+    calls: list[int] = []
+
+    def failing(path: Path, staged: Any = None) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise SpoolError(f"cannot sync {path.parent.name}: Too many open files")
+        real(path, staged)
+
+    monkeypatch.setattr(Spool, "sync_folder", staticmethod(failing))
+    a = h.assoc()
+    assert store(a, ct[0]) == 0xA700
+    assert h.ledger.counts()["instances"] == 0
+    assert not list(h.spool.root.rglob("*.dcm"))
+    assert store(a, ct[0]) == 0  # the sender's retry
+    a.release()
+    assert h.ledger.counts()["instances"] == 1
+    assert len(list(h.spool.root.rglob("*.dcm"))) == 1
+
+
+def test_a_row_left_by_a_refusal_is_not_taken_for_a_stored_copy(
+    h: SCPHarness, ct: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Disk full: the spool write fails, and so does the removal of the row committed beside
+    it. The answer is 0xA700, and the resend is stored, not acknowledged as a duplicate of a
+    file that does not exist (it was answered 0x0000 and never stored, restarts included)."""
+    real_write = StagingFile.write_synced
+    writes: list[int] = []
+
+    def full_once(self: StagingFile, chunks: list[bytes]) -> Staged:
+        writes.append(1)
+        if len(writes) == 1:
+            raise SpoolError("cannot write to the spool: No space left on device")
+        return real_write(self, chunks)
+
+    def ledger_full(_sop_uid: str) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(StagingFile, "write_synced", full_once)
+    monkeypatch.setattr(h.ledger, "forget_instance", ledger_full)
+    a = h.assoc()
+    assert store(a, ct[0]) == 0xA700
+    sop = str(dcmread(ct[0], stop_before_pixels=True).SOPInstanceUID)
+    assert h.ledger.has_instance(sop) and not list(h.spool.root.rglob("*.dcm"))
+    assert store(a, ct[0]) == 0  # the resend, once there is room
+    a.release()
+    (kept,) = h.spool.root.rglob(f"{sop}.dcm")
+    assert dcmread(kept).PixelData == dcmread(ct[0]).PixelData
+    assert h.ledger.counts()["instances"] == 1
+    assert h.ledger.instance_file(sop) == (kept, kept.stat().st_size)
 
 
 def test_association_ids_are_never_reused() -> None:

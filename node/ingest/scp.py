@@ -433,7 +433,7 @@ class StoreSCP:
         rec = outcome.rec
         try:
             if staged is None:
-                self.ledger.forget_instance(rec.sop_instance_uid)
+                self._unstore(rec.sop_instance_uid, None)
                 return OUT_OF_RESOURCES, "cannot write to the spool"
             try:
                 self.spool.place(
@@ -442,7 +442,7 @@ class StoreSCP:
                 self.spool.sync_folder(outcome.path, staged)
             except SpoolError as exc:
                 log.error("spool write failed: %s", exc)
-                self.ledger.forget_instance(rec.sop_instance_uid)
+                self._unstore(rec.sop_instance_uid, outcome.path)
                 return OUT_OF_RESOURCES, "cannot write to the spool"
         finally:
             self._release(rec.sop_instance_uid)
@@ -460,6 +460,22 @@ class StoreSCP:
             transfer_syntax=req.transfer_syntax,
         )
         return arrival
+
+    def _unstore(self, sop_uid: str, path: Path | None) -> None:
+        """Undo a refused instance: its file (renamed into the spool but not made durable)
+        first, then its row. A file left behind would be taken in at the next start as an
+        acknowledged instance whose row was lost; a row left behind (the ledger cannot write
+        either, the disk being full) is not taken for a stored copy: a resend checks the
+        file (:meth:`_recorded_file_whole`) and stores it."""
+        if path is not None:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.error("could not remove the refused instance's file %s: %s", path.name, exc)
+        try:
+            self.ledger.forget_instance(sop_uid)
+        except Exception as exc:
+            log.error("could not remove the refused instance's ledger row: %s", exc)
 
     def _admit(
         self, info: AssociationInfo, req: StoreRequest, incoming: int, *, room: bool
@@ -556,7 +572,7 @@ class StoreSCP:
         # duplicate check: under the claim, a row that exists is one whose file is durable.
         try:
             if not self.ledger.record_instance(rec, path, incoming):
-                if self._recorded_file_whole(sop_uid, path):
+                if self._recorded_file_whole(sop_uid):
                     return self._duplicate(info, series_uid, sop_uid, incoming)
                 # Recorded without its file (another node died, or this node's commit was
                 # not confirmed): this node stores it, and the row points at this copy,
@@ -574,19 +590,20 @@ class StoreSCP:
             return OUT_OF_RESOURCES, "cannot record the instance"
         return _Admitted(rec, header, path)
 
-    def _recorded_file_whole(self, sop_uid: str, path: Path) -> bool:
+    def _recorded_file_whole(self, sop_uid: str) -> bool:
         """Whether a recorded instance's bytes are whole where its row says.
 
         Its file may be missing: another node on a shared ledger committed the row and died
         before writing the file (or is writing it now), or this node's row was committed
         while the connection to a PostgreSQL ledger broke, so the write was answered as
         failed. Under this process's claim no association of ours is writing it.
+
+        It may also be missing where this node refused the instance and could not remove its
+        row (the disk was full for the ledger too): the file is looked at, not the row alone.
         """
         found = self.ledger.instance_file(sop_uid)
         if found is None:
             return False
-        if found[0] == path and self.ledger.dialect == "sqlite":
-            return True  # a local commit is never in doubt, and the claim covered the file
         try:
             if found[0].stat().st_size == found[1]:
                 return True
