@@ -47,6 +47,19 @@ def libpq_conninfo(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+#: The longest the SCP's per-instance write waits for the ledger (this process's write lock,
+#: then SQLite's, which another process may hold): the sender gets 0xA700 well inside the
+#: common 10-30 s DIMSE timeouts instead of waiting the 30 s the other writers may.
+HOT_WAIT_S = 5.0
+
+#: How long every other SQLite connection waits for another writer.
+SQLITE_BUSY_S = 30.0
+
+
+class LedgerBusy(RuntimeError):
+    """The ledger's write lock was not had within :data:`HOT_WAIT_S`."""
+
+
 class LedgerInUse(RuntimeError):
     """Another process runs as this node on the ledger
     (:meth:`~segnode.storage.ledger.nodes.NodeStore.join`)."""
@@ -92,7 +105,7 @@ class LedgerBase:
             self.where = str(path)
             self.engine = create_engine(
                 self.url,
-                connect_args={"check_same_thread": False, "timeout": 30},
+                connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_S},
                 pool_size=8,
                 max_overflow=16,
             )
@@ -205,6 +218,21 @@ class LedgerBase:
         return self._hot
 
     @contextmanager
+    def _hot_write(self) -> Iterator[None]:
+        """This process's write lock for the SCP's hot path, waited for at most
+        :data:`HOT_WAIT_S` (:class:`LedgerBusy`): while another writer waits on a ledger
+        that another process locked, every association's C-STORE queues behind it."""
+        if not self._write_lock.acquire(timeout=HOT_WAIT_S):
+            raise LedgerBusy(
+                f"the ledger stayed busy for {HOT_WAIT_S:g} s (another writer, or another "
+                "process holding its write lock)"
+            )
+        try:
+            yield
+        finally:
+            self._write_lock.release()
+
+    @contextmanager
     def _tx(self) -> Iterator[Session]:
         with self._write_lock, self._session.begin() as s:
             yield s
@@ -233,9 +261,12 @@ class HotConnection:
         """SQLite: ``BEGIN IMMEDIATE`` transactions, no WAL fsync per commit (see the
         package docstring); the spool file is the durable record, and start-up re-records
         files without a row."""
-        conn = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
+        conn = sqlite3.connect(
+            path, timeout=HOT_WAIT_S, check_same_thread=False, isolation_level=None
+        )
         _sqlite_pragmas(conn, None)
         conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(f"PRAGMA busy_timeout={int(HOT_WAIT_S * 1000)}")
         return cls(conn, "BEGIN IMMEDIATE", sqlite3.IntegrityError)
 
     @classmethod
@@ -288,5 +319,5 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=FULL")
     cur.execute("PRAGMA foreign_keys=ON")
-    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_S * 1000)}")
     cur.close()

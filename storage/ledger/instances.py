@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import Connection, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from segnode.storage.ledger.connection import LedgerBase, utcnow
+from segnode.storage.ledger.connection import HOT_WAIT_S, SQLITE_BUSY_S, LedgerBase, utcnow
 from segnode.storage.models import Event, Instance, Job, Result, Series, Study
 
 
@@ -141,7 +141,7 @@ class InstanceStore(LedgerBase):
                 return True
             if self.has_instance(rec.sop_instance_uid):
                 return False
-        with self._write_lock:
+        with self._hot_write():
             # SQLite: the same three statements in one BEGIN IMMEDIATE transaction. (On
             # PostgreSQL the statement above found no series: its first instance.)
             if self.dialect == "sqlite":
@@ -166,9 +166,10 @@ class InstanceStore(LedgerBase):
                     except BaseException:
                         hot.rollback()
                         raise
-            # The series' first instance: create the study and series rows.
+            # The series' first instance: create the study and series rows (on SQLite
+            # waiting for the database as briefly as the hot path does).
             try:
-                with self.engine.begin() as sa:
+                with self.engine.begin() as sa, _busy_timeout(sa, HOT_WAIT_S):
                     with Session(bind=sa) as s:
                         series_id = self._series(s, rec, now).id
                     sa.exec_driver_sql(
@@ -322,6 +323,20 @@ class InstanceStore(LedgerBase):
 
 
 # The SCP's per-instance statements (see Ledger.record_instance / has_instance).
+@contextlib.contextmanager
+def _busy_timeout(conn: Connection, seconds: float) -> Iterator[None]:
+    """On SQLite, wait at most ``seconds`` for another writer within the block (the pooled
+    connection's usual :data:`SQLITE_BUSY_S` after it)."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    conn.exec_driver_sql(f"PRAGMA busy_timeout={int(seconds * 1000)}")
+    try:
+        yield
+    finally:
+        conn.exec_driver_sql(f"PRAGMA busy_timeout={int(SQLITE_BUSY_S * 1000)}")
+
+
 _HAS_INSTANCE = "SELECT 1 FROM instances WHERE sop_instance_uid = ?"
 _SERIES_ID = "SELECT id FROM series WHERE series_instance_uid = ?"
 _INSTANCE_SERIES = "SELECT id, series_id FROM instances WHERE sop_instance_uid = ?"
