@@ -4,6 +4,8 @@ series whose completion raises."""
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -219,3 +221,31 @@ def test_a_settling_hook_that_declines_keeps_the_series_retried() -> None:
     finally:
         loop.stop()
     assert f.calls >= MAX_COMPLETION_FAILURES + 1 and f.pending
+
+
+@pytest.mark.parametrize(
+    ("error", "traceback"),
+    [(sqlite3.OperationalError("database or disk is full"), False), (TypeError("bug"), True)],
+)
+def test_a_ledger_outage_is_one_line_and_a_bug_keeps_its_traceback(
+    caplog: pytest.LogCaptureFixture, error: Exception, traceback: bool
+) -> None:
+    """Completion runs again every second while the ledger cannot write: one line each time
+    (78 tracebacks of about 40 lines in 25 s before); anything else is a bug, with its
+    traceback."""
+
+    def complete(_uid: str, _trigger: str) -> None:
+        raise error
+
+    caplog.set_level(logging.ERROR, logger="segnode.node.ingest.series")
+    loop = CompletionLoop(complete, quiet=lambda: ["1.2.3"], quiet_every_s=60)
+    loop.start()
+    try:
+        loop.scan_quiet()
+        loop.flush()
+    finally:
+        loop.stop()
+    [record, *_] = [r for r in caplog.records if "completing series 1.2.3" in r.getMessage()]
+    assert (record.exc_info is not None) is traceback
+    if not traceback:
+        assert "the ledger cannot be written now (database or disk is full)" in record.getMessage()

@@ -48,6 +48,7 @@ from segnode.node.dicom.ul import (
     StoreOutcome,
     StoreRequest,
 )
+from segnode.node.errors import is_ledger_outage, log_failure
 from segnode.node.ingest.streaming import Arrival
 from segnode.node.ingest.volume import CT_CLASSES
 from segnode.storage.ledger import InstanceRecord, Ledger
@@ -392,8 +393,10 @@ class StoreSCP:
             status = self._admit(info, request, incoming, room=False)
             assert not isinstance(status, _Admitted)  # (only with room)
             return _outcome(status)
-        except Exception:
-            log.exception("unexpected error in C-STORE handler")
+        except Exception as exc:
+            log_failure(log, "C-STORE handler failed", exc=exc)
+            if is_ledger_outage(exc):
+                return _outcome((OUT_OF_RESOURCES, "cannot record the instance"), preopen)
             return _outcome((OUT_OF_RESOURCES, "internal error; see the node log"), preopen)
 
     def _store_ct(

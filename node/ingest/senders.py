@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from segnode.node.errors import log_failure
+
 #: Associations remembered per sender (a rolling window of "continued" / "new series").
 WINDOW = 16
 #: Continuations among the last ``WINDOW`` associations that make a sender a splitter.
@@ -170,5 +172,7 @@ class SenderBook:
         if pattern is not None:
             try:
                 self._save(pattern)
-            except Exception:
-                logging.getLogger(__name__).exception("storing the sender pattern failed")
+            except Exception as exc:
+                log_failure(
+                    logging.getLogger(__name__), "storing the sender pattern failed", exc=exc
+                )

@@ -63,6 +63,7 @@ from typing import TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
+from segnode.node.errors import log_failure
 from segnode.node.ingest.senders import CONTINUE_WINDOW_S, FEW_INSTANCES, SenderBook, SenderPattern
 from segnode.node.ingest.volume import (
     DUPLICATE_TOLERANCE_MM,
@@ -356,8 +357,8 @@ class CompletionLoop:
                 return
             try:
                 self._handle(event)
-            except Exception:  # one event's failure must not end completion
-                log.exception("completion event %s failed", type(event).__name__)
+            except Exception as exc:  # one event's failure must not end completion
+                log_failure(log, "completion event %s failed", type(event).__name__, exc=exc)
             self._timeouts()
 
     def _next_due(self) -> float | None:
@@ -549,8 +550,8 @@ class CompletionLoop:
         if tell and self._on_hold is not None:
             try:
                 self._on_hold(uid, reason)
-            except Exception:
-                log.exception("recording a held series failed")
+            except Exception as exc:
+                log_failure(log, "recording a held series failed", exc=exc)
 
     def _wait_ended(self, uid: str) -> None:
         """A held series' wait passed with no new instance: complete it, unless its headers
@@ -562,8 +563,8 @@ class CompletionLoop:
             if self._on_hold is not None:
                 try:
                     self._on_hold(uid, f"{reason}; waiting for the rest or the quiet period")
-                except Exception:
-                    log.exception("recording a held series failed")
+                except Exception as exc:
+                    log_failure(log, "recording a held series failed", exc=exc)
             return
         self._complete(uid, SENDER_GAP)
 
@@ -578,8 +579,8 @@ class CompletionLoop:
                     # A hold is left as it is (as when the scan ran on the main loop): its
                     # end finds the series taken and creates nothing.
                     self._deliver(uid, QUIET)
-        except Exception:
-            log.exception("quiet-period scan failed")
+        except Exception as exc:
+            log_failure(log, "quiet-period scan failed", exc=exc)
 
     def _complete(self, series_uid: str, trigger: str) -> None:
         self._holds.pop(series_uid, None)
@@ -591,7 +592,13 @@ class CompletionLoop:
             self._on_complete(series_uid, trigger)
         except Exception as exc:  # a job-creation failure must not end the completion thread
             failures = self._failures.pop(series_uid, 0) + 1
-            log.exception("completing series %s failed (%d time(s) in a row)", series_uid, failures)
+            log_failure(
+                log,
+                "completing series %s failed (%d time(s) in a row)",
+                series_uid,
+                failures,
+                exc=exc,
+            )
             if failures >= MAX_COMPLETION_FAILURES and self._settle(series_uid, exc):
                 return
             self._failures[series_uid] = failures
@@ -607,8 +614,10 @@ class CompletionLoop:
             return False
         try:
             return self._on_failure(series_uid, error)
-        except Exception:
-            log.exception("recording the failed completion of series %s failed", series_uid)
+        except Exception as exc:
+            log_failure(
+                log, "recording the failed completion of series %s failed", series_uid, exc=exc
+            )
             return False
 
 
