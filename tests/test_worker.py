@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from pydicom import dcmread
+from sqlalchemy import select
 
 from segnode.engines.manifest import ModelManifest, load_manifest
 from segnode.engines.ort_backend import OrtEngine
@@ -19,6 +20,7 @@ from segnode.node.pipeline.engine_pool import EnginePool
 from segnode.node.pipeline.worker import Worker, result_paths
 from segnode.node.results.build import ResultError, ResultUIDs
 from segnode.storage.ledger import InstanceRecord, JobView, Ledger
+from segnode.storage.models import Event
 from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets, write_synthetic_series
 
@@ -364,3 +366,47 @@ def test_a_ledger_outage_during_a_job_queues_it_again(
         assert worker._thread is not None and worker._thread.is_alive()
     finally:
         worker.stop(10)
+
+
+def test_no_space_for_the_results_queues_the_job_until_there_is_room(
+    tmp_path: Path, engine: OrtEngine, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """The results' file system is full: the job is not failed ("internal error: OSError:
+    [Errno 28]" with a traceback, until an operator retried it); it waits in the queue with the
+    reason as an event, and runs again by itself once the files can be written."""
+    import errno
+    import logging
+
+    from segnode.node.pipeline import worker as worker_module
+
+    worker, ledger, spool = make(tmp_path, engine)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=96, columns=96, slices=10), seed=36
+    )
+    uid = ingest(ledger, spool, files)
+    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
+    assert jid is not None
+    real_write = worker_module.write_atomic
+    full = [1]
+
+    def write_atomic(path: Path, data: bytes) -> None:
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, data)
+
+    monkeypatch.setattr(worker_module, "write_atomic", write_atomic)
+    monkeypatch.setattr(worker_module, "NO_SPACE_WAIT_S", 0.01)
+    with caplog.at_level(logging.ERROR, logger=worker_module.__name__):
+        assert worker.run_once()
+    view = ledger.job(jid)
+    assert view is not None and view.state == "queued", view
+    [line] = [r for r in caplog.records if f"job {jid}: no space left" in r.getMessage()]
+    assert line.exc_info is None
+    with ledger.engine.connect() as conn:
+        events = conn.execute(select(Event.message).where(Event.job_id == jid)).scalars().all()
+    assert any("no space for its results" in message for message in events), events
+    full.clear()  # room again
+    assert worker.run_once()
+    view = ledger.job(jid)
+    assert view is not None and view.state == "done" and view.reason is None, view
+    assert len(result_paths(tmp_path, jid)) == 2

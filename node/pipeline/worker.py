@@ -32,6 +32,7 @@ oblique series) fails its job with the reason.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import sys
@@ -108,6 +109,25 @@ class Volumes(Protocol):
 
     def recycle(self, volume: Volume) -> None:
         """Take back the memory of a volume whose job is done."""
+
+
+#: How long the worker waits after a job found no room for its results before it runs again.
+NO_SPACE_WAIT_S = 10.0
+
+
+class NoSpace(Exception):
+    """A job's files could not be written for lack of space (ENOSPC, EDQUOT): the job is not
+    at fault and runs again when there is room."""
+
+
+def _no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a file system out of room."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class Worker:
@@ -229,6 +249,18 @@ class Worker:
         except SQLAlchemyError:
             self._interrupted.append(job.id)
             raise
+        except NoSpace as exc:
+            # Its results could not be written: the job waits in the queue, and the worker
+            # with it, until the disk has room (an operator frees it, retention runs).
+            self.ledger.requeue_job(job.id, f"no space for its results ({exc}); queued again")
+            log.error(
+                "job %d: no space left for its results under %s (%s); it runs again in %g s",
+                job.id,
+                self.results_dir,
+                exc,
+                NO_SPACE_WAIT_S,
+            )
+            self._stop.wait(NO_SPACE_WAIT_S)
         finally:
             self.current_job = None
             self._recycle_volume()
@@ -262,6 +294,8 @@ class Worker:
         except SQLAlchemyError:
             raise  # not the job's fault: it is queued again once the ledger answers (_run)
         except Exception as exc:
+            if _no_space(exc):
+                raise NoSpace(str(exc)) from exc  # not the job's fault either (run_once)
             log.exception("job %d: unexpected error", job.id)
             self._fail(job, f"internal error: {type(exc).__name__}: {exc}")
         else:
