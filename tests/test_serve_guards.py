@@ -164,3 +164,35 @@ def test_settings_that_cannot_work_are_refused_when_loaded(
     path.write_text(text)
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
         load_config(path)
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_ledger_deleted_or_replaced_under_the_node_stops_it(tmp_path: Path, how: str) -> None:
+    """The node went on acknowledging into a deleted ledger (its open connections write to
+    the unlinked file) while `segnode status` said there was none, and every series was
+    processed again after the next restart. It now stops within a tick, with the reason and
+    a non-zero exit, so that systemd restarts it on a ledger that exists."""
+    port = free_port()
+    data = tmp_path / "data"
+    cfg = write_config(tmp_path / "n.toml", data, port)
+    log = tmp_path / "n.log"
+    proc = _serve(cfg, log)
+    try:
+        _wait_listening(proc, port, log)
+        deadline = time.monotonic() + 60
+        while "jobs start" not in log.read_text():  # started: the threads use the ledger
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        ledger = data / "ledger.sqlite"
+        ledger.unlink()
+        if how == "replaced":
+            ledger.write_bytes(b"")
+        code = proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    out = log.read_text()
+    assert code == 1, out
+    assert f"the ledger {ledger} was {how}" in out and "stopping" in out, out
+    assert "Traceback" not in out, out

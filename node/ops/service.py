@@ -179,8 +179,9 @@ class Node:
             #: The engine still to load in the background (``[model] load = "background"``).
             self._unloaded: Engine | None = None
             self._loader: threading.Thread | None = None
-            #: Why the engine could not be loaded in the background (the node then stops).
-            self.engine_failure: str | None = None
+            #: Why the node stops on its own: the engine could not be loaded in the background,
+            #: or the ledger file went.
+            self.failure: str | None = None
             if engine is None:
                 options = engine_options(model_specs(config)[0], config.data_dir)
                 engine = create_engine(config.model.engine, **options)
@@ -472,9 +473,9 @@ class Node:
             engine.load(self.manifest)
         except Exception as exc:  # any failure of the backend: the node cannot segment
             why = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
-            self.engine_failure = f"engine {self.config.model.engine} could not load model "
-            self.engine_failure += f"{self.manifest.name}: {why}"
-            log.error("%s; stopping (received series stay queued)", self.engine_failure)
+            self.failure = f"engine {self.config.model.engine} could not load model "
+            self.failure += f"{self.manifest.name}: {why}"
+            log.error("%s; stopping (received series stay queued)", self.failure)
             self.request_stop()
             return
         log.info(
@@ -524,14 +525,23 @@ class Node:
                 next_ping = time.monotonic() + beat
                 if self.healthy():
                     self.notifier.send("WATCHDOG=1")
+            gone = self.ledger.gone()
+            if gone is not None:
+                self.failure = (
+                    f"{gone}: stopping, so that nothing more is acknowledged into it; start the "
+                    "node again: it makes a new ledger and records again the instances in its "
+                    "spool (the jobs' history is lost with the file)"
+                )
+                log.critical("%s", self.failure)
+                break
             self._keep_lease()
             self.retention.maybe_run()
             if time.monotonic() - last_status > 5:
                 last_status = time.monotonic()
                 self.notifier.send(f"STATUS={self.status_line()}")
         self.shutdown()
-        if self.engine_failure is not None:
-            raise SegnodeError(self.engine_failure)
+        if self.failure is not None:
+            raise SegnodeError(self.failure)
 
     def healthy(self) -> bool:
         """Whether the listener, completion, worker and outbox threads are alive (gates

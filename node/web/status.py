@@ -47,7 +47,7 @@ def node_status(node: Node) -> dict[str, Any]:
         "engine": {
             "name": cfg.model.engine,
             "loading": node.engine_loading,
-            "failure": node.engine_failure,
+            "failure": node.failure,
             "model": {"name": node.manifest.name, "version": node.manifest.version},
             "models": {name: node.pool.label(name) for name in node.pool.specs},
         },
@@ -71,8 +71,8 @@ def node_status(node: Node) -> dict[str, Any]:
 
 def node_ready(node: Node) -> tuple[bool, str]:
     """Whether the node can take and finish jobs, and why not."""
-    if node.engine_failure is not None:
-        return False, node.engine_failure
+    if node.failure is not None:
+        return False, node.failure
     if node.engine_loading:
         return False, "engine loading"
     if not node.healthy():

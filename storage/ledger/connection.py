@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import DateTime, create_engine, event, func, make_url, select
 from sqlalchemy.engine import Engine
@@ -105,7 +106,7 @@ class LedgerBase:
             self.where = str(path)
             self.engine = create_engine(
                 self.url,
-                connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_S},
+                creator=lambda: _open_sqlite(self.path, SQLITE_BUSY_S),
                 pool_size=8,
                 max_overflow=16,
             )
@@ -146,6 +147,26 @@ class LedgerBase:
         except BaseException:
             self.engine.dispose()
             raise
+        # The file this process opened (the connections keep writing to it whatever the path
+        # names later): see gone().
+        self._identity = None if self.path is None else _identity(self.path)
+
+    def gone(self) -> str | None:
+        """Why the SQLite file this process writes is no longer the ledger at its path, or
+        None: deleted (the connections would go on writing to a file no other process can
+        open, and lose it all at exit) or replaced by another file. Always None on
+        PostgreSQL."""
+        if self.path is None:
+            return None
+        try:
+            now = _identity(self.path)
+        except FileNotFoundError:
+            return f"the ledger {self.path} was deleted while the node ran"
+        except OSError:
+            return None  # not a verdict: asked again at the next tick
+        if now != self._identity:
+            return f"the ledger {self.path} was replaced by another file while the node ran"
+        return None
 
     def _stamp(self, when: datetime) -> str | datetime:
         """``when`` as the dialect stores DateTime columns (for the plain-SQL hot path)."""
@@ -261,9 +282,8 @@ class HotConnection:
         """SQLite: ``BEGIN IMMEDIATE`` transactions, no WAL fsync per commit (see the
         package docstring); the spool file is the durable record, and start-up re-records
         files without a row."""
-        conn = sqlite3.connect(
-            path, timeout=HOT_WAIT_S, check_same_thread=False, isolation_level=None
-        )
+        conn = _open_sqlite(path, HOT_WAIT_S)
+        conn.isolation_level = None
         _sqlite_pragmas(conn, None)
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute(f"PRAGMA busy_timeout={int(HOT_WAIT_S * 1000)}")
@@ -312,6 +332,25 @@ class HotConnection:
     def close(self) -> None:
         """Close the connection."""
         self._conn.close()
+
+
+def _open_sqlite(path: Path | None, timeout: float) -> sqlite3.Connection:
+    """A connection to the ledger file at ``path``, which must exist (``mode=rw``): where the
+    file was deleted under the node, SQLite would otherwise create an empty one there, and
+    the node would fail on missing tables or, worse, carry on in a new ledger."""
+    assert path is not None
+    return sqlite3.connect(
+        f"file:{quote(str(path.absolute()))}?mode=rw",
+        uri=True,
+        timeout=timeout,
+        check_same_thread=False,
+    )
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    """The file at ``path``: its device and inode."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
