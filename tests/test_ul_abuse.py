@@ -234,6 +234,14 @@ def test_a_context_id_proposed_twice_is_not_bound_twice(fast: SCPHarness) -> Non
     assert serves(fast)
 
 
+def test_a_request_without_presentation_contexts_is_aborted(fast: SCPHarness) -> None:
+    """PS3.8 §9.3.2: one or more presentation context items. Before, such a request got an
+    A-ASSOCIATE-AC that accepted nothing, and its association held a slot doing nothing."""
+    kind, body = answer(fast, raw_rq(b""))
+    assert kind == A_ABORT and body[2:4] == bytes([0x02, 0x06]), (kind, body[:4])
+    assert serves(fast)
+
+
 # -- 3. one host holding every slot (a07) ----------------------------------------------------
 
 

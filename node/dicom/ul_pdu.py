@@ -112,7 +112,8 @@ def _fragment_cost(value: memoryview) -> int:
 def _context_fault(contexts: Iterable[PresentationContext]) -> str:
     """What makes a decoded A-ASSOCIATE-RQ's presentation contexts invalid, "" if nothing: each
     item has one abstract syntax and at least one transfer syntax (PS3.8 §9.3.2.2), and an ID
-    names one context (the A-ASSOCIATE-AC answers each ID once, §9.3.3.2)."""
+    names one context (the A-ASSOCIATE-AC answers each ID once, §9.3.3.2); a request has
+    one or more of them (§9.3.2)."""
     seen: set[int | None] = set()
     for cx in contexts:
         if not cx.abstract_syntax:
@@ -122,6 +123,8 @@ def _context_fault(contexts: Iterable[PresentationContext]) -> str:
         if cx.context_id in seen:
             return f"presentation context ID {cx.context_id} proposed twice"
         seen.add(cx.context_id)
+    if not seen:
+        return "no presentation context proposed"
     return ""
 
 
