@@ -103,6 +103,15 @@ _BAD_INPUT: dict[str, tuple[Callable[[list[Dataset]], None], str]] = {
         lambda d: _as_read(d[1], "RescaleIntercept", b"inf "),
         r"instance 2 \(.*\): RescaleIntercept inf is not finite",
     ),
+    "huge_slope": (
+        _each("RescaleSlope", b"1e30"),
+        r"instance 1 \(.*\): RescaleSlope 1e\+30 and RescaleIntercept -1024 map 16-bit stored "
+        r"values .* beyond ±1e\+07 HU: not a CT modality LUT",
+    ),
+    "huge_intercept": (
+        _each("RescaleIntercept", b"-1e9"),
+        r"instance 1 \(.*\): RescaleSlope 1 and RescaleIntercept -1e\+09 map",
+    ),
     "unreadable_slope": (
         lambda d: _as_read(d[3], "RescaleSlope", b"abc "),
         r"instance 4 \(.*\): unreadable RescaleSlope 'abc'",

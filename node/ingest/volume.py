@@ -187,6 +187,12 @@ class Volume:
         return a
 
 
+#: The largest HU magnitude a CT modality LUT may give a 16-bit stored value (the widest
+#: extended CT scales reach some 10^5; beyond it float32 HU lose their integer precision and,
+#: far beyond, overflow to infinity in the model and the statistics).
+MAX_ABS_HU = 1e7
+
+
 @dataclass
 class Slice:
     """One frame's geometry and pixel access, before sorting."""
@@ -228,6 +234,12 @@ class Slice:
             raise VolumeError(
                 f"{self.label}: RescaleIntercept {self.intercept} is not finite "
                 "(HU = stored * slope + intercept; PS3.3 C.11.1.1.2)"
+            )
+        if abs(self.slope) * 0xFFFF + abs(self.intercept) > MAX_ABS_HU:
+            raise VolumeError(
+                f"{self.label}: RescaleSlope {self.slope:g} and RescaleIntercept "
+                f"{self.intercept:g} map 16-bit stored values (CT's, PS3.3 C.8.2.1.1.4) beyond "
+                f"±{MAX_ABS_HU:g} HU: not a CT modality LUT"
             )
 
 
