@@ -489,3 +489,72 @@ def test_geometric_completion_stays_a_fast_path_through_the_queue(loop: LoopFact
         waits.append(arrived[f"s{i}"] - posted)
     waits.sort()
     assert waits[len(waits) // 2] < 0.02, waits  # loose: the machine may be loaded
+
+
+# -- found by the completion audit: results made from part of a series ------------------------
+
+
+def test_a_slow_splitter_is_held_for_its_gap_not_a_fixed_3_s(loop: LoopFactory) -> None:
+    """A sender known to send one instance per association 2 s apart: the hold after each
+    association lasts 4 gaps (8 s here), bounded by the quiet period. The wait was capped at
+    3 s, so every association of a sender slower than 0.75 s completed the series with part
+    of it (10 versions of a 10-slice series, 9 of them partial)."""
+    r = Recorder()
+    slow = SenderPattern("SLOW", associations=20, instances=20, recent="nccccccccc", gap_s=2.0)
+    assert slow.wait_s(30.0) == 8.0 and slow.wait_s(5.0) == 5.0
+    t = loop(r.complete, senders=SenderBook([slow]), quiet_period_s=5.0, on_hold=r.hold)
+    assert _assoc(t, r, 1, "SLOW", "s", 1) == []
+    assert not r.event.wait(3.5)  # the old cap: completed here
+    assert "s" in t.held()
+    assert r.event.wait(3)  # the quiet period's bound
+    assert [(s, trig) for s, trig, _ in r.done] == [("s", SENDER_GAP)]
+
+
+def test_a_release_does_not_complete_what_the_headers_say_is_short(loop: LoopFactory) -> None:
+    """Images in Acquisition 30, 15 received on a whole-series sender's association (the other
+    15 come from another AE): held, not completed at the release; the held series' end does
+    not complete it either while the headers still say 15 of 30."""
+    r = Recorder()
+    hints = {"s": SeriesHints(received=15, expected=30)}
+    t = loop(r.complete, hints=hints.get, on_hold=r.hold, quiet_period_s=30.0)
+    assert _assoc(t, r, 1, "MODA", "s", 15) == []
+    assert "15 of 30 instances received" in r.held[-1][1]
+    time.sleep(1.5)  # the default wait (1 s) passes
+    assert r.done == []
+    hints["s"] = SeriesHints(received=30, expected=30, complete=True)
+    assert _assoc(t, r, 2, "MODB", "s", 15) == ["s"]
+
+
+def test_more_slices_than_images_in_acquisition_is_no_longer_complete() -> None:
+    """Images in Acquisition 10, then 6 more slices one per association: the stack fired
+    complete at 10, and 'complete' stayed true, so each later one-instance release completed
+    the series again (versions of 13, 14, 15 and 16 slices, all sent). Past the count the
+    headers tell nothing."""
+    import numpy as np
+
+    from segnode.node.ingest.series import SeriesGeometry
+
+    g = SeriesGeometry()
+    orientation = np.array([1.0, 0, 0, 0, 1, 0])
+    fired = [g.add(f"{i}", np.array([0, 0, float(i)]), orientation, 10, i + 1) for i in range(11)]
+    assert fired.index(True) == 9 and fired.count(True) == 1
+    hints = g.hints()
+    assert not hints.complete and hints.expected is None and hints.received == 11
+    assert hints.incomplete_reason() is None
+
+
+def test_a_single_instance_is_not_completed_at_the_end_of_the_gap(loop: LoopFactory) -> None:
+    """A sender not seen before sends one instance and stops for longer than the default
+    wait: the series is not completed with 1 slice (a job that fails, 'send the whole
+    series', while the rest is on its way); the next association or the quiet period decides."""
+    r = Recorder()
+    hints = {"s": SeriesHints(received=1)}
+    t = loop(r.complete, hints=hints.get, on_hold=r.hold, quiet_period_s=30.0)
+    assert _assoc(t, r, 1, "NEW", "s", 1) == []
+    time.sleep(1.5)
+    assert r.done == []
+    hints["s"] = SeriesHints(received=8)
+    # The rest on one association: its release completes the series, whole, once.
+    assert _assoc(t, r, 2, "NEW", "s", 7) == ["s"]
+    time.sleep(1.5)
+    assert [(s, trig) for s, trig, _ in r.done] == [("s", RELEASE)]

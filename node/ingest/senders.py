@@ -26,9 +26,12 @@ SPLITS_IN_WINDOW = 2
 #: An association continues a series when the series' previous association from the same AE
 #: ended at most this long before it opened.
 CONTINUE_WINDOW_S = 30.0
-#: The wait after a split sender's last association: this many times its usual gap, bounded.
+#: The wait after a split sender's last association: this many times its usual gap, at least
+#: ``MIN_WAIT_S`` and at most the quiet period (which completes the series anyway). A fixed
+#: upper bound (3 s) completed a series after every instance of a sender slower than 0.75 s
+#: per association, each time with part of it.
 GAP_FACTOR = 4.0
-WAIT_BOUNDS_S = (0.5, 3.0)
+MIN_WAIT_S = 0.5
 #: The wait for a sender not seen splitting a series yet whose association was too short to
 #: tell (fewer than ``FEW_INSTANCES`` instances of the series).
 DEFAULT_WAIT_S = 1.0
@@ -64,12 +67,12 @@ class SenderPattern:
         """Mean instances per association."""
         return self.instances / self.associations if self.associations else 0.0
 
-    def wait_s(self) -> float:
-        """How long to wait after an association that may not have ended the series."""
+    def wait_s(self, most: float = CONTINUE_WINDOW_S) -> float:
+        """How long to wait after an association that may not have ended the series: at
+        most ``most`` seconds (the quiet period)."""
         if self.gap_s is None:
-            return DEFAULT_WAIT_S
-        lo, hi = WAIT_BOUNDS_S
-        return min(hi, max(lo, GAP_FACTOR * self.gap_s))
+            return min(most, DEFAULT_WAIT_S)
+        return min(most, max(MIN_WAIT_S, GAP_FACTOR * self.gap_s))
 
     def describe(self) -> str:
         """One line for ``segnode status`` and the hold reasons."""

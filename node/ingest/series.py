@@ -232,7 +232,8 @@ class CompletionLoop:
     part of it: the sender is known to split series over associations
     (:class:`~segnode.node.ingest.senders.SenderBook`), or the association delivered fewer than
     :data:`~segnode.node.ingest.senders.FEW_INSTANCES` instances of it. Such a series is *held* for
-    the sender's usual gap (0.5-3 s); when that passes with nothing more, it completes
+    four times the sender's usual gap (at least 0.5 s, at most
+    the quiet period); when that passes with nothing more, it completes
     (``sender-gap``), unless its headers say instances are missing (Images in Acquisition
     not reached, a hole in the Instance Numbers): then the quiet period decides.
 
@@ -266,6 +267,9 @@ class CompletionLoop:
         Given a series whose ``on_complete`` raised :data:`MAX_COMPLETION_FAILURES` times in
         a row, with the last error, to settle it; without it such a series is retried at
         every signal.
+    quiet_period_s
+        ``series.quiet_period_s``: the longest a hold waits (the quiet period completes the
+        series then in any case).
     """
 
     def __init__(
@@ -280,6 +284,7 @@ class CompletionLoop:
         quiet: QuietFn | None = None,
         quiet_every_s: float = 1.0,
         on_failure: OnFailure | None = None,
+        quiet_period_s: float = CONTINUE_WINDOW_S,
     ) -> None:
         self._on_complete = on_complete
         self._on_failure = on_failure
@@ -290,6 +295,7 @@ class CompletionLoop:
         self._on_hold = on_hold
         self._quiet = quiet
         self._quiet_every = quiet_every_s
+        self._most_wait = quiet_period_s
         self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -515,7 +521,7 @@ class CompletionLoop:
             if reason is None:
                 done.append(uid)
             else:
-                self._hold(uid, pattern.wait_s(), reason)
+                self._hold(uid, pattern.wait_s(self._most_wait), reason)
         for uid in done:
             self._complete(uid, RELEASE)
         self.senders.persist(a.calling_ae)
@@ -526,7 +532,12 @@ class CompletionLoop:
         hints = self._hints(uid) if self._hints is not None else None
         if hints is not None and hints.complete:
             return None
-        wait = pattern.wait_s()
+        wait = pattern.wait_s(self._most_wait)
+        missing = hints.incomplete_reason() if hints is not None else None
+        if missing is not None:
+            # The headers say more is coming (another association may send it): the hold's
+            # end completes the series only once they stop saying so (_wait_ended).
+            return f"{missing}; waiting {wait:.1f} s for the rest from any sender"
         if pattern.splits_series:
             return (
                 f"waiting {wait:.1f} s for more instances from {a.calling_ae or '(no AE)'}, "
@@ -546,7 +557,7 @@ class CompletionLoop:
         self._told[uid] = None
         while len(self._told) > MAX_REMEMBERED:
             del self._told[next(iter(self._told))]
-        log.info("series held: %s", reason)
+        log.info("series %s held: %s", uid, reason)
         if tell and self._on_hold is not None:
             try:
                 self._on_hold(uid, reason)
@@ -558,8 +569,11 @@ class CompletionLoop:
         say instances are missing (then the quiet period decides)."""
         hints = self._hints(uid) if self._hints is not None else None
         reason = hints.incomplete_reason() if hints is not None else None
+        if reason is None and hints is not None and hints.received < FEW_INSTANCES:
+            # Not a series a job can be made of: more is coming, or the quiet period ends it.
+            reason = f"only {hints.received} instance(s) so far"
         if reason is not None:
-            log.info("series still held after the sender's gap: %s", reason)
+            log.info("series %s still held after the sender's gap: %s", uid, reason)
             if self._on_hold is not None:
                 try:
                     self._on_hold(uid, f"{reason}; waiting for the rest or the quiet period")
@@ -683,10 +697,13 @@ class SeriesGeometry:
             missing = hi - lo + 1 - len(self.numbers)
             if missing:
                 first = next(n for n in range(lo, hi + 1) if n not in self.numbers)
+        # More slices than Images in Acquisition said: the count was wrong, and so is any
+        # completeness told from it (each later instance would complete the series again).
+        overrun = self.expected is not None and len(self.positions) > self.expected
         return SeriesHints(
             received=len(self.positions),
-            expected=None if self.mixed else self.expected,
-            complete=self.fired,
+            expected=None if self.mixed or overrun else self.expected,
+            complete=self.fired and not overrun,
             missing_numbers=missing,
             first_missing=first,
         )

@@ -359,7 +359,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ledger, _ = open_state(cfg, create=False)
     try:
-        facts = ledger_status(ledger)
+        facts = ledger_status(ledger, cfg.series.quiet_period_s)
     finally:
         ledger.close()
     print(json.dumps({"data_dir": str(cfg.data_dir), **facts}, indent=2))

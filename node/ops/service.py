@@ -212,6 +212,7 @@ class Node:
                 quiet=self._quiet_series,
                 quiet_every_s=self._tick,
                 on_failure=self._completion_failed,
+                quiet_period_s=config.series.quiet_period_s,
             )
             # Fast path: decode while receiving, geometric completeness, no timer between stages.
             sc = config.streaming

@@ -132,9 +132,9 @@ def job_page(
     return {"jobs": jobs, "total": count, "offset": offset, "limit": limit, "state": state}
 
 
-def ledger_status(ledger: Ledger) -> dict[str, Any]:
+def ledger_status(ledger: Ledger, quiet_period_s: float) -> dict[str, Any]:
     """The ledger's counts and the learnt sender patterns (``segnode status``, without
-    ``data_dir``)."""
+    ``data_dir``); a hold waits at most ``quiet_period_s`` (``series.quiet_period_s``)."""
     counts = ledger.counts()
     learnt = {
         p.calling_ae: {
@@ -143,7 +143,7 @@ def ledger_status(ledger: Ledger) -> dict[str, Any]:
             "instances": p.instances,
             "splits_series": p.splits_series,
             "gap_ms": None if p.gap_s is None else round(p.gap_s * 1000, 1),
-            "wait_after_release_s": round(p.wait_s(), 2) if p.splits_series else 0.0,
+            "wait_after_release_s": round(p.wait_s(quiet_period_s), 2) if p.splits_series else 0.0,
         }
         for p in load_patterns(ledger)
     }

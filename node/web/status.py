@@ -19,7 +19,7 @@ def node_status(node: Node) -> dict[str, Any]:
     addresses, states and counts: no patient data.
     """
     cfg = node.config
-    ledger = ledger_status(node.ledger)
+    ledger = ledger_status(node.ledger, cfg.series.quiet_period_s)
     jobs = ledger["jobs"]
     try:
         usage = shutil.disk_usage(cfg.data_dir)
