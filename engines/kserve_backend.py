@@ -1,21 +1,37 @@
 """The remote backend: inference on a server speaking the KServe v2 (Open Inference) protocol.
 
 Registered as ``"kserve"`` in :mod:`segnode.engines.base`. NVIDIA Triton, KServe's Python
-model server and MLServer all answer the protocol; ``tritonclient`` talks to them over HTTP
-(binary tensor extension) or gRPC. The node keeps everything but the network: the volume, the
-preprocessing (``clip(HU) * scale + offset``) and the sliding window
+model server and MLServer all answer the protocol, over HTTP (binary tensor extension) or
+gRPC. The node keeps everything but the network: the volume, the preprocessing
+(``clip(HU) * scale + offset``) and the sliding window
 (:func:`segnode.engines.sliding_window.segment_with_manifest`) stay here, and each batch of
 patches goes to the server as one binary FP32 tensor (FP16 with ``precision = "fp16"`` on a
 model whose manifest allows it and whose remote input is FP16). The label maps are those of
 the local ONNX Runtime engine run on the same ONNX file (``tests/test_kserve.py``).
 
 :meth:`KServeEngine.load` checks that the server is live and ready, that every remote model is
-ready, and that its metadata (input and output names, data type, shape) fits the manifest; an
+ready, and that its metadata (input and output names, data types, shapes) fits the manifest:
+the output of a ``"labels"`` model is an integer or floating-point type, that of a
+``"logits"`` or ``"probabilities"`` model FP16, FP32 or FP64. An
 :class:`~segnode.engines.base.EngineError` names what is wrong. Requests that fail for a
-transient reason (connection refused or reset, timeout, HTTP 502/503/504, gRPC UNAVAILABLE or
-DEADLINE_EXCEEDED) are retried ``retries`` times with a short exponential backoff; after that
-the error ends the job as failed with the reason, and a retried job runs again once the server
-is back.
+transient reason (connection refused, reset or closed before a reply, no reply within
+``timeout_s``, HTTP 502/503/504, gRPC UNAVAILABLE or DEADLINE_EXCEEDED) are retried
+``retries`` times with a short exponential backoff; after that the error ends the job as
+failed with the reason, and a retried job runs again once the server is back.
+
+A reply is a peer's claim and is checked before a value of it is used: the output's data
+type must be the one the metadata declared, its shape exactly ``(N, C, patch)`` for the N
+patches sent, its byte count that of the shape, floating-point values finite; labels outside
+``0 .. classes - 1`` are refused by the sliding window before any cast narrows them. A
+refused reply fails the job at once. Over HTTP the node speaks the protocol itself
+(:mod:`http.client`, one connection per request): every request has one deadline,
+``timeout_s`` from its start, after which a watchdog shuts the socket down however slowly
+the server trickles. An inference reply's JSON header (at most :data:`HEADER_MARGIN` bytes)
+is read and checked first, then exactly the bytes of the output it announces: a
+``Content-Length`` that says otherwise is refused before the body is read, a chunked reply
+that goes on is refused there. Metadata is read up to :data:`JSON_CAP` bytes, an error's
+reason from its first 64 KiB. gRPC goes through ``tritonclient``, whose ``client_timeout``
+is a deadline and whose channel refuses messages larger than the largest reply expected.
 
 A version-2 (trained) manifest runs one remote model per fold file, named ``<model>_fold<i>``
 with ``i`` the file's index in
@@ -23,17 +39,24 @@ with ``i`` the file's index in
 writes the repository under these names); :meth:`KServeEngine.fold_predictors` hands them to
 :func:`segnode.engines.trained.segment_trained`.
 
-``tritonclient``'s HTTP client runs on gevent and must stay on the thread that made it, so
-the engine keeps one client per thread (the node loads on one thread and segments on another).
+The engine keeps one gRPC client per thread (the node loads on one thread and segments on
+another); HTTP requests share nothing but the engine's settings.
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import logging
+import math
+import socket
+import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
+from urllib.parse import quote, urlsplit
 
 import numpy as np
 import numpy.typing as npt
@@ -57,6 +80,38 @@ PROTOCOLS = ("http", "grpc")
 DEFAULT_BATCH_CAP = 8
 """Default patches per request: the manifest's ``batch.max``, at most this many."""
 
+DATATYPES: dict[str, type[np.generic]] = {
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+}
+"""The protocol's tensor data types (KServe v2, "Tensor Data Types") and their NumPy types."""
+
+SCORE_TYPES = ("FP16", "FP32", "FP64")
+"""Data types a ``"logits"`` or ``"probabilities"`` output may have."""
+
+INTEGER_TYPES = ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64")
+"""The protocol's integer data types."""
+
+LABEL_TYPES = INTEGER_TYPES + SCORE_TYPES
+"""Data types a ``"labels"`` output may have."""
+
+JSON_CAP = 1 << 20
+"""The largest JSON reply (health, readiness, metadata) read from a server, bytes."""
+
+HEADER_MARGIN = 1 << 16
+"""Room for the JSON header of an inference reply beside its binary output, bytes."""
+
+_ERROR_CAP = 1 << 16
 _TRANSIENT_STATUS = frozenset(
     {
         "502",
@@ -80,17 +135,14 @@ def remote_model_names(manifest: ModelManifest, name: str | None = None) -> list
     return [f"{base}_fold{i}" for i in range(len(manifest.model_files()))]
 
 
-def _client_modules(protocol: str) -> Any:
-    """The ``tritonclient`` module of ``protocol``, imported here so that the node imports it
-    only when this engine is configured."""
+def _grpc_module() -> Any:
+    """``tritonclient.grpc``, imported here so that the node imports it only when this engine
+    speaks gRPC."""
     try:
-        if protocol == "grpc":
-            import tritonclient.grpc as module
-        else:
-            import tritonclient.http as module
+        import tritonclient.grpc as module
     except ImportError as exc:
         raise EngineError(
-            f"engine 'kserve' needs tritonclient ({exc}); pip install 'segnode[kserve]'"
+            f"engine 'kserve' needs tritonclient for gRPC ({exc}); pip install 'segnode[kserve]'"
         ) from exc
     return module
 
@@ -98,9 +150,9 @@ def _client_modules(protocol: str) -> Any:
 def _split_url(url: str, protocol: str) -> tuple[str, bool]:
     """``host:port`` and whether to use TLS, from ``http://``, ``https://``, ``grpc://``,
     ``grpcs://`` or a bare ``host:port``."""
-    for scheme, ssl in (("https://", True), ("grpcs://", True), ("http://", False)):
+    for scheme, tls in (("https://", True), ("grpcs://", True), ("http://", False)):
         if url.startswith(scheme):
-            return url[len(scheme) :].rstrip("/"), ssl
+            return url[len(scheme) :].rstrip("/"), tls
     if url.startswith("grpc://"):
         return url[len("grpc://") :].rstrip("/"), False
     if "://" in url:
@@ -108,8 +160,23 @@ def _split_url(url: str, protocol: str) -> tuple[str, bool]:
     return url.rstrip("/"), False
 
 
+class _ReplyError(Exception):
+    """A reply the engine refuses (malformed, or not the output the model declared)."""
+
+
+class _StatusError(Exception):
+    """An HTTP reply with an error status; ``code`` is the status."""
+
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(text)
+        self.code = code
+
+
 def _describe(exc: BaseException) -> str:
-    """A one-line reason from a ``tritonclient``, socket or gevent error."""
+    """A one-line reason from a refused reply, an HTTP status, a ``tritonclient`` or socket
+    error."""
+    if isinstance(exc, _ReplyError | _StatusError):
+        return str(exc)
     message = getattr(exc, "message", None)
     if callable(message):
         status = exc.status() if callable(getattr(exc, "status", None)) else None  # type: ignore[attr-defined]
@@ -122,12 +189,327 @@ def _describe(exc: BaseException) -> str:
 def _is_transient(exc: BaseException) -> bool:
     """Whether a failed request may succeed when sent again (server restarting, overloaded,
     network hiccup)."""
-    if isinstance(exc, OSError | TimeoutError):
-        return True
-    if type(exc).__name__ == "Timeout":  # gevent.Timeout, a BaseException
+    if isinstance(exc, _StatusError):
+        return str(exc.code) in _TRANSIENT_STATUS
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return False
+    if isinstance(exc, OSError):
         return True
     status = getattr(exc, "status", None)
     return callable(status) and str(status()) in _TRANSIENT_STATUS
+
+
+def _check_output(
+    name: str, datatype: str, shape: Sequence[int], want_type: str, want_shape: Sequence[int]
+) -> None:
+    """Refuse an output whose data type or shape is not the one asked for."""
+    if datatype != want_type:
+        raise _ReplyError(
+            f"output {name!r} is {datatype}, the model's metadata declares {want_type}"
+        )
+    if list(shape) != list(want_shape):
+        raise _ReplyError(f"output {name!r} has shape {list(shape)}, expected {list(want_shape)}")
+
+
+def _check_finite(name: str, out: npt.NDArray[Any]) -> None:
+    """Refuse a floating-point output holding NaN or an infinity (its minimum or maximum is
+    then not finite: two reductions, no temporary array)."""
+    if out.dtype.kind == "f" and out.size and not np.isfinite([out.min(), out.max()]).all():
+        raise _ReplyError(f"output {name!r} holds non-finite values (NaN or infinity)")
+
+
+def _read_exactly(response: http.client.HTTPResponse, size: int) -> bytearray:
+    """The next ``size`` bytes of a reply's body (a writable buffer)."""
+    out = bytearray(size)
+    view, got = memoryview(out), 0
+    while got < size:
+        n = response.readinto(view[got:])
+        if not n:
+            raise http.client.IncompleteRead(bytes(out[:got]), size - got)
+        got += n
+    return out
+
+
+def _read_output(
+    response: http.client.HTTPResponse, name: str, want_type: str, want_shape: Sequence[int]
+) -> npt.NDArray[Any]:
+    """Output ``name`` of an inference reply in the binary tensor extension's layout (a JSON
+    header of ``Inference-Header-Content-Length`` bytes, then the outputs' bytes).
+
+    The header is read first (at most :data:`HEADER_MARGIN` bytes) and checked: the output is
+    there once, binary, of ``want_type`` and ``want_shape``, and no other output has bytes.
+    Only then are exactly the bytes of that shape and type read, and a reply whose
+    ``Content-Length`` says more or less, or a chunked one that goes on, is refused.
+    """
+    total = response.length  # None: chunked, or until the connection closes
+    try:
+        length = int(response.getheader("Inference-Header-Content-Length") or "")
+    except ValueError:
+        raise _ReplyError(
+            "the reply has no binary tensor (no Inference-Header-Content-Length)"
+        ) from None
+    if not 0 < length <= min(HEADER_MARGIN, HEADER_MARGIN if total is None else total):
+        within = f"the {total}-byte reply" if total is not None else "the reply"
+        raise _ReplyError(
+            f"Inference-Header-Content-Length {length} is not within {within} "
+            f"(a JSON header has at most {HEADER_MARGIN} bytes)"
+        )
+    try:
+        header = json.loads(bytes(_read_exactly(response, length)))
+        outputs = {o["name"]: o for o in header["outputs"]}
+        sizes = {
+            o["name"]: int((o.get("parameters") or {}).get("binary_data_size", -1))
+            for o in header["outputs"]
+        }
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:
+        raise _ReplyError(f"the reply's JSON header is malformed ({exc!r:.200})") from None
+    if len(outputs) != len(header["outputs"]):
+        raise _ReplyError("the reply names an output twice")
+    if name not in outputs:
+        raise _ReplyError(f"no {name!r} in reply")
+    output = outputs[name]
+    _check_output(name, output.get("datatype"), output.get("shape") or [], want_type, want_shape)
+    dtype = np.dtype(DATATYPES[want_type])
+    size = math.prod(want_shape) * dtype.itemsize
+    if sizes[name] != size:
+        raise _ReplyError(
+            f"output {name!r} has binary_data_size {sizes[name]}, its shape and type make "
+            f"{size} bytes"
+        )
+    if any(n > 0 for other, n in sizes.items() if other != name):
+        raise _ReplyError(f"the reply holds binary outputs besides {name!r}")
+    if total is not None and total != length + size:
+        raise _ReplyError(
+            f"reply of {total} bytes; its JSON header ({length} bytes) and {name!r} "
+            f"({size} bytes) make {length + size}"
+        )
+    body = _read_exactly(response, size)
+    if total is None and response.read(1):
+        raise _ReplyError(
+            f"reply goes on past its JSON header ({length} bytes) and {name!r} ({size} bytes)"
+        )
+    return np.frombuffer(body, dtype).reshape(want_shape)
+
+
+class _Deadline:
+    """Shut an HTTP connection's socket down ``seconds`` after a request started: what blocks
+    on it then fails at once, however slowly the peer trickles (its timeout is per read)."""
+
+    def __init__(self, conn: http.client.HTTPConnection, seconds: float) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._ended = False
+        self.expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:  # end() waits, so the socket is not closed under us
+            if self._ended:
+                return
+            self.expired = True
+            sock = self._conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):  # the TCP socket, under TLS if any
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    def end(self) -> None:
+        """Stop the watchdog (before the connection is closed)."""
+        with self._lock:
+            self._ended = True
+        self._timer.cancel()
+
+
+class _Http:
+    """The KServe v2 HTTP protocol on :mod:`http.client`: one connection per request, one
+    deadline per request, a cap on every reply.
+
+    Parameters
+    ----------
+    address
+        ``host:port``, optionally followed by a path prefix.
+    tls
+        Whether to speak HTTPS (the system's trusted certificates, host name checked).
+    timeout
+        Seconds from a request's start to its last byte.
+    """
+
+    def __init__(self, address: str, tls: bool, timeout: float) -> None:
+        parts = urlsplit(f"{'https' if tls else 'http'}://{address}")
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port or (443 if tls else 80)
+        self._base = parts.path.rstrip("/")
+        self._context = ssl.create_default_context() if tls else None
+        self._timeout = timeout
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._context is not None:
+            return http.client.HTTPSConnection(
+                self._host, self._port, timeout=self._timeout, context=self._context
+            )
+        return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        read: Callable[[http.client.HTTPResponse], T],
+        body: Sequence[bytes | memoryview] = (),
+        headers: Mapping[str, str] | None = None,
+    ) -> T:
+        """Send a request and ``read`` its reply (status 200), all within the deadline.
+
+        Raises
+        ------
+        TimeoutError
+            No whole reply within the timeout.
+        _StatusError
+            Any status but 200; the text is the server's ``error``.
+        _ReplyError
+            A reply that ``read`` refuses.
+        OSError, http.client.HTTPException
+            The connection failed, or the reply is not HTTP.
+        """
+        conn = self._connection()
+        deadline = _Deadline(conn, self._timeout)
+        try:
+            conn.connect()
+            if deadline.expired:  # it fired before the socket existed
+                raise TimeoutError
+            conn.putrequest(method, self._base + path, skip_accept_encoding=True)
+            for key, value in (headers or {}).items():
+                conn.putheader(key, value)
+            conn.putheader("Content-Length", str(sum(memoryview(b).nbytes for b in body)))
+            conn.endheaders()
+            for part in body:
+                conn.send(part)
+            response = conn.getresponse()
+            if response.status != 200:
+                raise _StatusError(response.status, _error_text(response))
+            return read(response)
+        except (_StatusError, _ReplyError):
+            raise
+        except Exception as exc:
+            if deadline.expired or isinstance(exc, TimeoutError):
+                raise TimeoutError(f"no reply within {self._timeout:g} s") from exc
+            raise
+        finally:
+            deadline.end()
+            conn.close()
+
+    def ok(self, path: str) -> bool:
+        """Whether ``GET path`` answers 200 (its body is not read)."""
+        try:
+            self.request("GET", path, lambda response: None)
+        except _StatusError:
+            return False
+        return True
+
+    def is_server_live(self) -> bool:
+        """``GET /v2/health/live`` answers 200."""
+        return self.ok("/v2/health/live")
+
+    def is_server_ready(self) -> bool:
+        """``GET /v2/health/ready`` answers 200."""
+        return self.ok("/v2/health/ready")
+
+    def is_model_ready(self, model: str) -> bool:
+        """``GET /v2/models/<model>/ready`` answers 200."""
+        return self.ok(f"/v2/models/{quote(model, safe='')}/ready")
+
+    def get_model_metadata(self, model: str) -> Any:
+        """The model's metadata, a JSON object of at most :data:`JSON_CAP` bytes."""
+        path = f"/v2/models/{quote(model, safe='')}"
+        body = self.request("GET", path, lambda response: _read_capped(response, JSON_CAP))
+        try:
+            return json.loads(bytes(body))
+        except (ValueError, RecursionError) as exc:
+            raise _ReplyError(f"the metadata is not JSON ({exc!r:.200})") from None
+
+    def infer(
+        self,
+        model: str,
+        tensor: str,
+        feed: npt.NDArray[Any],
+        wire: str,
+        output: str,
+        want_type: str,
+        want_shape: Sequence[int],
+    ) -> npt.NDArray[Any]:
+        """Send ``feed`` as input ``tensor`` of ``model`` (binary, data type ``wire``); return
+        output ``output``, checked to be ``want_type`` of ``want_shape``."""
+        header = json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": tensor,
+                        "shape": list(feed.shape),
+                        "datatype": wire,
+                        "parameters": {"binary_data_size": feed.nbytes},
+                    }
+                ],
+                "outputs": [{"name": output, "parameters": {"binary_data": True}}],
+            }
+        ).encode()
+        return self.request(
+            "POST",
+            f"/v2/models/{quote(model, safe='')}/infer",
+            lambda response: _read_output(response, output, want_type, want_shape),
+            (header, feed.data.cast("B")),
+            {
+                "Content-Type": "application/octet-stream",
+                "Inference-Header-Content-Length": str(len(header)),
+            },
+        )
+
+
+def _read_capped(response: http.client.HTTPResponse, cap: int) -> bytearray:
+    """The body of ``response``: refused unread when its ``Content-Length`` exceeds ``cap``,
+    refused at ``cap`` bytes when it has none (chunked, or until the connection closes)."""
+    length = response.length
+    if length is not None:
+        if length > cap:
+            raise _ReplyError(f"reply of {length} bytes is larger than the {cap} expected")
+        return _read_exactly(response, length)
+    body = bytearray()
+    while chunk := response.read(min(1 << 20, cap + 1 - len(body))):
+        body += chunk
+        if len(body) > cap:
+            raise _ReplyError(f"reply is larger than the {cap} bytes expected")
+    return body
+
+
+def _error_text(response: http.client.HTTPResponse) -> str:
+    """The reason of an error reply: the server's ``error`` (the protocol's error object),
+    else the start of its body, else the status line; at most :data:`_ERROR_CAP` bytes read."""
+    status = f"HTTP {response.status} {response.reason}".strip()
+    try:
+        raw = response.read(min(response.length or _ERROR_CAP, _ERROR_CAP))
+    except (OSError, http.client.HTTPException):
+        return status
+    try:
+        text = str(json.loads(raw).get("error", ""))
+    except (ValueError, RecursionError, AttributeError):
+        text = raw.decode("utf-8", "replace")
+    text = "".join(c for c in text[:200] if c.isprintable()).strip()
+    return f"{text} ({status})" if text else status
+
+
+def _tensors(where: str, meta: Any, key: str) -> dict[str, dict[str, Any]]:
+    """The ``inputs`` or ``outputs`` of a model's metadata by name.
+
+    Raises
+    ------
+    EngineError
+        If the metadata is not an object with a list of named tensors there.
+    """
+    items = meta.get(key, []) if isinstance(meta, dict) else None
+    if not isinstance(items, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) for t in items
+    ):
+        raise EngineError(f"{where}: the metadata's {key!r} are not a list of named tensors")
+    return {t["name"]: t for t in items}
 
 
 class KServeEngine(HostArrays):
@@ -144,7 +526,8 @@ class KServeEngine(HostArrays):
         The remote model's name (default: the manifest's ``name``); a version-2 model's folds
         are ``<model_name>_fold<i>``.
     timeout_s
-        Connection and per-request timeout, seconds.
+        Deadline of each request, seconds from its start to the last byte of its reply (a
+        retry has a deadline of its own).
     retries
         How many times a request that failed for a transient reason is sent again.
     batch_size
@@ -185,6 +568,8 @@ class KServeEngine(HostArrays):
         self._precision = precision
         self._backoff = float(backoff_s)
         self._module: Any = None
+        self._http = _Http(self._address, self._ssl, self._timeout)
+        self._reply_cap = JSON_CAP
         self._local = threading.local()
         self._clients: list[Any] = []
         self._clients_lock = threading.Lock()
@@ -193,6 +578,7 @@ class KServeEngine(HostArrays):
         self._wire = "FP32"
         self._batch = 1
         self._fixed_batch: int | None = None
+        self._outputs: dict[str, str] = {}
 
     @property
     def manifest(self) -> ModelManifest | None:
@@ -207,20 +593,29 @@ class KServeEngine(HostArrays):
     # -- clients -----------------------------------------------------------------------------
 
     def _client(self) -> Any:
-        """This thread's client (``tritonclient.http`` clients are not thread-safe)."""
+        """The HTTP protocol, or this thread's gRPC client, whose channel refuses a message
+        larger than the largest reply expected (:attr:`_reply_cap`)."""
+        if self.protocol == "http":
+            return self._http
         client = getattr(self._local, "client", None)
         if client is None:
             module = self._module
+            keepalive = module.KeepAliveOptions()
+            channel = [
+                ("grpc.max_send_message_length", 2**31 - 1),
+                ("grpc.max_receive_message_length", self._reply_cap),
+                ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+                ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+                (
+                    "grpc.keepalive_permit_without_calls",
+                    keepalive.keepalive_permit_without_calls,
+                ),
+                ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            ]
             try:
-                if self.protocol == "http":
-                    client = module.InferenceServerClient(
-                        self._address,
-                        connection_timeout=self._timeout,
-                        network_timeout=self._timeout,
-                        ssl=self._ssl,
-                    )
-                else:
-                    client = module.InferenceServerClient(self._address, ssl=self._ssl)
+                client = module.InferenceServerClient(
+                    self._address, ssl=self._ssl, channel_args=channel
+                )
             except Exception as exc:
                 raise EngineError(f"kserve: cannot create a client for {self.url}: {exc}") from exc
             self._local.client = client
@@ -268,9 +663,9 @@ class KServeEngine(HostArrays):
         Raises
         ------
         EngineError
-            If ``tritonclient`` is missing, the server is not reachable, not live or not
-            ready, a remote model is not ready, or its metadata disagrees with the manifest
-            (input or output name, data type, shape).
+            If ``tritonclient`` is missing (gRPC), the server is not reachable, not live or
+            not ready, a remote model is not ready, or its metadata disagrees with the
+            manifest (input or output name, data types, shapes).
         """
         if manifest.output_kind not in OUTPUT_KINDS:
             raise EngineError(
@@ -278,7 +673,9 @@ class KServeEngine(HostArrays):
                 f"got {manifest.output_kind!r}"
             )
         self.close()
-        self._module = _client_modules(self.protocol)
+        self._reply_cap = JSON_CAP
+        if self.protocol == "grpc":
+            self._module = _grpc_module()
         where = f"kserve server at {self.url}"
         kw = self._timeout_kw()
         live = self._call(f"{where} is not reachable", lambda c: c.is_server_live(**kw))
@@ -291,8 +688,11 @@ class KServeEngine(HostArrays):
         units = manifest.model_files() if manifest.is_trained else (manifest,)
         names = remote_model_names(manifest, self._model_name)
         batches: list[int | None] = []
+        largest = 0
         for unit, remote in zip(units, names, strict=True):
             batches.append(self._check_model(unit, remote))
+            itemsize = np.dtype(DATATYPES[self._outputs[remote]]).itemsize
+            largest = max(largest, unit.output_channels * math.prod(unit.patch_size) * itemsize)
         fixed = {b for b in batches if b is not None}
         if len(fixed) > 1:
             raise EngineError(f"kserve: the fold models have different fixed batches {fixed}")
@@ -303,6 +703,8 @@ class KServeEngine(HostArrays):
             self._batch = self._batch_option
         else:
             self._batch = max(1, min(manifest.batch_max, DEFAULT_BATCH_CAP))
+        self._reply_cap = max(JSON_CAP, self._batch * largest + HEADER_MARGIN)
+        self._drop_clients()  # gRPC channels made from now on take the largest reply
         self._manifest = manifest
         self._remote = names
         logger.info(
@@ -318,8 +720,8 @@ class KServeEngine(HostArrays):
         )
 
     def _check_model(self, unit: ModelManifest, remote: str) -> int | None:
-        """Check one remote model's readiness and metadata; return its fixed batch size, or
-        ``None`` when its batch axis is dynamic."""
+        """Check one remote model's readiness and metadata and note its output's data type;
+        return its fixed batch size, or ``None`` when its batch axis is dynamic."""
         on = f"on {self.url}"
         kw = self._timeout_kw()
         ready = self._call(
@@ -337,8 +739,8 @@ class KServeEngine(HostArrays):
             meta = self._call(
                 f"model {remote} {on}: metadata", lambda c: c.get_model_metadata(remote)
             )
-        inputs = {t["name"]: t for t in meta.get("inputs", [])}
-        outputs = {t["name"]: t for t in meta.get("outputs", [])}
+        inputs = _tensors(f"model {remote} {on}", meta, "inputs")
+        outputs = _tensors(f"model {remote} {on}", meta, "outputs")
         unit.check_tensors(f"model {remote} {on}", inputs, outputs)
         datatype = inputs[unit.input_name].get("datatype")
         if datatype != self._wire:
@@ -346,13 +748,24 @@ class KServeEngine(HostArrays):
                 f"model {remote} {on} takes {datatype} input, the engine sends {self._wire} "
                 "(precision fp16 needs an FP16 model and a manifest with fp16: true)"
             )
+        declared = outputs[unit.output_name].get("datatype")
+        allowed = LABEL_TYPES if unit.output_kind == "labels" else SCORE_TYPES
+        if declared not in allowed:
+            raise EngineError(
+                f"model {remote} {on}: output {unit.output_name!r} is {declared}; the output "
+                f"of a {unit.output_kind!r} model is one of {', '.join(allowed)}"
+            )
+        self._outputs[remote] = str(declared)
         patch = list(unit.patch_size)
         checks = (
             ("input", inputs[unit.input_name], [1, *patch]),
             ("output", outputs[unit.output_name], [unit.output_channels, *patch]),
         )
         for label, tensor, want in checks:
-            shape = [int(d) for d in tensor.get("shape", [])]
+            try:
+                shape = [int(d) for d in tensor.get("shape", [])]
+            except (TypeError, ValueError):
+                shape = []
             if len(shape) != 5 or any(
                 got >= 0 and got != w for got, w in zip(shape[1:], want, strict=True)
             ):
@@ -366,28 +779,54 @@ class KServeEngine(HostArrays):
     # -- inference ---------------------------------------------------------------------------
 
     def _infer(self, remote: str, unit: ModelManifest, feed: npt.NDArray[Any]) -> Any:
-        """One request: ``feed`` (already in the wire type) to ``remote``, its output back."""
-        module, n = self._module, len(feed)
+        """One request: ``feed`` (already in the wire type) to ``remote``, its output back,
+        checked: the declared data type, the shape ``(N, C, patch)``, finite if floating."""
+        n, name = len(feed), unit.output_name
         if self._fixed_batch is not None and n < self._fixed_batch:
             pad = np.zeros((self._fixed_batch - n, *feed.shape[1:]), feed.dtype)
             feed = np.concatenate([feed, pad])
-        kw = self._timeout_kw()
+        want_type = self._outputs[remote]
+        want_shape = [len(feed), unit.output_channels, *unit.patch_size]
 
         def send(client: Any) -> Any:
-            tensor = module.InferInput(unit.input_name, list(feed.shape), self._wire)
             if self.protocol == "http":
-                tensor.set_data_from_numpy(feed, binary_data=True)
-                wanted = module.InferRequestedOutput(unit.output_name, binary_data=True)
+                out = client.infer(
+                    remote, unit.input_name, feed, self._wire, name, want_type, want_shape
+                )
             else:
-                tensor.set_data_from_numpy(feed)
-                wanted = module.InferRequestedOutput(unit.output_name)
-            result = client.infer(remote, [tensor], outputs=[wanted], **kw)
-            return result.as_numpy(unit.output_name)
+                out = self._grpc_infer(client, remote, unit, feed, want_type, want_shape)
+            _check_finite(name, out)
+            return out
 
-        out = self._call(f"model {remote} on {self.url}: inference failed", send)
-        if out is None or len(out) < n:
-            raise EngineError(f"model {remote} on {self.url}: no {unit.output_name!r} in reply")
-        return out[:n]
+        return self._call(f"model {remote} on {self.url}: inference failed", send)[:n]
+
+    def _grpc_infer(
+        self,
+        client: Any,
+        remote: str,
+        unit: ModelManifest,
+        feed: npt.NDArray[Any],
+        want_type: str,
+        want_shape: list[int],
+    ) -> npt.NDArray[Any]:
+        """One gRPC request; its output checked as :func:`_read_output` checks HTTP's,
+        copied if read-only (the sliding window may overwrite it)."""
+        module, name = self._module, unit.output_name
+        tensor = module.InferInput(unit.input_name, list(feed.shape), self._wire)
+        tensor.set_data_from_numpy(feed)
+        wanted = module.InferRequestedOutput(name)
+        result = client.infer(remote, [tensor], outputs=[wanted], **self._timeout_kw())
+        output = result.get_output(name)
+        if output is None:
+            raise _ReplyError(f"no {name!r} in reply")
+        _check_output(name, output.datatype, list(output.shape), want_type, want_shape)
+        try:
+            out = np.asarray(result.as_numpy(name))
+        except ValueError as exc:
+            raise _ReplyError(f"output {name!r} does not match its shape ({exc})") from None
+        if list(out.shape) != want_shape or out.dtype != np.dtype(DATATYPES[want_type]):
+            raise _ReplyError(f"output {name!r} does not match its shape and type")
+        return out if out.flags.writeable else out.copy()
 
     def _run_batches(
         self, batch: npt.NDArray[Any], run: Callable[[npt.NDArray[Any]], Any]
@@ -463,14 +902,18 @@ class KServeEngine(HostArrays):
         return self._batch
 
     def close(self) -> None:
-        """Close the clients (their connections) and forget the model."""
+        """Close the gRPC clients (their connections) and forget the model."""
+        self._drop_clients()
+        self._manifest = None
+        self._remote = []
+        self._outputs = {}
+
+    def _drop_clients(self) -> None:
         with self._clients_lock:
             clients, self._clients = self._clients, []
         for client in clients:
             try:
                 client.close()
-            except Exception:  # a gevent client closed from another thread; nothing to keep
+            except Exception:  # a channel already closed; nothing to keep
                 logger.debug("closing a kserve client failed", exc_info=True)
         self._local = threading.local()
-        self._manifest = None
-        self._remote = []

@@ -309,9 +309,10 @@ def _tiled(
 class _Runner:
     """Calls ``predict`` on a list of patches and checks what comes back.
 
-    Scores come back as float32, labels as uint8. The largest label is kept on the device
-    and checked once, at the end (:meth:`check_labels`), so that a GPU is not synchronised
-    after every batch.
+    Scores come back as float32, labels as uint8. The smallest and largest label are taken
+    from the values ``predict`` returned, before the cast to uint8 (which would turn 256 into
+    0 and -256 into 0), kept on the device and checked once, at the end
+    (:meth:`check_labels`), so that a GPU is not synchronised after every batch.
     """
 
     def __init__(
@@ -327,6 +328,7 @@ class _Runner:
         self._labels = output_kind == "labels"
         self._num_classes = num_classes
         self._channels_and_patch = (output_channels(output_kind, num_classes), *patch_size)
+        self._smallest: Array = None
         self._largest: Array = None
 
     def __call__(self, patches: list[Array]) -> Array:
@@ -346,18 +348,26 @@ class _Runner:
             raise ValueError(f"predict returned shape {tuple(out.shape)}, expected {want}")
         if not self._labels:
             return xp.astype(out, xp.float32, copy=False)
-        out = xp.astype(out, xp.uint8, copy=False)
-        largest = xp.max(out)
-        self._largest = largest if self._largest is None else xp.maximum(self._largest, largest)
-        return out
+        smallest, largest = xp.min(out), xp.max(out)  # a NaN makes both NaN
+        if self._largest is not None:
+            smallest = xp.minimum(self._smallest, smallest)
+            largest = xp.maximum(self._largest, largest)
+        self._smallest, self._largest = smallest, largest
+        return xp.astype(out, xp.uint8, copy=False)
 
     def check_labels(self) -> None:
-        """Raise ``ValueError`` if a patch held a label outside ``0 .. num_classes - 1``."""
-        if self._largest is not None and int(self._largest) >= self._num_classes:
-            raise ValueError(
-                f"predict returned label {int(self._largest)}; "
-                f"the model has {self._num_classes} classes"
-            )
+        """Raise ``ValueError`` if a patch held a label outside ``0 .. num_classes - 1``
+        (or a NaN)."""
+        if self._largest is None:
+            return
+        smallest, largest = float(self._smallest), float(self._largest)
+        if smallest >= 0 and largest < self._num_classes:
+            return
+        bad = largest if smallest >= 0 else smallest
+        raise ValueError(
+            f"predict returned label {bad:g}; the model has {self._num_classes} classes "
+            f"(0 to {self._num_classes - 1})"
+        )
 
 
 def _blend(

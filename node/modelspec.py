@@ -52,7 +52,8 @@ class ModelSpec:
     protocol: str = "http"
     #: ``engine = "kserve"``: the model's name on the server (default: the manifest's name).
     remote_model: str = ""
-    #: ``engine = "kserve"``: connection and request timeout, seconds.
+    #: ``engine = "kserve"``: the deadline of each request, from its start to the last byte of
+    #: its reply, seconds.
     timeout_s: float = 60.0
     #: ``engine = "kserve"``: how often a request that failed for a transient reason is re-sent.
     retries: int = 3
