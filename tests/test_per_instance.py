@@ -206,7 +206,8 @@ def test_a_late_instance_after_delivery_sends_new_results_and_a_rejection_note(
     make_node: Any, tmp_path: Path
 ) -> None:
     """With ``reject_superseded = true`` the destination gets the new SEG and SR and an IOCM
-    rejection note (KOS, "Rejected for Quality Reasons") naming the old SEG and SR."""
+    rejection note (KOS, "Rejected for Quality Reasons") naming the old SEG and SR; a third
+    version's note names only the second's (the first's were withdrawn already)."""
     from segnode.node.dicom.rejection import rejected_uids
 
     node, orthanc = node_sending_to_orthanc(
@@ -216,12 +217,12 @@ def test_a_late_instance_after_delivery_sends_new_results_and_a_rejection_note(
     )
     try:
         files = write_synthetic_series(
-            tmp_path / "s", PhantomGeometry(rows=64, columns=64, slices=20), seed=9504
+            tmp_path / "s", PhantomGeometry(rows=64, columns=64, slices=21), seed=9504
         )
         ds = dcmread(files[0], stop_before_pixels=True)
         study, series = str(ds.StudyInstanceUID), str(ds.SeriesInstanceUID)
         (tmp_path / "first").mkdir()
-        for f in files[:-1]:
+        for f in files[:-2]:
             (tmp_path / "first" / f.name).symlink_to(f)
         exe = require_tool("storescu")
         cmd = [exe, "-aet", "CT1", "-aec", "SEGNODE", "+sd", LOOPBACK, str(node.port)]
@@ -229,7 +230,7 @@ def test_a_late_instance_after_delivery_sends_new_results_and_a_rejection_note(
         wait_for(lambda: count_results(orthanc, study) == (1, 1), 120, "v1 SEG+SR")
         wait_for(lambda: [j["state"] for j in series_jobs(node, series)] == ["sent"], 30, "v1")
         (v1,) = series_jobs(node, series)
-        assert subprocess.run([*cmd, str(files[-1])], timeout=60).returncode == 0  # late
+        assert subprocess.run([*cmd, str(files[-2])], timeout=60).returncode == 0  # late
         wait_for(lambda: count_results(orthanc, study) == (2, 2), 120, "v2 SEG+SR")
         wait_for(lambda: len(orthanc_kos(orthanc, study)) == 1, 60, "rejection note")
         (kos,) = orthanc_kos(orthanc, study)
@@ -242,7 +243,13 @@ def test_a_late_instance_after_delivery_sends_new_results_and_a_rejection_note(
         kinds = [d["kind"] for d in jobs[2]["deliveries"]]
         assert kinds == ["SEG", "SR", "KOS"]  # the new results first, then the note
         (seg2,) = [s for s in orthanc_results(orthanc, study)["SEG"] if len(seg_sources(s)) == 20]
-        assert seg_sources(seg2) == {str(dcmread(f).SOPInstanceUID) for f in files}
+        assert seg_sources(seg2) == {str(dcmread(f).SOPInstanceUID) for f in files[:-1]}
+        assert subprocess.run([*cmd, str(files[-1])], timeout=60).returncode == 0  # later still
+        wait_for(lambda: len(orthanc_kos(orthanc, study)) == 2, 120, "the second note")
+        notes = [rejected_uids(dcmread(DicomBytesIO(k))) for k in orthanc_kos(orthanc, study)]
+        v2 = {j["version"]: j for j in series_jobs(node, series)}[2]
+        assert {v2["seg_sop_uid"], v2["sr_sop_uid"]} in notes, notes
+        assert {v1["seg_sop_uid"], v1["sr_sop_uid"]} in notes, notes  # and only the first
     finally:
         orthanc.stop()
 

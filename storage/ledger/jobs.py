@@ -294,26 +294,36 @@ class JobStore(Views, NodeStore):
 
     def superseded_sent(self, job_id: int) -> dict[str, list[tuple[str, Path]]]:
         """Results of older versions of the job's series that were delivered (SEG and SR, not
-        rejection notes): destination -> [(SOP Instance UID, file)]."""
+        rejection notes) and not yet withdrawn there: destination -> [(SOP Instance UID,
+        file)]. A rejection note delivered by version k withdrew every earlier version's
+        results at that destination, so only versions from k on are named again (each note
+        named all the earlier ones before: 2, 4, 6, 8 ... objects)."""
         with self._read() as s:
             job = s.get(Job, job_id)
             if job is None:
                 return {}
+            older = (Job.series_id == job.series_id, Job.version < job.version)
+            sent = Delivery.status == DeliveryStatus.SENT
+            withdrawn = dict(
+                s.execute(
+                    select(Delivery.destination, func.max(Job.version))
+                    .join(Result, Result.id == Delivery.result_id)
+                    .join(Job, Job.id == Delivery.job_id)
+                    .where(*older, sent, Result.kind == "KOS")
+                    .group_by(Delivery.destination)
+                ).all()
+            )
             rows = s.execute(
-                select(Delivery.destination, Result.sop_instance_uid, Result.path)
+                select(Delivery.destination, Job.version, Result.sop_instance_uid, Result.path)
                 .join(Result, Result.id == Delivery.result_id)
                 .join(Job, Job.id == Delivery.job_id)
-                .where(
-                    Job.series_id == job.series_id,
-                    Job.version < job.version,
-                    Delivery.status == DeliveryStatus.SENT,
-                    Result.kind.in_(("SEG", "SR")),
-                )
+                .where(*older, sent, Result.kind.in_(("SEG", "SR")))
                 .order_by(Job.version, Result.order)
             ).all()
         out: dict[str, list[tuple[str, Path]]] = {}
-        for dest, sop, path in rows:
-            out.setdefault(dest, []).append((sop, Path(path)))
+        for dest, version, sop, path in rows:
+            if version >= withdrawn.get(dest, 0):
+                out.setdefault(dest, []).append((sop, Path(path)))
         return out
 
     def save_results(
