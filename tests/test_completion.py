@@ -558,3 +558,23 @@ def test_a_single_instance_is_not_completed_at_the_end_of_the_gap(loop: LoopFact
     assert _assoc(t, r, 2, "NEW", "s", 7) == ["s"]
     time.sleep(1.5)
     assert [(s, trig) for s, trig, _ in r.done] == [("s", RELEASE)]
+
+
+def test_a_two_image_scout_in_a_whole_study_association_completes_after_the_wait(
+    loop: LoopFactory,
+) -> None:
+    """The rule above is for one-instance associations: a scout of two images sent on one
+    association (here with its study's axial series) still completes at its hold's end (and
+    is then ignored by the rules) rather than waiting for the quiet period."""
+    r = Recorder()
+    hints = {"scout": SeriesHints(received=2), "axial": SeriesHints(received=10)}
+    t = loop(r.complete, hints=hints.get, quiet_period_s=30.0)
+    t.opened(1, "CT")
+    for series, n in (("scout", 2), ("axial", 10)):
+        for _ in range(n):
+            t.touched(1, series)
+    t.closed(1, released=True)
+    t.flush()
+    assert [(s, trig) for s, trig, _ in r.done] == [("axial", RELEASE)]
+    time.sleep(1.5)
+    assert [(s, trig) for s, trig, _ in r.done] == [("axial", RELEASE), ("scout", SENDER_GAP)]

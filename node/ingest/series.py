@@ -305,6 +305,9 @@ class CompletionLoop:
         self._last_end: dict[str, tuple[str, float]] = {}
         # Held series -> when their wait ends.
         self._holds: dict[str, float] = {}
+        # Held series whose last association carried one instance in all (one instance per
+        # association, from a sender not known yet perhaps): see _wait_ended.
+        self._tiny: set[str] = set()
         # Series whose hold was reported (an ordered set, bounded like _last_end).
         self._told: dict[str, None] = {}
         # Series whose completion raised -> how many times in a row (bounded like _last_end).
@@ -490,6 +493,7 @@ class CompletionLoop:
                     a.continues[uid] = max(0.0, gap)
         a.series[uid] = n + 1
         self._holds.pop(uid, None)  # more came: a wait for it is moot
+        self._tiny.discard(uid)
 
     def _busy(self, series_uid: str) -> bool:
         """Whether an open association has delivered instances of ``series_uid``."""
@@ -522,6 +526,10 @@ class CompletionLoop:
                 done.append(uid)
             else:
                 self._hold(uid, pattern.wait_s(self._most_wait), reason)
+                if sum(a.series.values()) == 1:
+                    self._tiny.add(uid)
+                else:
+                    self._tiny.discard(uid)
         for uid in done:
             self._complete(uid, RELEASE)
         self.senders.persist(a.calling_ae)
@@ -569,8 +577,12 @@ class CompletionLoop:
         say instances are missing (then the quiet period decides)."""
         hints = self._hints(uid) if self._hints is not None else None
         reason = hints.incomplete_reason() if hints is not None else None
-        if reason is None and hints is not None and hints.received < FEW_INSTANCES:
-            # Not a series a job can be made of: more is coming, or the quiet period ends it.
+        tiny = uid in self._tiny
+        self._tiny.discard(uid)
+        if reason is None and tiny and hints is not None and hints.received < FEW_INSTANCES:
+            # One instance per association, and fewer than a volume's worth so far: more is
+            # coming (a new sender slower than the default wait), or the quiet period ends it.
+            # (A two-image scout sent on one association completes here as before.)
             reason = f"only {hints.received} instance(s) so far"
         if reason is not None:
             log.info("series %s still held after the sender's gap: %s", uid, reason)
@@ -598,6 +610,7 @@ class CompletionLoop:
 
     def _complete(self, series_uid: str, trigger: str) -> None:
         self._holds.pop(series_uid, None)
+        self._tiny.discard(series_uid)
         self._told.pop(series_uid, None)
         self._deliver(series_uid, trigger)
 
