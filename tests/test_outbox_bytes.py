@@ -25,12 +25,10 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
-import pynetdicom.association
 import pytest
 from pydicom import dcmread
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 from pynetdicom import AE, evt
-from pynetdicom import _config as pynetdicom_config
 from pynetdicom.pdu import P_DATA_TF
 from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Comprehensive3DSRStorage,
@@ -45,7 +43,7 @@ from segnode.node.outbox.scu import SEND_PDU_BYTES, Dispatcher
 from segnode.storage.ledger import Ledger
 from segnode.storage.migrations import SchemaError
 from segnode.storage.models import SCHEMA_VERSION, Delivery, Result
-from tests.conftest import LOOPBACK, ROOT, start_orthanc, wait_for
+from tests.conftest import LOOPBACK, ROOT, free_port, require_tool, start_orthanc, wait_for
 from tests.test_outbox import encoded_job, events, outbox_config, result_file
 
 V1_LEDGER = Path(__file__).parent / "data" / "ledger-v1.sql"
@@ -210,7 +208,7 @@ def test_wire_bytes_are_the_stored_dataset_bytes(
         raise AssertionError("the outbox decoded a result file")
 
     monkeypatch.setattr(scu_module, "dcmread", no_decoding)
-    monkeypatch.setattr(pynetdicom.association, "dcmread", no_decoding)
+    monkeypatch.setattr(scu_module, "encode_dataset", no_decoding)
     d = Dispatcher(outbox_config(tmp_path, [wire.peer], keep_open_s=30), ledger)
     assert d.run_once() == 2
     d.stop()
@@ -221,8 +219,6 @@ def test_wire_bytes_are_the_stored_dataset_bytes(
     assert wire.received[0][1] == dataset_bytes(seg)
     assert wire.received[1][1] == dataset_bytes(sr)
     assert len(wire.received[0][1]) > 3 * 2**20  # many P-DATA-TF PDUs
-    # pynetdicom's process-wide switch is back to its default after the sends.
-    assert pynetdicom_config.STORE_SEND_CHUNKED_DATASET is False
 
 
 def test_peer_without_a_pdu_limit_gets_1_mib_pdus(tmp_path: Path, ledger: Ledger) -> None:
@@ -279,7 +275,7 @@ def test_two_jobs_share_one_kept_open_association(
         assert len(wire.open_associations()) == 1
         # Its socket sends each PDU at once (no Nagle stall before the next object's data).
         (kept,) = d.kept._idle.values()
-        sock = kept[0].dul.socket.socket
+        sock = kept[0].socket
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
         second = encoded_job(ledger, tmp_path, [wire.peer])
         d.wake.set()
@@ -493,6 +489,47 @@ def test_orthanc_gets_both_jobs_over_a_kept_association(tmp_path: Path, ledger: 
                 assert dataset_bytes(stored) == dataset_bytes(path)
     finally:
         orthanc.stop()
+
+
+@pytest.mark.parametrize("syntax", ["+x=", "+xi"])
+def test_dcmtk_storescp_stores_both_jobs(tmp_path: Path, ledger: Ledger, syntax: str) -> None:
+    """DCMTK storescp as the destination: two jobs over one kept association, every object
+    stored; with Explicit VR Little Endian accepted the stored data set is our file's, byte
+    for byte (``--bit-preserving``), with Implicit VR Little Endian only (``+xi``) a
+    re-encoded copy of the same object."""
+    storescp = require_tool("storescp")
+    port, out = free_port(), tmp_path / "storescp"
+    out.mkdir()
+    args = [storescp, "-aet", "STORESCP", "-od", str(out), "--bit-preserving", syntax]
+    proc = subprocess.Popen([*args, str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peer = f"STORESCP@{LOOPBACK}:{port}"
+    try:
+
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex((LOOPBACK, port)) == 0
+
+        wait_for(listening, 10, "storescp listening")
+        d = Dispatcher(outbox_config(tmp_path, [peer], keep_open_s=30), ledger)
+        jobs = []
+        for _ in range(2):
+            jobs.append(encoded_job(ledger, tmp_path, [peer]))
+            assert d.run_once() == 2
+            assert len(d.kept) == 1  # kept open for the next job
+        d.stop()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    stored = {dcmread(f).SOPInstanceUID: f for f in out.iterdir()}
+    for job_id in jobs:
+        assert ledger.job_state(job_id) == "sent"
+        for path in result_paths(ledger, job_id):
+            uid = dcmread(path, stop_before_pixels=True).SOPInstanceUID
+            copy = stored[uid]
+            if syntax == "+x=":
+                assert dataset_bytes(copy) == dataset_bytes(path)
+            else:
+                assert dcmread(copy).file_meta.TransferSyntaxUID == ImplicitVRLittleEndian
 
 
 def test_keep_open_s_is_validated() -> None:

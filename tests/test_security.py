@@ -277,6 +277,8 @@ def e2e_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[NodeRunner, Count
         port,
         top={"log_level": "DEBUG"},
         dispatch={"destinations": [scp.peer], "retry_initial_s": 0.1},
+        # A single instance on its own association waits for more until the quiet period.
+        series={"quiet_period_s": 3},
     )
     node = NodeRunner(cfg, base / "data", port, base / "node.log")
     node.start()

@@ -315,22 +315,12 @@ def test_accept_out_of_file_descriptors_backs_off(tmp_path: Path) -> None:
 
 
 def test_no_pynetdicom_private_module_in_the_product() -> None:
-    """No pynetdicom private module, and so no module-level mutable configuration, except the
-    one switch pynetdicom documents for sending a file's dataset bytes without decoding them
-    (``_config.STORE_SEND_CHUNKED_DATASET``, used by the outbox only while it sends)."""
+    """No pynetdicom private module, and so no module-level mutable configuration (the
+    outbox's requestor is the node's own since it stopped using pynetdicom's association)."""
     private = re.compile(r"pynetdicom\._|from pynetdicom import _")
-    allowed = {
-        "node/outbox/scu.py": (
-            "from pynetdicom import _config as pynetdicom_config",
-            "pynetdicom_config.STORE_SEND_CHUNKED_DATASET",
-        )
-    }
     for package in ("node", "engines", "storage"):
         for path in (ROOT / package).rglob("*.py"):
             text = path.read_text()
-            for exception in allowed.get(str(path.relative_to(ROOT)), ()):
-                text = text.replace(exception, "")
-            assert "pynetdicom_config." not in text, f"{path} uses pynetdicom's _config"
             assert not private.search(text), f"{path} uses a pynetdicom private module"
 
 

@@ -1,25 +1,31 @@
 """The outbox: C-STORE every result object to every destination, with retry and backoff.
 
-Each delivery (one object, one destination) is a ledger row. A delivery succeeds only on status
-0x0000. The objects on disk never change, so a resend after a crash is the same object (same
-SOP Instance UID); delivery is at least once, and a destination that stores by SOP Instance UID
-(PS3.4 §B.4.1) keeps one copy.
+Each delivery (one object, one destination) is a ledger row. A delivery succeeds on status
+0x0000 and on a warning status (0xB000-0xBFFF, 0x0001, 0x0107, 0x0116: the object was stored,
+PS3.4 §B.2.3), which is logged and recorded as the delivery's status. The objects on disk
+never change, so a resend after a crash is the same object (same SOP Instance UID); delivery
+is at least once, and a destination that stores by SOP Instance UID (PS3.4 §B.4.1) keeps one
+copy.
 
 Two kinds of failure are kept apart:
 
-* **The object failed** - the destination answered a failure or warning status, or the
-  connection was lost waiting for the answer. That uses one of the delivery's attempts; the
-  next try waits an exponential backoff with jitter (``dispatch.retry_initial_s`` doubled per
-  attempt, at most ``dispatch.retry_max_s``, of which half is random so that many nodes or
-  objects do not retry in step). After ``dispatch.max_attempts`` the delivery and its job fail,
-  and the job's other deliveries not yet sent are cancelled with that reason (none stays
-  pending for a job that is over).
+* **The object failed** - the destination answered a failure status (the reason quotes its
+  Error Comment), or gave no valid answer: none within ``dispatch.timeout_s`` of the request,
+  the connection lost or the association aborted before it, or a protocol violation (a
+  response to another message or object, a PDU over its limit...;
+  :mod:`segnode.node.dicom.requestor` checks every response). That uses one of the
+  delivery's attempts; the next try waits an exponential backoff with jitter
+  (``dispatch.retry_initial_s`` doubled per attempt, at most ``dispatch.retry_max_s``, of
+  which half is random so that many nodes or objects do not retry in step). After
+  ``dispatch.max_attempts`` the delivery and its job fail, and the job's other deliveries not
+  yet sent are cancelled with that reason (none stays pending for a job that is over).
 * **The destination cannot be reached** - connection refused or timed out, association
-  rejected. That says nothing about the objects: no attempt is used. The destination backs
-  off as a whole, and after ``dispatch.breaker_failures`` consecutive failures its circuit
-  breaker opens: the destination is skipped for ``dispatch.breaker_cooldown_s``, then one
-  association probes it. The breaker lives in memory (a restart closes it); everything that
-  must survive a restart - what is due when, the last error - is in the ledger.
+  rejected (the reason in words with its codes, PS3.8 Table 9-21). That says nothing about
+  the objects: no attempt is used. The destination backs off as a whole, and after
+  ``dispatch.breaker_failures`` consecutive failures its circuit breaker opens: the
+  destination is skipped for ``dispatch.breaker_cooldown_s``, then one association probes it.
+  The breaker lives in memory (a restart closes it); everything that must survive a restart -
+  what is due when, the last error - is in the ledger.
 
 A delivery still pending ``dispatch.max_age_s`` after it was created fails with that reason,
 visible in ``segnode jobs``; ``segnode retry --failed`` requeues such jobs: every delivery not
@@ -32,47 +38,67 @@ Per destination the results go in order, SEG first, then SR (then a rejection no
 ledger does not make a result due while an earlier one of its job to the same destination is
 unacknowledged and not due itself, and within a pass a result is sent only once the earlier
 ones it waits on were accepted (:class:`InOrder`), so an SR never reaches a destination that
-has not accepted its SEG.
+has not accepted its SEG. Destinations are served side by side and independently: each pass
+to a destination runs on a thread of its own, and the outbox thread starts a destination's
+next pass once its last one ended, whatever the others do (:meth:`Dispatcher._run`), so one
+that is slow, silent or hostile delays no other; every operation of its pass is bounded by
+``dispatch.timeout_s``, and so is :meth:`Dispatcher.stop`.
 
-A C-STORE sends the result file's dataset bytes as the worker wrote them (PS3.10, Explicit VR
-Little Endian): nothing is decoded or encoded again, unless the destination accepted only
-another transfer syntax for the SOP class (:meth:`Dispatcher._store`). The association to a
-destination stays open ``dispatch.keep_open_s`` after a batch for the next job's objects
-(:class:`KeptAssociations`); one the peer closed meanwhile is replaced without using an attempt.
+Associations are the node's own requestor's (:mod:`segnode.node.dicom.requestor`: one
+thread, deadlines on every read and write, limits on every PDU). A C-STORE sends the result
+file's dataset bytes as the worker wrote them (PS3.10, Explicit VR Little Endian): nothing is
+decoded or encoded again, unless the destination accepted only another transfer syntax for
+the SOP class (:meth:`Dispatcher._store`). The association to a destination stays open
+``dispatch.keep_open_s`` after a batch for the next job's objects (:class:`KeptAssociations`);
+one the peer closed meanwhile, or on which it sent anything unasked, is replaced without
+using an attempt.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import socket
 import ssl
+import struct
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import BinaryIO
 
 from pydicom import dcmread
 from pydicom.errors import InvalidDicomError
+from pydicom.filebase import DicomBytesIO
 from pydicom.filereader import read_file_meta_info
-from pydicom.uid import UID, ExplicitVRLittleEndian, ImplicitVRLittleEndian
-from pynetdicom import AE, evt
-from pynetdicom import _config as pynetdicom_config
-from pynetdicom.association import Association
-from pynetdicom.pdu_primitives import MaximumLengthNotification
-from pynetdicom.sop_class import (  # type: ignore[attr-defined]
+from pydicom.filewriter import write_dataset
+from pydicom.uid import (
+    UID,
     Comprehensive3DSRStorage,
+    ExplicitVRLittleEndian,
+    ImplicitVRLittleEndian,
     KeyObjectSelectionDocumentStorage,
     SegmentationStorage,
-    Verification,
 )
 
 from segnode.node.config import Config
+from segnode.node.dicom.requestor import (
+    Association,
+    AssociationFailed,
+    ConnectionLost,
+    Failure,
+    NoResponse,
+    PeerAborted,
+    Requestor,
+    Response,
+    StatusKind,
+)
 from segnode.node.dicom.tls import tls_args
+from segnode.node.dicom.ul_pdu import VERIFICATION
+from segnode.node.errors import ConfigError, log_failure
 from segnode.node.outbox.stow import StowFailed, StowTarget, StowUnreachable
 from segnode.node.outbox.stow import store as stow_store
 from segnode.node.peers import Peer
@@ -82,73 +108,75 @@ from segnode.storage.ledger import DueDelivery, Ledger, utcnow
 
 log = logging.getLogger(__name__)
 
+#: The storage SOP classes the outbox sends.
+STORAGE_CLASSES = (
+    SegmentationStorage,
+    LABEL_MAP_SEGMENTATION_STORAGE,
+    Comprehensive3DSRStorage,
+    KeyObjectSelectionDocumentStorage,
+)
 
-def make_ae(calling_ae: str, timeout: float, keep_open: float = 0.0) -> AE:
-    """An SCU application entity that can send SEG and SR (and echo).
+
+def proposed_contexts() -> list[tuple[str, tuple[str, ...]]]:
+    """The presentation contexts the outbox proposes (abstract syntax, transfer syntaxes).
 
     Each storage SOP class is proposed in two presentation contexts, Explicit VR Little Endian
     (the result files' own transfer syntax, sent as they are) and Implicit VR Little Endian
     (the fallback, re-encoded), so that a destination supporting both accepts the first rather
-    than choosing Implicit from a single context (PS3.8 §9.3.2.2).
-
-    Parameters
-    ----------
-    calling_ae
-        Our AE title.
-    timeout
-        Seconds for the connection, the association and each response.
-    keep_open
-        Seconds an association may stay idle between batches (``dispatch.keep_open_s``):
-        pynetdicom's own idle limit (``network_timeout``) is set above it.
+    than choosing Implicit from a single context (PS3.8 §9.3.2.2); then Verification.
     """
-    ae = AE(ae_title=calling_ae)
-    ae.acse_timeout = timeout
-    ae.dimse_timeout = timeout
-    ae.network_timeout = keep_open + timeout
-    ae.connection_timeout = min(timeout, 10)
-    for cls in (
-        SegmentationStorage,
-        LABEL_MAP_SEGMENTATION_STORAGE,
-        Comprehensive3DSRStorage,
-        KeyObjectSelectionDocumentStorage,
-    ):
-        ae.add_requested_context(cls, ExplicitVRLittleEndian)
-        ae.add_requested_context(cls, ImplicitVRLittleEndian)
-    ae.add_requested_context(Verification)
-    return ae
+    contexts: list[tuple[str, tuple[str, ...]]] = []
+    for cls in STORAGE_CLASSES:
+        contexts.append((cls, (ExplicitVRLittleEndian,)))
+        contexts.append((cls, (ImplicitVRLittleEndian,)))
+    contexts.append((VERIFICATION, (ImplicitVRLittleEndian, ExplicitVRLittleEndian)))
+    return contexts
 
 
-_chunked_lock = threading.Lock()
-_chunked_users = 0
-_chunked_saved = False
+#: Value representations whose length is a 32-bit field after two reserved bytes (PS3.5 §7.1.2).
+_LONG_VRS = frozenset(
+    {b"OB", b"OD", b"OF", b"OL", b"OV", b"OW", b"SQ", b"SV", b"UC", b"UN", b"UR", b"UT", b"UV"}
+)
 
 
-@contextmanager
-def file_bytes_sends() -> Iterator[None]:
-    """While inside, ``Association.send_c_store(path)`` sends the file's dataset bytes as they are.
+def dataset_offset(f: BinaryIO) -> int:
+    """Where the data set of a PS3.10 file starts: after the 128-byte preamble, ``DICM`` and
+    the File Meta Information (group 0002, Explicit VR Little Endian, PS3.10 §7.1), walked
+    element by element.
 
-    pynetdicom reads its process-wide ``STORE_SEND_CHUNKED_DATASET`` when ``send_c_store``
-    starts: when true, a file path is not decoded; the bytes after the File Meta Information
-    go out in P-DATA fragments of the peer's maximum PDU, read from the file as they are sent,
-    over an accepted context of the file's own transfer syntax only. The setting is turned on
-    only while the outbox's own sends are in flight (counted, so that two outboxes in one
-    process do not turn it off under each other) and restored afterwards, so that other code
-    sending a path (the ``segnode send`` command, tests) keeps pynetdicom's decoding default;
-    in ``segnode serve`` the outbox is the only C-STORE SCU.
+    Raises
+    ------
+    InvalidDicomError
+        The file has no PS3.10 preamble.
     """
-    global _chunked_users, _chunked_saved
-    with _chunked_lock:
-        if _chunked_users == 0:
-            _chunked_saved = pynetdicom_config.STORE_SEND_CHUNKED_DATASET
-            pynetdicom_config.STORE_SEND_CHUNKED_DATASET = True
-        _chunked_users += 1
-    try:
-        yield
-    finally:
-        with _chunked_lock:
-            _chunked_users -= 1
-            if _chunked_users == 0:
-                pynetdicom_config.STORE_SEND_CHUNKED_DATASET = _chunked_saved
+    f.seek(0)
+    head = f.read(132)
+    if len(head) < 132 or head[128:132] != b"DICM":
+        raise InvalidDicomError("not a PS3.10 file (no DICM prefix)")
+    offset = 132
+    while True:
+        f.seek(offset)
+        tag = f.read(8)
+        if len(tag) < 8 or struct.unpack_from("<H", tag)[0] != 0x0002:
+            return offset
+        if tag[4:6] in _LONG_VRS:
+            extra = f.read(4)
+            if len(extra) < 4:
+                raise InvalidDicomError("File Meta Information truncated")
+            offset += 12 + struct.unpack("<I", extra)[0]
+        else:
+            offset += 8 + struct.unpack_from("<H", tag, 6)[0]
+
+
+def encode_dataset(path: str | Path, syntax: str) -> bytes:
+    """The data set of the file at ``path`` encoded again in ``syntax`` (Implicit or Explicit
+    VR Little Endian), without its File Meta Information."""
+    ds = dcmread(path)
+    fp = DicomBytesIO()
+    fp.is_little_endian = True
+    fp.is_implicit_VR = syntax == ImplicitVRLittleEndian
+    write_dataset(fp, ds)
+    return bytes(fp.getvalue())
 
 
 @dataclass(frozen=True)
@@ -272,12 +300,14 @@ class InOrder:
 class KeptAssociations:
     """Established C-STORE associations kept open between batches, one per destination.
 
-    The outbox thread owns it (no lock): before a batch it takes the destination's
-    association (:meth:`take`) and puts it back after (:meth:`put`); :meth:`close_idle` runs at
-    each wake-up of the outbox loop and releases those idle ``keep_open`` seconds;
-    :meth:`close_all` runs when the outbox stops. With ``keep_open`` 0 every association is
-    released after its batch. One the peer released or aborted while idle (or whose
-    connection closed) is dropped when next looked at.
+    Before a batch, the destination's pass takes its association (:meth:`take`) and puts it
+    back after (:meth:`put`); passes to different destinations run on different threads, so
+    the map is behind a lock (an association itself is used by one thread at a time: taken
+    out of the map while in use). :meth:`close_idle` runs at each wake-up of the outbox loop:
+    it ends the associations on which the peer sent anything (an A-RELEASE-RQ is answered; an
+    A-ABORT or a closed connection ends it; anything else is a protocol violation, aborted)
+    and releases those idle ``keep_open`` seconds; :meth:`close_all` runs when the outbox
+    stops. With ``keep_open`` 0 every association is released after its batch.
 
     Parameters
     ----------
@@ -291,112 +321,89 @@ class KeptAssociations:
         self.keep_open = keep_open
         self._clock = clock or time.monotonic
         self._idle: dict[str, tuple[Association, float]] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._idle)
+        with self._lock:
+            return len(self._idle)
 
     def take(self, dest: str) -> Association | None:
         """The open association to ``dest``, or None (then the caller opens one)."""
-        entry = self._idle.pop(dest, None)
+        with self._lock:
+            entry = self._idle.pop(dest, None)
         if entry is None:
             return None
         assoc, since = entry
-        if not assoc.is_established:
-            log.debug("%s closed the idle association (%s)", dest, _ended(assoc))
-            return None
         if self._clock() - since >= self.keep_open:
-            _release(assoc)
+            assoc.release()
+            return None
+        if not assoc.poll_idle():
+            log.info("%s ended the idle association (%s)", dest, assoc.ended)
             return None
         return assoc
 
     def put(self, dest: str, assoc: Association) -> None:
         """Keep ``assoc`` for the next batch to ``dest``, or release it (``keep_open`` 0)."""
         if self.keep_open > 0 and assoc.is_established:
-            old = self._idle.pop(dest, None)
+            with self._lock:
+                old = self._idle.pop(dest, None)
+                self._idle[dest] = (assoc, self._clock())
             if old is not None and old[0] is not assoc:
-                _release(old[0])
-            self._idle[dest] = (assoc, self._clock())
+                old[0].release()
         else:
-            _release(assoc)
+            assoc.release()
 
     def close_idle(self) -> float | None:
-        """Release associations idle ``keep_open`` seconds or more; drop those the peer
-        closed. Returns the seconds until the next one is due, None when none is open."""
+        """Release associations idle ``keep_open`` seconds or more; end those the peer ended
+        or sent anything on. Returns the seconds until the next one is due, None when none is
+        open.
+
+        The peers' news is read under the lock, so that a pass never finds its destination's
+        association missing meanwhile: it costs a poll per association, and a PDU's read only
+        when one has begun to arrive (bounded by the requestor's release time); the releases
+        happen outside it.
+        """
         now = self._clock()
         due: float | None = None
-        for dest, (assoc, since) in list(self._idle.items()):
-            left = since + self.keep_open - now
-            if not assoc.is_established:
-                log.debug("%s closed the idle association (%s)", dest, _ended(assoc))
-                del self._idle[dest]
-            elif left <= 0:
-                del self._idle[dest]
-                log.debug("releasing the association to %s, idle %.1f s", dest, now - since)
-                _release(assoc)
-            else:
-                due = left if due is None else min(due, left)
+        expired: list[tuple[str, Association, float]] = []
+        with self._lock:
+            for dest, (assoc, since) in list(self._idle.items()):
+                left = since + self.keep_open - now
+                if left <= 0:
+                    del self._idle[dest]
+                    expired.append((dest, assoc, now - since))
+                elif not assoc.poll_idle():
+                    del self._idle[dest]
+                    log.info("%s ended the idle association (%s)", dest, assoc.ended)
+                else:
+                    due = left if due is None else min(due, left)
+        for dest, assoc, idle in expired:
+            log.debug("releasing the association to %s, idle %.1f s", dest, idle)
+            assoc.release()
         return due
 
     def close_all(self) -> None:
         """Release every kept association (the outbox stops)."""
-        while self._idle:
-            _, (assoc, _) = self._idle.popitem()
-            _release(assoc)
+        with self._lock:
+            entries, self._idle = self._idle, {}
+        for assoc, _ in entries.values():
+            assoc.release()
 
 
 SEND_PDU_BYTES = 1 << 20
 """Largest P-DATA PDU the outbox sends, even to a peer that takes larger ones (PS3.8 9.3.1
 lets a sender stay below the peer's maximum). A peer announcing "unlimited" (0) would
-otherwise get a 19 MB SEG as one PDU: pynetdicom builds it with two whole copies and the
-peer can parse nothing before the last byte arrives. 1 MiB PDUs overlap both sides: a 19 MB
-SEG to pynetdicom's SCP on loopback took 34 ms against 41-56 ms as one PDU (2 CPUs)."""
+otherwise get a 19 MB SEG as one PDU that it can parse only once the last byte arrived.
+1 MiB PDUs overlap both sides: a 19 MB SEG to pynetdicom's SCP on loopback took 34 ms against
+41-56 ms as one PDU (2 CPUs)."""
 
-
-def _cap_send_pdu(assoc: Association) -> None:
-    """Send PDUs of at most :data:`SEND_PDU_BYTES` on ``assoc`` (the peer's negotiated
-    maximum, as pynetdicom reads it for sending, lowered after the negotiation)."""
-    for item in assoc.acceptor.user_information:
-        if isinstance(item, MaximumLengthNotification):
-            peer = item.maximum_length_received or 0
-            if peer == 0 or peer > SEND_PDU_BYTES:
-                item.maximum_length_received = SEND_PDU_BYTES
-
-
-def _no_delay(event: evt.Event) -> None:
-    """Send each PDU at once (``TCP_NODELAY``) on an outbox connection.
-
-    A C-STORE request is written as a small command PDU followed by the dataset's PDUs. With
-    Nagle's algorithm on (the socket default, and pynetdicom's), a small write waits for the
-    peer's acknowledgement of the previous one, which the peer's delayed-ACK timer holds back
-    by up to 40 ms once the connection has left its quick-ACK start: over a kept-open
-    association every object after the first paid that stall (measured on the H200: the SR's
-    acknowledgement 50 ms after the SEG's; docs/performance.md).
-    """
-    sock = getattr(event.assoc.dul.socket, "socket", None)
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as exc:  # not TCP (tests), or already closed: leave it as it is
-            log.debug("TCP_NODELAY not set: %s", exc)
-
-
-def _release(assoc: Association) -> None:
-    """A-RELEASE an association that is still established (PS3.8 §7.2)."""
-    if assoc.is_established:
-        assoc.release()
-
-
-def _ended(assoc: Association) -> str:
-    """How an association that is no longer established ended, for the log."""
-    if assoc.is_released:
-        return "A-RELEASE"
-    if assoc.is_aborted:
-        return "A-ABORT or connection closed"
-    return "connection closed"
+MAX_PARALLEL = 16
+"""Destinations served at once in a pass (each on its own thread); more wait for a thread."""
 
 
 class Dispatcher:
-    """Sends due deliveries from the ledger; one thread.
+    """Sends due deliveries from the ledger: the outbox thread starts each destination's pass
+    on a thread of its own (:data:`MAX_PARALLEL` at once at most) and never waits for one.
 
     Parameters
     ----------
@@ -415,12 +422,23 @@ class Dispatcher:
         # Every destination the configuration names, by ledger name (with TLS and credentials).
         self._targets: dict[str, Target] = index(config.configured_destinations())
         self._tls: dict[str, tuple[ssl.SSLContext, str] | None] = {}
+        self._tls_lock = threading.Lock()
         dc = config.dispatch
         self.backoff = Backoff(dc.retry_initial_s, dc.retry_max_s, rng or random.Random())
         self.breakers = CircuitBreakers(dc.breaker_failures, dc.breaker_cooldown_s, self.backoff)
         self._last_expiry = -1e9
         self.kept = KeptAssociations(dc.keep_open_s)
-        self._msg_id = 0
+        self.requestor = Requestor(
+            dc.calling_ae,
+            proposed_contexts(),
+            dc.timeout_s,
+            max_pdu=config.node.max_pdu,
+            max_send_pdu=SEND_PDU_BYTES,
+        )
+        self._pool: ThreadPoolExecutor | None = None
+        #: Destinations with a pass in progress (on a pool thread).
+        self._busy: set[str] = set()
+        self._busy_lock = threading.Lock()
 
     def start(self) -> None:
         """Start the outbox thread."""
@@ -428,39 +446,50 @@ class Dispatcher:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop after the send in progress; release the kept-open associations."""
+        """Stop after the sends in progress (each ends within ``dispatch.timeout_s``);
+        release the kept-open associations."""
         self._stop.set()
         self.wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._thread is None or not self._thread.is_alive():
+        done = self._thread is None or not self._thread.is_alive()
+        if done:
             # The thread released its own on the way out; this is for run_once callers.
             self.kept.close_all()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=done, cancel_futures=True)
 
     def is_alive(self) -> bool:
         """Whether the outbox thread runs (for the watchdog)."""
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
+        """The outbox thread: start a pass to every due destination that has none in
+        progress (:meth:`_start`), never waiting for one; wake when a pass ends, when the
+        next delivery is due, when an idle association is due for release, or after 1 s."""
         try:
             while not self._stop.is_set():
+                self.wake.clear()  # a pass ending from here on wakes the wait below
                 try:
-                    sent = self.run_once()
+                    started = len(self._start(self._pool_executor()))
                     idle = self.kept.close_idle()
-                except Exception:
-                    log.exception("outbox pass failed")
-                    sent, idle = 0, None
-                if sent:
-                    continue
-                nxt = self.ledger.next_delivery_time()
+                    nxt = self.ledger.next_delivery_time()
+                except Exception as exc:
+                    log_failure(log, "outbox pass failed", exc=exc)
+                    started, idle, nxt = 0, None, None
                 wait = 1.0
                 if nxt is not None:
-                    wait = min(wait, (nxt - utcnow()).total_seconds())
+                    until = (nxt - utcnow()).total_seconds()
+                    if until > 0 or started:  # due now but in progress: its end wakes us
+                        wait = min(wait, until)
                 if idle is not None:
                     wait = min(wait, idle)
                 self.wake.wait(max(0.05, wait))
-                self.wake.clear()
         finally:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.shutdown(wait=True)  # each pass ends within dispatch.timeout_s
             self.kept.close_all()
 
     def expire(self) -> list[int]:
@@ -477,8 +506,21 @@ class Dispatcher:
         return jobs
 
     def run_once(self) -> int:
-        """Try every due delivery once, one association per destination (kept open for the
-        next pass, ``dispatch.keep_open_s``); return how many were sent."""
+        """Try every due delivery once and wait for it: one association per destination (kept
+        open for the next pass, ``dispatch.keep_open_s``), the destinations side by side
+        (one thread each, :data:`MAX_PARALLEL` at most); return how many were sent."""
+        futures = self._start(None)
+        return sum(f.result() for f in futures)
+
+    def _pool_executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(MAX_PARALLEL, thread_name_prefix="segnode-outbox")
+        return self._pool
+
+    def _start(self, pool: ThreadPoolExecutor | None) -> list[Future[int]]:
+        """Start a pass to every destination with due deliveries and no pass in progress
+        (the others are skipped: theirs is still sending); return the passes' futures.
+        Without ``pool``, one destination is served on this thread, several on a pool."""
         if time.monotonic() - self._last_expiry > min(5.0, self.config.dispatch.max_age_s / 4):
             self._last_expiry = time.monotonic()
             self.expire()
@@ -486,10 +528,13 @@ class Dispatcher:
         by_dest: dict[str, list[DueDelivery]] = defaultdict(list)
         for d in due:
             by_dest[d.destination].append(d)
-        sent = 0
+        work: list[tuple[str, list[DueDelivery]]] = []
         for dest, items in by_dest.items():
             if self._stop.is_set():
                 break
+            with self._busy_lock:
+                if dest in self._busy:
+                    continue
             left = self.breakers.blocked_for(dest)
             if left > 0:
                 # Circuit open (or backing off): skip without using attempts.
@@ -500,8 +545,31 @@ class Dispatcher:
                     record=False,
                 )
                 continue
-            sent += self._send_to(dest, items)
-        return sent
+            with self._busy_lock:
+                self._busy.add(dest)
+            work.append((dest, items))
+        if pool is None:
+            if len(work) == 1:  # run_once to one destination: on this thread
+                done: Future[int] = Future()
+                done.set_result(self._pass(*work[0]))
+                return [done]
+            if not work:
+                return []
+            pool = self._pool_executor()
+        return [pool.submit(self._pass, dest, items) for dest, items in work]
+
+    def _pass(self, dest: str, items: list[DueDelivery]) -> int:
+        """One destination's pass; a bug here ends that pass only. Its end wakes the outbox
+        thread (the destination may take its next pass)."""
+        try:
+            return self._send_to(dest, items)
+        except Exception as exc:
+            log_failure(log, "outbox pass to %s failed", dest, exc=exc)
+            return 0
+        finally:
+            with self._busy_lock:
+                self._busy.discard(dest)
+            self.wake.set()
 
     def _retry(self, d: DueDelivery, error: str, status: int | None = None) -> None:
         """The object failed: use an attempt; back off or give up."""
@@ -543,9 +611,10 @@ class Dispatcher:
             log.warning("%s unreachable (%s); next try in %.1f s", dest, why, wait)
 
     def _tls_args(self, peer: Peer) -> tuple[ssl.SSLContext, str] | None:
-        if peer.name not in self._tls:
-            self._tls[peer.name] = tls_args(peer)
-        return self._tls[peer.name]
+        with self._tls_lock:
+            if peer.name not in self._tls:
+                self._tls[peer.name] = tls_args(peer)
+            return self._tls[peer.name]
 
     def _send_to(self, dest: str, items: list[DueDelivery]) -> int:
         target = self._targets.get(dest) or from_name(dest)
@@ -580,45 +649,63 @@ class Dispatcher:
                 if not order.may_send(d):
                     log.debug("job %d %s to %s waits for an earlier result", d.job_id, d.kind, dest)
                     continue
+                if assoc.requests and not assoc.poll_idle():
+                    log.info("%s ended the association (%s); a new one", dest, assoc.ended)
                 if not assoc.is_established:
                     # The peer released or aborted after the last object (some close after
-                    # each): a new association, no attempt used.
+                    # each), or sent something unasked: a new association, no attempt used.
                     if (assoc := self._associate(dest, peer)) is None:
                         break
                     untried = False
                 if not self._claimed(d):
                     order.outcome(d, False)
                     continue
-                code = self._store(assoc, d)
-                if code == -1 and untried:
-                    # pynetdicom has aborted it (no answer ends an association).
-                    log.info("no answer on the kept-open association to %s; a new one", dest)
+                outcome = self._store(assoc, d)
+                if untried and isinstance(outcome, NoResponse | ConnectionLost | PeerAborted):
+                    log.info("kept-open association to %s: %s; a new one", dest, outcome)
                     if (assoc := self._associate(dest, peer)) is None:
                         break
                     if not self._claimed(d):
                         order.outcome(d, False)
                         continue
-                    code = self._store(assoc, d)
+                    outcome = self._store(assoc, d)
                 untried = False
-                order.outcome(d, code == 0x0000)
-                if code is None:
-                    continue
-                if code == 0x0000:
-                    self.ledger.delivery_done(d.id, code)
-                    sent += 1
-                    log.info("job %d %s delivered to %s", d.job_id, d.kind, dest)
-                elif code == -1:
-                    self._retry(d, "no response (connection lost or timeout)")
-                    if not assoc.is_established:
-                        break
-                else:
-                    if 0xB000 <= code <= 0xBFFF:
-                        log.warning("destination %s answered warning 0x%04X", dest, code)
-                    self._retry(d, f"destination answered 0x{code:04X}", code)
+                accepted = self._settle(d, outcome)
+                order.outcome(d, accepted)
+                sent += accepted
+                if isinstance(outcome, Failure):
+                    break  # the association is over; the rest waits for the next pass
         finally:
             if assoc is not None:
                 self.kept.put(dest, assoc)
         return sent
+
+    def _settle(self, d: DueDelivery, outcome: Response | Failure | None) -> bool:
+        """Record what became of one C-STORE; return whether the object was stored.
+
+        Success and warnings (PS3.4 §B.2.3: stored) are done, a warning logged with its
+        comment and kept as the delivery's status; a failure status or no valid response
+        uses an attempt (:meth:`_retry`). None: already settled by :meth:`_store`.
+        """
+        if outcome is None:
+            return False
+        if isinstance(outcome, Failure):
+            self._retry(d, str(outcome))
+            return False
+        if outcome.kind is StatusKind.FAILURE:
+            self._retry(d, f"destination answered {outcome.describe()}", outcome.status)
+            return False
+        if outcome.kind is StatusKind.WARNING:
+            log.warning(
+                "job %d %s stored by %s with warning %s",
+                d.job_id,
+                d.kind,
+                d.destination,
+                outcome.describe(),
+            )
+        self.ledger.delivery_done(d.id, outcome.status)
+        log.info("job %d %s delivered to %s", d.job_id, d.kind, d.destination)
+        return True
 
     @property
     def claim_s(self) -> float:
@@ -642,37 +729,26 @@ class Dispatcher:
 
     def _associate(self, dest: str, peer: Peer) -> Association | None:
         """Open an association to ``peer``; None (and the destination backs off) if it fails."""
-        dc = self.config.dispatch
-        ae = make_ae(dc.calling_ae, dc.timeout_s, dc.keep_open_s)
         try:
-            assoc = ae.associate(
-                peer.host,
-                peer.port,
-                ae_title=peer.ae_title,
-                tls_args=self._tls_args(peer),
-                evt_handlers=[(evt.EVT_CONN_OPEN, _no_delay)],
-            )
-        except Exception as exc:  # TLS files, socket errors: a boundary, the peer is unusable
-            self._unreachable(dest, f"cannot connect: {exc}")
-            return None
-        if not assoc.is_established:
-            why = "association rejected" if assoc.is_rejected else "cannot connect or associate"
-            self._unreachable(dest, why)
+            assoc = self.requestor.open(peer.host, peer.port, peer.ae_title, self._tls_args(peer))
+        except (AssociationFailed, ConfigError) as exc:  # ConfigError: TLS files unreadable
+            self._unreachable(dest, str(exc))
             return None
         if self.breakers.success(dest):
             log.info("%s reachable again: circuit closed", dest)
-        _cap_send_pdu(assoc)
         return assoc
 
-    def _store(self, assoc: Association, d: DueDelivery) -> int | None:
-        """C-STORE the result file of ``d``; return the status, -1 for no response, None when
-        the delivery was settled here (file unreadable, no presentation context).
+    def _store(self, assoc: Association, d: DueDelivery) -> Response | Failure | None:
+        """C-STORE the result file of ``d``; return the response, the failure (no valid
+        response: the association is over), or None when the delivery was settled here
+        (file unreadable, no presentation context).
 
         The request's SOP Class and Instance UIDs and the transfer syntax come from the file's
         File Meta Information (PS3.10 §7.1), checked against the ledger's row; the dataset is
-        sent as the bytes that follow it (:func:`file_bytes_sends`) over a context of that
-        transfer syntax. Only when the destination accepted another transfer syntax for the
-        SOP class (Implicit VR Little Endian) is the file decoded and encoded again.
+        sent as the bytes that follow it, read from the file as the PDUs go out, over a
+        context of that transfer syntax. Only when the destination accepted another transfer
+        syntax for the SOP class (Implicit VR Little Endian) is the file decoded and encoded
+        again.
         """
         try:
             meta = read_file_meta_info(d.path)
@@ -686,33 +762,30 @@ class Dispatcher:
             why = f"result file {d.path} holds {sop_instance or 'no SOP Instance UID'}"
             self.ledger.delivery_failed(d.id, f"{why}, not the ledger's {d.sop_instance_uid}")
             return None
-        contexts = [
-            cx for cx in assoc.accepted_contexts if cx.abstract_syntax == sop_class and cx.as_scu
-        ]
+        contexts = assoc.contexts_for(sop_class)
         if not contexts:
             self._retry(d, f"no presentation context accepted for {UID(sop_class).name}")
             return None
-        self._msg_id = self._msg_id % 0xFFFF + 1
+        as_is = [cx for cx in contexts if cx.transfer_syntax == syntax]
         try:
-            if any(cx.transfer_syntax[0] == syntax for cx in contexts):
-                with file_bytes_sends():
-                    status = assoc.send_c_store(Path(d.path), msg_id=self._msg_id)
-            else:
-                log.debug(
-                    "%s accepted %s for %s only: re-encoding job %d %s",
-                    d.destination,
-                    UID(contexts[0].transfer_syntax[0]).name,
-                    UID(sop_class).name,
-                    d.job_id,
-                    d.kind,
-                )
-                status = assoc.send_c_store(dcmread(d.path), msg_id=self._msg_id)
-        except OSError as exc:
+            if as_is:
+                with open(d.path, "rb") as f:
+                    f.seek(dataset_offset(f))
+                    return assoc.store(as_is[0], sop_class, sop_instance, f)
+            cx = contexts[0]
+            log.debug(
+                "%s accepted %s for %s only: re-encoding job %d %s",
+                d.destination,
+                UID(cx.transfer_syntax).name,
+                UID(sop_class).name,
+                d.job_id,
+                d.kind,
+            )
+            data = encode_dataset(d.path, cx.transfer_syntax)
+            return assoc.store(cx, sop_class, sop_instance, data)
+        except (OSError, InvalidDicomError) as exc:
             self.ledger.delivery_failed(d.id, f"result file unreadable: {exc}")
             return None
-        except RuntimeError:  # the association ended just before the request
-            return -1
-        return int(getattr(status, "Status", -1)) if status else -1
 
     def _send_stow(self, target: StowTarget, items: list[DueDelivery]) -> int:
         """DICOMweb STOW-RS, one request per object (:mod:`segnode.node.outbox.stow`); same
@@ -763,25 +836,38 @@ class Dispatcher:
 
 
 def echo(peer: Peer, calling_ae: str = "SEGNODE", timeout: float = 10.0) -> int:
-    """C-ECHO ``peer`` (over TLS when it has ``tls``); return the status, -1 without association."""
-    ae = make_ae(calling_ae, timeout)
-    assoc = ae.associate(peer.host, peer.port, ae_title=peer.ae_title, tls_args=tls_args(peer))
-    if not assoc.is_established:
+    """C-ECHO ``peer`` (over TLS when it has ``tls``); return the status, -1 without an
+    association or a valid response (the reason is logged)."""
+    syntaxes = (ImplicitVRLittleEndian, ExplicitVRLittleEndian)
+    requestor = Requestor(calling_ae, [(VERIFICATION, syntaxes)], timeout)
+    try:
+        assoc = requestor.open(peer.host, peer.port, peer.ae_title, tls_args(peer))
+    except AssociationFailed as exc:
+        log.warning("C-ECHO %s: %s", peer.name, exc)
         return -1
     try:
-        status = assoc.send_c_echo()
-        return int(status.Status) if status else -1
+        contexts = assoc.contexts_for(VERIFICATION)
+        if not contexts:
+            log.warning("C-ECHO %s: Verification not accepted", peer.name)
+            return -1
+        outcome = assoc.echo(contexts[0])
+        if isinstance(outcome, Failure):
+            log.warning("C-ECHO %s: %s", peer.name, outcome)
+            return -1
+        return outcome.status
     finally:
         assoc.release()
 
 
 __all__ = [
+    "Backoff",
     "CircuitBreakers",
     "Dispatcher",
     "InOrder",
     "KeptAssociations",
+    "SEND_PDU_BYTES",
+    "dataset_offset",
     "echo",
-    "file_bytes_sends",
-    "Backoff",
-    "make_ae",
+    "encode_dataset",
+    "proposed_contexts",
 ]
