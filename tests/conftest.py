@@ -243,6 +243,17 @@ def launch_orthanc(
 
 
 @pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Any]:
+    """A :class:`~segnode.storage.ledger.Ledger` on a SQLite file in ``tmp_path``, closed
+    after the test (a test module's own ``ledger`` fixture takes precedence)."""
+    from segnode.storage.ledger import Ledger
+
+    led = Ledger(tmp_path / "ledger.sqlite")
+    yield led
+    led.close()
+
+
+@pytest.fixture
 def orthanc(tmp_path: Path) -> Iterator[Orthanc]:
     """A running Orthanc."""
     o = start_orthanc(tmp_path / "orthanc")

@@ -16,7 +16,6 @@ import contextlib
 import json
 import socket
 import ssl
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +29,8 @@ import pytest
 from segnode.engines.base import EngineError, create_engine
 from segnode.engines.manifest import ModelManifest, load_manifest
 from segnode.engines.sliding_window import sliding_window_segment
-from tests.conftest import LOOPBACK, ROOT, require_tool
+from tests.conftest import LOOPBACK, ROOT
+from tests.test_web import web_certificate
 
 TISSUE = ROOT / "engines" / "models" / "tissue" / "tissue.json"
 PATCH = (2, 16, 16)
@@ -549,14 +549,7 @@ def test_a_model_that_is_not_ready_is_named(hostile: Any, labels_model: ModelMan
 def test_a_self_signed_server_is_refused(
     hostile: Any, labels_model: ModelManifest, tmp_path: Path
 ) -> None:
-    openssl = require_tool("openssl")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    cert, key = web_certificate(tmp_path)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     server = hostile(labels_model, "UINT8", context)

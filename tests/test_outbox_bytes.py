@@ -155,13 +155,6 @@ def dataset_bytes(file: Path | bytes) -> bytes:
 
 
 @pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[Ledger]:
-    led = Ledger(tmp_path / "ledger.sqlite")
-    yield led
-    led.close()
-
-
-@pytest.fixture
 def wire() -> Iterator[WireSCP]:
     scp = WireSCP()
     yield scp

@@ -276,13 +276,6 @@ class Hostile:
 
 
 @pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[Ledger]:
-    led = Ledger(tmp_path / "ledger.sqlite")
-    yield led
-    led.close()
-
-
-@pytest.fixture
 def good() -> Iterator[CountingSCP]:
     scp = CountingSCP().start()
     yield scp

@@ -16,7 +16,6 @@ import json
 import os
 import socket
 import ssl
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +32,8 @@ from segnode.node.outbox.stow import (
     StowUnreachable,
     store,
 )
-from tests.conftest import LOOPBACK, require_tool
+from tests.conftest import LOOPBACK
+from tests.test_web import web_certificate
 
 MiB = 1 << 20
 TOKEN = "SECRET-TOKEN-abc123"
@@ -559,14 +559,7 @@ def test_refused_and_no_response(serve: Callable[..., HostileServer], tmp_path: 
 
 def self_signed(tmp_path: Path) -> ssl.SSLContext:
     """A server context with a self-signed certificate for 127.0.0.1, made with openssl."""
-    openssl = require_tool("openssl")
-    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+    cert, key = web_certificate(tmp_path)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     return context
@@ -579,7 +572,7 @@ def test_tls(serve: Callable[..., HostileServer], tmp_path: Path) -> None:
     outcome, _, _ = call(token_target(server.url(), tmp_path), 5)
     assert "CERTIFICATE_VERIFY_FAILED" in str(failed(outcome, StowUnreachable))
     assert server.heads == []
-    target = token_target(server.url(), tmp_path, ca_file=tmp_path / "server.pem")
+    target = token_target(server.url(), tmp_path, ca_file=tmp_path / "web.pem")
     outcome, _, _ = call(target, 5)
     assert outcome == StowResult(200, None)
     assert len(server.heads) == 1 and f"Bearer {TOKEN}".encode() in server.heads[0]

@@ -466,6 +466,19 @@ def test_next_staged_file_is_created_after_the_response(h: SCPHarness, ct: list[
     assert h.ledger.counts()["instances"] == 2
 
 
+def refused_without_a_trace_then_stored(h: SCPHarness, path: Path) -> None:
+    """The first C-STORE of ``path`` is refused (0xA700) leaving neither row nor file; the
+    sender's retry is stored."""
+    a = h.assoc()
+    assert store(a, path) == 0xA700
+    assert h.ledger.counts()["instances"] == 0
+    assert not list(h.spool.root.rglob("*.dcm"))
+    assert store(a, path) == 0  # the sender's retry
+    a.release()
+    assert h.ledger.counts()["instances"] == 1
+    assert len(list(h.spool.root.rglob("*.dcm"))) == 1
+
+
 def test_a_failed_write_takes_back_the_row_committed_beside_it(
     h: SCPHarness, ct: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -490,14 +503,7 @@ def test_a_failed_write_takes_back_the_row_committed_beside_it(
         return real(self, chunks)
 
     monkeypatch.setattr(spool_module.StagingFile, "write_synced", failing)
-    a = h.assoc()
-    assert store(a, ct[0]) == 0xA700
-    assert h.ledger.counts()["instances"] == 0
-    assert not list(h.spool.root.rglob("*.dcm"))
-    assert store(a, ct[0]) == 0  # the sender's retry
-    a.release()
-    assert h.ledger.counts()["instances"] == 1
-    assert len(list(h.spool.root.rglob("*.dcm"))) == 1
+    refused_without_a_trace_then_stored(h, ct[0])
 
 
 def test_a_failed_folder_sync_removes_the_renamed_file(
@@ -516,14 +522,7 @@ def test_a_failed_folder_sync_removes_the_renamed_file(
         real(path, staged)
 
     monkeypatch.setattr(Spool, "sync_folder", staticmethod(failing))
-    a = h.assoc()
-    assert store(a, ct[0]) == 0xA700
-    assert h.ledger.counts()["instances"] == 0
-    assert not list(h.spool.root.rglob("*.dcm"))
-    assert store(a, ct[0]) == 0  # the sender's retry
-    a.release()
-    assert h.ledger.counts()["instances"] == 1
-    assert len(list(h.spool.root.rglob("*.dcm"))) == 1
+    refused_without_a_trace_then_stored(h, ct[0])
 
 
 def test_a_row_left_by_a_refusal_is_not_taken_for_a_stored_copy(

@@ -330,6 +330,19 @@ def test_start_caches_the_sr_template_that_real_series_use(
     assert done.returncode == 0, done.stderr
 
 
+def queued_job(tmp_path: Path, engine: OrtEngine, seed: int) -> tuple[Worker, Ledger, int]:
+    """A worker, its ledger and the id of one queued job of a 96x96x10 synthetic series."""
+    worker, ledger, spool = make(tmp_path, engine)
+    files = write_synthetic_series(
+        tmp_path / "in", PhantomGeometry(rows=96, columns=96, slices=10), seed=seed
+    )
+    jid = ledger.create_job(
+        ingest(ledger, spool, files), trigger="test", model="tissue", engine="onnxruntime"
+    )
+    assert jid is not None
+    return worker, ledger, jid
+
+
 def test_a_ledger_outage_during_a_job_queues_it_again(
     tmp_path: Path, engine: OrtEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -338,13 +351,7 @@ def test_a_ledger_outage_during_a_job_queues_it_again(
     and then finished, and the worker thread keeps running."""
     from sqlalchemy.exc import OperationalError
 
-    worker, ledger, spool = make(tmp_path, engine)
-    files = write_synthetic_series(
-        tmp_path / "in", PhantomGeometry(rows=96, columns=96, slices=10), seed=35
-    )
-    uid = ingest(ledger, spool, files)
-    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
-    assert jid is not None
+    worker, ledger, jid = queued_job(tmp_path, engine, seed=35)
     real_mark = Ledger.mark
     outage = [1]
 
@@ -379,13 +386,7 @@ def test_no_space_for_the_results_queues_the_job_until_there_is_room(
 
     from segnode.node.pipeline import worker as worker_module
 
-    worker, ledger, spool = make(tmp_path, engine)
-    files = write_synthetic_series(
-        tmp_path / "in", PhantomGeometry(rows=96, columns=96, slices=10), seed=36
-    )
-    uid = ingest(ledger, spool, files)
-    jid = ledger.create_job(uid, trigger="test", model="tissue", engine="onnxruntime")
-    assert jid is not None
+    worker, ledger, jid = queued_job(tmp_path, engine, seed=36)
     real_write = worker_module.write_atomic
     full = [1]
 

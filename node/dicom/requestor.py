@@ -49,6 +49,7 @@ from pynetdicom.pdu_primitives import (
 )
 from pynetdicom.presentation import PresentationContext
 
+from segnode.node.dicom import ul_pdu
 from segnode.node.dicom.tls import describe_tls_error
 from segnode.node.dicom.ul_pdu import (
     ABORT,
@@ -64,13 +65,10 @@ from segnode.node.dicom.ul_pdu import (
     NO_DATASET,
     P_DATA_TF,
     RELEASE_RP,
-    RELEASE_RP_PDU,
     RELEASE_RQ,
-    RELEASE_RQ_PDU,
     _text,
     _uint16,
     _us,
-    abort_pdu,
     decode_command,
     encode_command,
     pdata_pdus,
@@ -327,17 +325,13 @@ def _pdvs(body: bytes | bytearray) -> Iterator[tuple[int, int, memoryview]]:
     _Violation
         On a PDV whose length does not fit the PDU, or a PDU without a PDV.
     """
-    view, offset, end = memoryview(body), 0, len(body)
-    if end < 6:
-        raise _Violation("a P-DATA-TF without a PDV", 0x06)
-    while offset < end:
-        if end - offset < 6:
-            raise _Violation("a truncated PDV", 0x06)
-        (length,) = struct.unpack_from(">I", view, offset)
-        if length < 2 or length > end - offset - 4:
-            raise _Violation(f"a PDV length of {length} bytes that does not fit its PDU", 0x06)
-        yield view[offset + 4], view[offset + 5], view[offset + 6 : offset + 4 + length]
-        offset += 4 + length
+    view = memoryview(body)
+    try:
+        for _ in ul_pdu.pdv_headers(view):
+            pass
+    except ProtocolError as exc:
+        raise _Violation(f"a malformed P-DATA-TF: {exc}", 0x06) from None
+    return ul_pdu._each_pdv(view)
 
 
 class Association:
@@ -404,7 +398,7 @@ class Association:
         and close the connection."""
         if not self._closed:
             with contextlib.suppress(OSError, ValueError):
-                self.socket.send(abort_pdu(source, reason))
+                self.socket.send(ul_pdu.abort_pdu(source, reason))
         self._end(why)
 
     def release(self) -> None:
@@ -415,14 +409,14 @@ class Association:
         deadline = time.monotonic() + min(self.timeout, RELEASE_S)
         drained = 0
         try:
-            self._send(RELEASE_RQ_PDU, deadline)
+            self._send(ul_pdu.RELEASE_RQ_PDU, deadline)
             while True:
                 kind, body = self._read_pdu(deadline)
                 if kind == RELEASE_RP:
                     self._end("released")
                     return
                 if kind == RELEASE_RQ:  # release collision (AR-8, AR-9): answer, wait for ours
-                    self._send(RELEASE_RP_PDU, deadline)
+                    self._send(ul_pdu.RELEASE_RP_PDU, deadline)
                 elif kind == ABORT:
                     self._end(f"aborted by the peer ({describe_abort(body[2], body[3])})")
                     return
@@ -463,7 +457,7 @@ class Association:
             return False
         if kind == RELEASE_RQ:
             with contextlib.suppress(_Closed, _Deadline):
-                self._send(RELEASE_RP_PDU, deadline)
+                self._send(ul_pdu.RELEASE_RP_PDU, deadline)
             self._end("released by the peer")
         elif kind == ABORT:
             self._end(f"aborted by the peer ({describe_abort(body[2], body[3])})")
@@ -807,7 +801,8 @@ class Association:
 
 @dataclass(frozen=True)
 class Requestor:
-    """Opens associations with one set of proposed presentation contexts.
+    """Opens associations with one set of proposed presentation contexts and one set of
+    limits (one requestor per outbox configuration; immutable, shared by its threads).
 
     Parameters
     ----------

@@ -73,6 +73,7 @@ from segnode.node.dicom.ul_pdu import (
     decode_command,
     encode_command,
     pdata_pdus,
+    pdv_headers,
     reject_pdu,
 )
 from segnode.node.dicom.ul_types import (
@@ -687,23 +688,13 @@ class _Association:
         control header, value) one at a time: a PDU packed with PDVs builds no list of them,
         and its message's limits stop it at the first fragment too many. An invalid PDU
         raises."""
-        offset, end = 0, len(body)
-        if end < 6:
-            raise ProtocolError("P-DATA-TF without a PDV", 0x06)
-        while offset < end:
-            if end - offset < 6:
-                raise ProtocolError("truncated PDV", 0x06)
-            (length,) = struct.unpack_from(">I", body, offset)
-            if length < 2 or length > end - offset - 4:
-                raise ProtocolError("invalid PDV length", 0x06)
-            cx_id, control = body[offset + 4], body[offset + 5]
+        for cx_id, control, size in pdv_headers(body):
             if cx_id not in self.info.contexts:
                 raise ProtocolError(f"PDV on presentation context {cx_id} not accepted", 0x06)
-            if length == 2 and not control & 0x02:
+            if size == 0 and not control & 0x02:
                 # An empty fragment carries nothing; only a last one has a meaning (a sender
                 # whose data ended on a fragment boundary may send it).
                 raise ProtocolError("empty PDV that is not the last fragment", 0x06)
-            offset += 4 + length
         return _each_pdv(body)
 
     def _read(self, n: int) -> memoryview:

@@ -94,6 +94,24 @@ def _uint16(value: bytes | None, default: int = 0) -> int:
     return struct.unpack("<H", value[:2])[0] if value and len(value) >= 2 else default
 
 
+def pdv_headers(body: memoryview) -> Iterator[tuple[int, int, int]]:
+    """Check the PDV items of a P-DATA-TF body (PS3.8 §9.3.5.1) one at a time and yield each
+    one's context ID, control header and value length; :class:`ProtocolError` (0x06) at the
+    first whose length does not fit the PDU, or for a PDU without any (the acceptor and the
+    requestor both read PDVs through it, then :func:`_each_pdv`)."""
+    offset, end = 0, len(body)
+    if end < 6:
+        raise ProtocolError("P-DATA-TF without a PDV", 0x06)
+    while offset < end:
+        if end - offset < 6:
+            raise ProtocolError("truncated PDV", 0x06)
+        (length,) = struct.unpack_from(">I", body, offset)
+        if length < 2 or length > end - offset - 4:
+            raise ProtocolError("invalid PDV length", 0x06)
+        yield body[offset + 4], body[offset + 5], length - 2
+        offset += 4 + length
+
+
 def _each_pdv(body: memoryview) -> Iterator[tuple[int, int, memoryview]]:
     """The PDVs of a checked P-DATA-TF body: (context ID, control header, value)."""
     offset, end = 0, len(body)
