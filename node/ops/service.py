@@ -26,7 +26,7 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from segnode.engines.base import Engine, EngineError, create_engine
 from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
 from segnode.node.config import Config
-from segnode.node.errors import ConfigError, SegnodeError
+from segnode.node.errors import ConfigError, SegnodeError, log_failure
 from segnode.node.ingest.scp import StoreSCP, record_from_file
 from segnode.node.ingest.senders import SenderBook, load_patterns, save_pattern
 from segnode.node.ingest.series import CompletionLoop
@@ -488,7 +488,10 @@ class Node:
         )
         self.worker.engine_ready.set()
         self.worker.wake.set()
-        self.notifier.send(f"STATUS={self.status_line()}")
+        try:
+            self.notifier.send(f"STATUS={self.status_line()}")
+        except Exception as exc:  # informative only: the main loop sends it again
+            log_failure(log, "the status line after loading failed", exc=exc)
 
     @property
     def engine_loading(self) -> bool:
