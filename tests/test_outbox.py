@@ -400,3 +400,36 @@ def test_expiry_fails_the_old_and_cancels_the_rest(tmp_path: Path, ledger: Ledge
     assert view is not None and view.state == "failed"
     assert [st for _, _, st, _ in view.deliveries] == ["failed", "cancelled"]
     assert ledger.counts()["deliveries_pending"] == 0
+
+
+def test_a_pass_ending_during_the_due_query_does_not_start_another_on_stale_rows(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    """A destination's pass that ends while the outbox reads the due deliveries does not get
+    a new pass from those rows: they may predate its outcome (a stale attempt count gave a
+    delivery max_attempts + 1 attempts, CI 2026-12-05). The next round sends."""
+    scp = CountingSCP()
+    seen = answering(scp, lambda kind: 0)
+    scp.start()
+    cfg = outbox_config(tmp_path, [scp.peer], max_attempts=2)
+    job_id = encoded_job(ledger, tmp_path, [scp.peer])
+    d = Dispatcher(cfg, ledger, rng=random.Random(5))
+    dest = ledger.due_deliveries()[0].destination
+    query = ledger.due_deliveries
+
+    def pass_ends_meanwhile(**kwargs: Any) -> Any:
+        rows = query(**kwargs)
+        d._busy.discard(dest)  # the pass in progress ends after the rows were read
+        return rows
+
+    try:
+        d._busy.add(dest)
+        ledger.due_deliveries = pass_ends_meanwhile  # type: ignore[method-assign]
+        assert d._start(None) == []
+        assert seen == []
+        ledger.due_deliveries = query  # type: ignore[method-assign]
+        wait_for(lambda: d.run_once() >= 0 and ledger.job_state(job_id) == "sent", 10, "sent")
+    finally:
+        d.stop()
+        scp.stop()
+    assert seen == [("SEG", 0), ("SR", 0)]

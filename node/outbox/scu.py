@@ -524,6 +524,12 @@ class Dispatcher:
         if time.monotonic() - self._last_expiry > min(5.0, self.config.dispatch.max_age_s / 4):
             self._last_expiry = time.monotonic()
             self.expire()
+        # Destinations busy before the query are skipped even when their pass ends during
+        # it: the rows read may predate that pass's outcome (a stale attempt count gave a
+        # delivery one attempt more than dispatch.max_attempts). Only this thread starts
+        # passes, so one not busy now cannot become busy before the check below.
+        with self._busy_lock:
+            busy = set(self._busy)
         due = self.ledger.due_deliveries(claim_s=self.claim_s)
         by_dest: dict[str, list[DueDelivery]] = defaultdict(list)
         for d in due:
@@ -532,9 +538,8 @@ class Dispatcher:
         for dest, items in by_dest.items():
             if self._stop.is_set():
                 break
-            with self._busy_lock:
-                if dest in self._busy:
-                    continue
+            if dest in busy:
+                continue
             left = self.breakers.blocked_for(dest)
             if left > 0:
                 # Circuit open (or backing off): skip without using attempts.
