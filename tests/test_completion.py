@@ -12,6 +12,7 @@ import pytest
 
 from segnode.node.config import from_dict
 from segnode.node.errors import ConfigError
+from segnode.node.ingest import series as series_module
 from segnode.node.ingest.senders import SenderBook, SenderPattern
 from segnode.node.ingest.series import (
     GEOMETRY,
@@ -21,6 +22,7 @@ from segnode.node.ingest.series import (
     CompletionLoop,
     SeriesHints,
 )
+from tests.conftest import wait_for
 
 Done = list[tuple[str, str]]
 
@@ -578,3 +580,51 @@ def test_a_two_image_scout_in_a_whole_study_association_completes_after_the_wait
     assert [(s, trig) for s, trig, _ in r.done] == [("axial", RELEASE)]
     time.sleep(1.5)
     assert [(s, trig) for s, trig, _ in r.done] == [("axial", RELEASE), ("scout", SENDER_GAP)]
+
+
+def test_a_release_waits_for_the_decoder_to_read_the_headers(loop: LoopFactory) -> None:
+    """The decoder has not read the 15 headers of the association released yet (Images in
+    Acquisition 30): the release waits for it rather than taking 'nothing says short' from
+    headers not read (v1 of 15 was made at a real node, 2026-12-05); then it is held."""
+    r = Recorder()
+    hints = {"s": SeriesHints(received=0, behind=15)}
+    t = loop(r.complete, hints=hints.get, on_hold=r.hold, quiet_period_s=30.0)
+    assert _assoc(t, r, 1, "MODA", "s", 15) == []
+    time.sleep(0.2)
+    assert r.done == [] and "s" in t.held()
+    hints["s"] = SeriesHints(received=15, expected=30)
+    wait_for(lambda: bool(r.held), 2, "held")
+    assert "15 of 30 instances received" in r.held[-1][1]
+    time.sleep(1.5)  # the default wait passes: still held, the headers say short
+    assert r.done == []
+
+
+def test_a_release_completes_as_soon_as_the_decoder_catches_up(loop: LoopFactory) -> None:
+    """A whole series behind the decoder at its release completes once the decoder has
+    read it, within a few milliseconds (a job would wait for those decodes anyway)."""
+    r = Recorder()
+    hints = {"s": SeriesHints(received=10, behind=2)}
+    t = loop(r.complete, hints=hints.get, on_hold=r.hold, quiet_period_s=30.0)
+    assert _assoc(t, r, 1, "CT", "s", 12) == []
+    time.sleep(0.1)
+    assert r.done == []
+    caught_up = time.monotonic()
+    hints["s"] = SeriesHints(received=12, expected=12, complete=True)
+    assert r.event.wait(2)
+    assert [(s, trig) for s, trig, _ in r.done] == [("s", RELEASE)]
+    assert r.done[0][2] - caught_up < 0.1
+    assert r.held == []  # a wait for the decoder is not reported as a hold
+
+
+def test_a_decoder_that_never_catches_up_is_waited_for_a_bounded_time(
+    loop: LoopFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decoder stuck behind does not hold the series for ever: after BEHIND_MOST_S the
+    decision is taken on the headers read so far."""
+    monkeypatch.setattr(series_module, "BEHIND_MOST_S", 0.3)
+    r = Recorder()
+    hints = {"s": SeriesHints(received=10, behind=1)}
+    t = loop(r.complete, hints=hints.get, quiet_period_s=30.0)
+    assert _assoc(t, r, 1, "CT", "s", 11) == []
+    assert r.event.wait(2)
+    assert [(s, trig) for s, trig, _ in r.done] == [("s", RELEASE)]

@@ -356,3 +356,24 @@ def test_rescale_into_matches_cast_then_rescale(
     out = np.empty((16, 16), np.float32)
     rescale_into(out, stored, slope, intercept)
     np.testing.assert_array_equal(out, expected)
+
+
+def test_hints_say_how_far_decoding_is_behind(tmp_path: Path) -> None:
+    """While instances wait for the decoder, the hints say so (the headers read so far
+    under-count them: completion waits for the rest before reading 'complete' or 'short'
+    from them); once decoded, the hints count every instance."""
+    paths = write_synthetic_series(tmp_path, TINY, seed=57, images_in_acquisition=True)
+    uid = series_uid_of(paths[0])
+    asm = StreamingAssembler(workers=1)
+    assert asm.hints(uid) is None  # nothing received
+    feed(asm, paths, uid, list(range(5)))  # the pool has not started: all five wait
+    hints = asm.hints(uid)
+    assert hints is not None and hints.behind == 5 and hints.received == 0
+    asm.start()
+    try:
+        assert asm.wait_idle()
+        hints = asm.hints(uid)
+        assert hints is not None and hints.behind == 0 and hints.received == 5
+        assert hints.incomplete_reason() == "5 of 8 instances received (Images in Acquisition)"
+    finally:
+        asm.stop()

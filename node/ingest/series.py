@@ -104,6 +104,12 @@ MODE_SIGNALS: dict[str, frozenset[str]] = {
 }
 #: Series whose last association's end is remembered (to see the next one continue it).
 MAX_REMEMBERED = 4096
+#: While the decoder is behind a series (:attr:`SeriesHints.behind`), a decision that reads
+#: its headers is retried every ``BEHIND_RECHECK_S``, for ``BEHIND_MOST_S`` at most (then it
+#: is taken on what was decoded). A job would wait for those decodes anyway (the streaming
+#: volume is taken only once they are done), so the wait costs at most one recheck.
+BEHIND_RECHECK_S = 0.005
+BEHIND_MOST_S = 30.0
 #: Failed completions in a row after which a series goes to ``on_failure``: the quiet-period
 #: scan retries a pending series every ``quiet_every_s``, so a series whose headers make
 #: completion raise would otherwise be retried (and its traceback logged) forever.
@@ -124,6 +130,8 @@ class SeriesHints:
     missing_numbers: int = 0
     #: The first of them.
     first_missing: int | None = None
+    #: Instances received but not decoded yet: the other fields may under-count them.
+    behind: int = 0
 
     def incomplete_reason(self) -> str | None:
         """Why the headers say more instances will come, or None."""
@@ -308,6 +316,9 @@ class CompletionLoop:
         # Held series whose last association carried one instance in all (one instance per
         # association, from a sender not known yet perhaps): see _wait_ended.
         self._tiny: set[str] = set()
+        # Series whose decision waits for the decoder to read the headers received (a
+        # short hold): the decision to take again and when to stop waiting.
+        self._behind: dict[str, tuple[Callable[[float], None], float]] = {}
         # Series whose hold was reported (an ordered set, bounded like _last_end).
         self._told: dict[str, None] = {}
         # Series whose completion raised -> how many times in a row (bounded like _last_end).
@@ -384,8 +395,14 @@ class CompletionLoop:
             for uid in due:
                 del self._holds[uid]
             for uid in due:
-                if not self._busy(uid):
-                    self._wait_ended(uid)
+                behind = self._behind.pop(uid, None)
+                if self._busy(uid):
+                    continue
+                if behind is not None:
+                    decide, give_up_at = behind
+                    decide(give_up_at)
+                else:
+                    self._wait_ended(uid, time.monotonic() + BEHIND_MOST_S)
         except Exception:
             log.exception("ending a completion wait failed")
         if self._quiet is not None and now >= self._next_quiet:
@@ -493,6 +510,7 @@ class CompletionLoop:
                     a.continues[uid] = max(0.0, gap)
         a.series[uid] = n + 1
         self._holds.pop(uid, None)  # more came: a wait for it is moot
+        self._behind.pop(uid, None)
         self._tiny.discard(uid)
 
     def _busy(self, series_uid: str) -> bool:
@@ -520,24 +538,73 @@ class CompletionLoop:
             self.senders.persist(a.calling_ae)
             return []
         done: list[str] = []
+        give_up_at = time.monotonic() + BEHIND_MOST_S
         for uid in sorted(set(a.series) - still_busy):
-            reason = self._hold_reason(uid, a, pattern)
-            if reason is None:
+            if self._released(uid, a, pattern, give_up_at, at_once=True):
                 done.append(uid)
-            else:
-                self._hold(uid, pattern.wait_s(self._most_wait), reason)
-                if sum(a.series.values()) == 1:
-                    self._tiny.add(uid)
-                else:
-                    self._tiny.discard(uid)
         for uid in done:
             self._complete(uid, RELEASE)
         self.senders.persist(a.calling_ae)
         return done
 
-    def _hold_reason(self, uid: str, a: _Association, pattern: SenderPattern) -> str | None:
+    def _series_hints(self, uid: str) -> SeriesHints | None:
+        return self._hints(uid) if self._hints is not None else None
+
+    def _wait_for_decoder(
+        self, uid: str, hints: SeriesHints | None, decide: Callable[[float], None], until: float
+    ) -> bool:
+        """When the decoder has not read every header received for ``uid`` yet (and
+        ``until`` has not passed), hold the series briefly and take ``decide`` again then:
+        the headers read so far could say the series is whole when those still queued say
+        it is not. Return whether it waits."""
+        if hints is None or not hints.behind:
+            return False
+        if time.monotonic() >= until:
+            log.info(
+                "series %s: decided on the headers read so far (%d still not decoded after %.0f s)",
+                uid,
+                hints.behind,
+                BEHIND_MOST_S,
+            )
+            return False
+        self._holds[uid] = time.monotonic() + BEHIND_RECHECK_S
+        self._behind[uid] = (decide, until)
+        return True
+
+    def _released(
+        self,
+        uid: str,
+        a: _Association,
+        pattern: SenderPattern,
+        give_up_at: float,
+        *,
+        at_once: bool = False,
+    ) -> bool:
+        """Decide ``uid`` after ``a``'s release: True when it completes now (returned when
+        ``at_once``, else completed here), else it is held (or waits for the decoder)."""
+        hints = self._series_hints(uid)
+
+        def again(until: float) -> None:
+            self._released(uid, a, pattern, until)
+
+        if self._wait_for_decoder(uid, hints, again, give_up_at):
+            return False
+        reason = self._hold_reason(uid, a, pattern, hints)
+        if reason is None:
+            if not at_once:
+                self._complete(uid, RELEASE)
+            return True
+        self._hold(uid, pattern.wait_s(self._most_wait), reason)
+        if sum(a.series.values()) == 1:
+            self._tiny.add(uid)
+        else:
+            self._tiny.discard(uid)
+        return False
+
+    def _hold_reason(
+        self, uid: str, a: _Association, pattern: SenderPattern, hints: SeriesHints | None
+    ) -> str | None:
         """Why this release must not complete ``uid`` at once (None: it completes)."""
-        hints = self._hints(uid) if self._hints is not None else None
         if hints is not None and hints.complete:
             return None
         wait = pattern.wait_s(self._most_wait)
@@ -572,10 +639,14 @@ class CompletionLoop:
             except Exception as exc:
                 log_failure(log, "recording a held series failed", exc=exc)
 
-    def _wait_ended(self, uid: str) -> None:
+    def _wait_ended(self, uid: str, give_up_at: float) -> None:
         """A held series' wait passed with no new instance: complete it, unless its headers
         say instances are missing (then the quiet period decides)."""
-        hints = self._hints(uid) if self._hints is not None else None
+        hints = self._series_hints(uid)
+        if self._wait_for_decoder(
+            uid, hints, lambda until: self._wait_ended(uid, until), give_up_at
+        ):
+            return
         reason = hints.incomplete_reason() if hints is not None else None
         tiny = uid in self._tiny
         self._tiny.discard(uid)
@@ -610,6 +681,7 @@ class CompletionLoop:
 
     def _complete(self, series_uid: str, trigger: str) -> None:
         self._holds.pop(series_uid, None)
+        self._behind.pop(series_uid, None)
         self._tiny.discard(series_uid)
         self._told.pop(series_uid, None)
         self._deliver(series_uid, trigger)

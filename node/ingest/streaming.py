@@ -475,14 +475,17 @@ class StreamingAssembler:
         return True
 
     def hints(self, series_uid: str) -> SeriesHints | None:
-        """What the decoded headers of a series say about its extent (None: none decoded
-        yet, or decoding is still behind the instances received)."""
+        """What the decoded headers of a series say about its extent (None: nothing of it
+        received). While decoding is behind the instances received, :attr:`SeriesHints.behind`
+        says by how many (the rest may under-count them)."""
         with self._cond:
             state = self._series.get(series_uid)
-            if state is not None and state.pending:
-                return None  # decoding is behind: the hints would under-count
+            behind = 0 if state is None else state.pending
             g = self._geometry.get(series_uid)
-            return None if g is None else g.hints()
+            if g is None:
+                return SeriesHints(received=0, behind=behind) if behind else None
+            hints = g.hints()
+            return replace(hints, behind=behind) if behind else hints
 
     # -- the worker side ------------------------------------------------------------------
 
