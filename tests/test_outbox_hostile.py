@@ -464,6 +464,9 @@ def test_warning_status_counts_as_stored(tmp_path: Path, ledger: Ledger) -> None
     for kind in ("SEG", "SR"):
         row = got[("HOSTILE", kind)]
         assert (row.status, row.attempts, row.last_status) == ("sent", 1, "0xB000")
+        assert (row.last_error or "").startswith("stored with warning 0xB000"), row.last_error
+    warned = [e.message for e in events(ledger, "delivery-warning")]
+    assert len(warned) == 2 and all("stored with warning 0xB000" in m for m in warned), warned
 
 
 def test_failure_reason_carries_the_error_comment(tmp_path: Path, ledger: Ledger) -> None:

@@ -700,15 +700,11 @@ class Dispatcher:
         if outcome.kind is StatusKind.FAILURE:
             self._retry(d, f"destination answered {outcome.describe()}", outcome.status)
             return False
+        warning = None
         if outcome.kind is StatusKind.WARNING:
-            log.warning(
-                "job %d %s stored by %s with warning %s",
-                d.job_id,
-                d.kind,
-                d.destination,
-                outcome.describe(),
-            )
-        self.ledger.delivery_done(d.id, outcome.status)
+            warning = f"warning {outcome.describe()}"
+            log.warning("job %d %s stored by %s with %s", d.job_id, d.kind, d.destination, warning)
+        self.ledger.delivery_done(d.id, outcome.status, warning)
         log.info("job %d %s delivered to %s", d.job_id, d.kind, d.destination)
         return True
 
@@ -835,7 +831,7 @@ class Dispatcher:
             log.info("%s reachable again: circuit closed", dest)
         if result.warning is not None:
             log.warning("destination %s stored with %s", dest, result.warning)
-        self.ledger.delivery_done(d.id, f"HTTP {result.http_status}")
+        self.ledger.delivery_done(d.id, f"HTTP {result.http_status}", result.warning)
         log.info("job %d %s delivered to %s", d.job_id, d.kind, dest)
         return True
 

@@ -182,10 +182,14 @@ class Outbox(LedgerBase):
             )
             return bool(cur.rowcount)
 
-    def delivery_done(self, delivery_id: int, status: int | str) -> None:
+    def delivery_done(
+        self, delivery_id: int, status: int | str, warning: str | None = None
+    ) -> None:
         """Record a successful delivery and finish the job when all are sent.
 
-        ``status`` is the C-STORE status (0x0000) or a text such as ``"HTTP 200"`` (STOW-RS).
+        ``status`` is the C-STORE status (0x0000) or a text such as ``"HTTP 200"`` (STOW-RS);
+        ``warning``, the destination's warning when it stored the object with one (its status
+        and comment), is kept as a ``delivery-warning`` event of the job.
         """
         now = utcnow()
         with self._tx() as s:
@@ -196,8 +200,19 @@ class Outbox(LedgerBase):
             d.lease_until = None
             d.attempts += 1
             d.last_status = status[:16] if isinstance(status, str) else f"0x{status:04X}"
-            d.last_error = None
+            # A warning stays readable where the delivery is listed (segnode jobs, the
+            # console), and in the job's events.
+            d.last_error = f"stored with {warning}"[:1024] if warning else None
             d.sent_at = now
+            if warning:
+                s.add(
+                    Event(
+                        at=now,
+                        kind="delivery-warning",
+                        job_id=d.job_id,
+                        message=f"{d.destination}: stored with {warning}"[:2048],
+                    )
+                )
             s.flush()
             # The job's row first: two nodes acknowledging its last two deliveries at once
             # take turns here, and the second counts the first's as sent.
