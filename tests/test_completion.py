@@ -13,6 +13,7 @@ import pytest
 from segnode.node.config import from_dict
 from segnode.node.errors import ConfigError
 from segnode.node.ingest import series as series_module
+from segnode.node.ingest.geometry import SeriesHints
 from segnode.node.ingest.senders import SenderBook, SenderPattern
 from segnode.node.ingest.series import (
     GEOMETRY,
@@ -20,7 +21,6 @@ from segnode.node.ingest.series import (
     RELEASE,
     SENDER_GAP,
     CompletionLoop,
-    SeriesHints,
 )
 from tests.conftest import wait_for
 
@@ -534,7 +534,7 @@ def test_more_slices_than_images_in_acquisition_is_no_longer_complete() -> None:
     headers tell nothing."""
     import numpy as np
 
-    from segnode.node.ingest.series import SeriesGeometry
+    from segnode.node.ingest.geometry import SeriesGeometry
 
     g = SeriesGeometry()
     orientation = np.array([1.0, 0, 0, 0, 1, 0])

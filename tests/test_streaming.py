@@ -16,7 +16,7 @@ from pydicom.uid import (
     JPEGLSLossless,
 )
 
-from segnode.node.ingest.series import SeriesGeometry, uniform_stack
+from segnode.node.ingest.geometry import SeriesGeometry, uniform_stack
 from segnode.node.ingest.streaming import Arrival, SlabPool, StreamingAssembler, _permute_in_place
 from segnode.node.ingest.volume import Volume, assemble_volume, rescale_into
 from tests.fixtures.synthetic import (

@@ -5,7 +5,7 @@ The C-STORE handler stays write-record-reply: after the instance is durable it h
 answers. A bounded pool of threads then reads the spooled file (still in the page cache),
 decodes its pixels with the same code as :func:`segnode.node.ingest.volume.assemble_volume` and
 rescales them to HU straight into a slot of the series' in-memory slab. The same threads track the
-slice geometry (:class:`segnode.node.ingest.series.SeriesGeometry`) and report geometric
+slice geometry (:class:`segnode.node.ingest.geometry.SeriesGeometry`) and report geometric
 completeness.
 
 When the worker starts a job it calls :meth:`StreamingAssembler.take` with the instance files
@@ -46,7 +46,7 @@ from pydicom.dataelem import DataElement
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import UID
 
-from segnode.node.ingest.series import SeriesGeometry, SeriesHints
+from segnode.node.ingest.geometry import SeriesGeometry, SeriesHints
 from segnode.node.ingest.volume import (
     MIN_SLICES,
     Slice,
