@@ -28,7 +28,8 @@ from sqlalchemy import select
 
 from scripts.harness import CountingSCP, free_port
 from segnode.node.config import Config, from_dict
-from segnode.node.outbox.scu import Backoff, CircuitBreakers, Dispatcher
+from segnode.node.outbox.policy import Backoff, CircuitBreakers
+from segnode.node.outbox.scu import Dispatcher
 from segnode.storage.ledger import InstanceRecord, Ledger, utcnow
 from segnode.storage.models import Delivery, Event
 from segnode.storage.spool import write_atomic

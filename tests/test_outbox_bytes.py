@@ -37,6 +37,7 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
 )
 from sqlalchemy import select
 
+import segnode.node.outbox.encoding as encoding_module
 import segnode.node.outbox.scu as scu_module
 from segnode.node.config import ConfigError, from_dict
 from segnode.node.outbox.scu import SEND_PDU_BYTES, Dispatcher
@@ -200,7 +201,7 @@ def test_wire_bytes_are_the_stored_dataset_bytes(
     def no_decoding(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the outbox decoded a result file")
 
-    monkeypatch.setattr(scu_module, "dcmread", no_decoding)
+    monkeypatch.setattr(encoding_module, "dcmread", no_decoding)
     monkeypatch.setattr(scu_module, "encode_dataset", no_decoding)
     d = Dispatcher(outbox_config(tmp_path, [wire.peer], keep_open_s=30), ledger)
     assert d.run_once() == 2

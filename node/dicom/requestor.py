@@ -12,12 +12,16 @@ first byte to the last byte of its response; a release: :data:`RELEASE_S` at mos
 extend it. Every PDU's length is checked against a limit (:data:`AC_LIMIT`, 4 bytes for the
 fixed-size PDUs, the maximum PDU length we announced for P-DATA-TF) before anything of its
 body is read. Whatever a peer does wrong ends the association (an A-ABORT where the protocol
-still allows one) and comes back as a typed :class:`Failure` whose text says what happened,
-or as :class:`AssociationFailed` from :meth:`Requestor.open`: no exception escapes for a
-peer's misbehaviour, and nothing here logs above DEBUG (the caller writes one line).
+still allows one) and comes back as a typed
+:class:`~segnode.node.dicom.requestor_outcome.Failure` whose text says what happened, or as
+:class:`~segnode.node.dicom.requestor_outcome.AssociationFailed` from :meth:`Requestor.open`:
+no exception escapes for a peer's misbehaviour, and nothing here logs above DEBUG (the caller
+writes one line).
 
 Must not touch: the ledger, result files' paths, what is sent where and when, retries, backoff
-and circuit breakers, which are :mod:`segnode.node.outbox.scu`'s; the acceptor
+and circuit breakers, which are :mod:`segnode.node.outbox.scu`'s and
+:mod:`segnode.node.outbox.policy`'s; the outcome types and their words, which are
+:mod:`segnode.node.dicom.requestor_outcome`'s; the acceptor
 (:mod:`segnode.node.dicom.ul`, :mod:`segnode.node.dicom.ul_association`) and its state
 machine. Wire formats come from :mod:`segnode.node.dicom.ul_pdu`, the A-ASSOCIATE-RQ/AC
 codecs from pynetdicom's PDU classes (pynetdicom's AE, Association and DUL threads are not
@@ -37,7 +41,6 @@ import struct
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import BinaryIO
 
 from pynetdicom.pdu import A_ASSOCIATE_AC, A_ASSOCIATE_RQ
@@ -50,6 +53,19 @@ from pynetdicom.pdu_primitives import (
 from pynetdicom.presentation import PresentationContext
 
 from segnode.node.dicom import ul_pdu
+from segnode.node.dicom.requestor_outcome import (
+    AssociationFailed,
+    ConnectionLost,
+    Context,
+    Failure,
+    NoResponse,
+    PeerAborted,
+    ProtocolViolation,
+    Response,
+    describe_abort,
+    describe_rejection,
+    sanitise,
+)
 from segnode.node.dicom.tls import describe_tls_error
 from segnode.node.dicom.ul_pdu import (
     ABORT,
@@ -100,185 +116,6 @@ _PDU_NAMES = {
 _FIXED = (ASSOCIATE_RJ, RELEASE_RQ, RELEASE_RP, ABORT)
 _COMMANDS = {0x8001: "C-STORE-RSP", 0x8030: "C-ECHO-RSP", 0x0001: "C-STORE-RQ", 0x0030: "C-ECHO-RQ"}
 C_STORE_RSP, C_ECHO_RSP = 0x8001, 0x8030
-
-# PS3.8 Table 9-21: A-ASSOCIATE-RJ result, source and reason/diag.
-_RJ_RESULTS = {1: "permanently", 2: "transiently"}
-_RJ_SOURCES = {
-    1: "the service user",
-    2: "the service provider (ACSE)",
-    3: "the service provider (presentation)",
-}
-_RJ_REASONS = {
-    (1, 1): "no reason given",
-    (1, 2): "application context name not supported",
-    (1, 3): "calling AE title not recognised",
-    (1, 7): "called AE title not recognised",
-    (2, 1): "no reason given",
-    (2, 2): "protocol version not supported",
-    (3, 1): "temporary congestion",
-    (3, 2): "local limit exceeded",
-}
-# PS3.8 Table 9-26: A-ABORT source and reason/diag.
-_ABORT_SOURCES = {0: "service user", 1: "reserved source", 2: "service provider"}
-_ABORT_REASONS = {
-    0: "reason not specified",
-    1: "unrecognised PDU",
-    2: "unexpected PDU",
-    4: "unrecognised PDU parameter",
-    5: "unexpected PDU parameter",
-    6: "invalid PDU parameter value",
-}
-# PS3.7 Annex C and PS3.4 §B.2.3: the C-STORE statuses, by code or range.
-_WARNINGS = frozenset({0x0001, 0x0107, 0x0116})
-_STATUS_NAMES = {
-    0x0000: "Success",
-    0x0001: "Requested optional Attributes are not supported",
-    0x0107: "Attribute list error",
-    0x0110: "Processing failure",
-    0x0111: "Duplicate SOP Instance",
-    0x0116: "Attribute Value out of range",
-    0x0117: "Invalid SOP Instance",
-    0x0122: "SOP Class not supported",
-    0x0124: "Not authorized",
-    0x0210: "Duplicate invocation",
-    0x0211: "Unrecognized operation",
-    0x0212: "Mistyped argument",
-    0xB000: "Coercion of Data Elements",
-    0xB006: "Elements Discarded",
-    0xB007: "Data Set does not match SOP Class",
-    0xFE00: "Cancel",
-}
-_STATUS_RANGES = (
-    (0xA700, 0xA7FF, "Out of Resources"),
-    (0xA900, 0xA9FF, "Data Set does not match SOP Class"),
-    (0xB000, 0xBFFF, "Warning"),
-    (0xC000, 0xCFFF, "Cannot understand"),
-)
-
-
-def describe_rejection(result: int, source: int, reason: int) -> str:
-    """An A-ASSOCIATE-RJ in words with its codes (PS3.8 Table 9-21), e.g. "association
-    rejected permanently by the service user: called AE title not recognised (1/1/7)"."""
-    how = _RJ_RESULTS.get(result, f"(result {result})")
-    who = _RJ_SOURCES.get(source, f"an unknown source {source}")
-    why = _RJ_REASONS.get((source, reason), "reason code not defined")
-    return f"association rejected {how} by {who}: {why} ({result}/{source}/{reason})"
-
-
-def describe_abort(source: int, reason: int) -> str:
-    """An A-ABORT's source and reason in words with their codes (PS3.8 Table 9-26)."""
-    who = _ABORT_SOURCES.get(source, f"source {source}")
-    if source != 2:  # the reason is significant only when the service provider aborts
-        return f"{who}, {source}/{reason}"
-    return f"{who}: {_ABORT_REASONS.get(reason, 'reason code not defined')}, {source}/{reason}"
-
-
-def status_name(status: int) -> str:
-    """The meaning of a DIMSE status (PS3.7 Annex C, PS3.4 §B.2.3), "" when unknown."""
-    if status in _STATUS_NAMES:
-        return _STATUS_NAMES[status]
-    for low, high, name in _STATUS_RANGES:
-        if low <= status <= high:
-            return name
-    return ""
-
-
-def sanitise(text: str, limit: int = 200) -> str:
-    """A peer's text for a log line or the ledger: printable ASCII, one line, ``limit``
-    characters at most."""
-    clean = "".join(c if " " <= c <= "~" else " " for c in text)
-    clean = " ".join(clean.split())
-    return clean if len(clean) <= limit else clean[: limit - 3] + "..."
-
-
-class StatusKind(StrEnum):
-    """What a C-STORE status means for the object (PS3.4 §B.2.3)."""
-
-    SUCCESS = "success"
-    #: Stored, with a remark: 0xB000, 0xB006, 0xB007 (and the rest of 0xBxxx), 0x0001,
-    #: 0x0107, 0x0116.
-    WARNING = "warning"
-    FAILURE = "failure"
-
-
-@dataclass(frozen=True)
-class Context:
-    """A presentation context the peer accepted: its ID and the syntaxes negotiated."""
-
-    id: int
-    abstract_syntax: str
-    transfer_syntax: str
-
-
-@dataclass(frozen=True)
-class Response:
-    """A valid response to our request: its Status (0000,0900) and Error Comment
-    (0000,0902), sanitised."""
-
-    status: int
-    comment: str = ""
-
-    @property
-    def kind(self) -> StatusKind:
-        """Success, warning (stored) or failure."""
-        if self.status == 0x0000:
-            return StatusKind.SUCCESS
-        if self.status in _WARNINGS or 0xB000 <= self.status <= 0xBFFF:
-            return StatusKind.WARNING
-        return StatusKind.FAILURE
-
-    def describe(self) -> str:
-        """``0xA700 (Out of Resources): the comment``."""
-        name = status_name(self.status)
-        text = f"0x{self.status:04X}" + (f" ({name})" if name else "")
-        return f"{text}: {self.comment}" if self.comment else text
-
-
-@dataclass(frozen=True)
-class Failure:
-    """No valid response came: the association is over (aborted or closed).
-
-    The subclasses say why; ``str()`` is the reason for the log and the ledger.
-    """
-
-    detail: str
-
-    def __str__(self) -> str:
-        return self.detail
-
-
-@dataclass(frozen=True)
-class NoResponse(Failure):
-    """The request or its response did not complete within the deadline; we aborted."""
-
-
-@dataclass(frozen=True)
-class ConnectionLost(Failure):
-    """The connection closed or failed before the response."""
-
-
-@dataclass(frozen=True)
-class PeerAborted(Failure):
-    """The peer sent an A-ABORT."""
-
-    source: int = 0
-    reason: int = 0
-
-
-@dataclass(frozen=True)
-class ProtocolViolation(Failure):
-    """The peer broke PS3.7 or PS3.8 (``what``); we aborted."""
-
-    what: str = ""
-
-
-class AssociationFailed(Exception):
-    """No association: the connection, the TLS handshake or the negotiation failed, or the
-    peer rejected it (:attr:`rejection`: result, source and reason codes)."""
-
-    def __init__(self, reason: str, rejection: tuple[int, int, int] | None = None) -> None:
-        super().__init__(reason)
-        self.rejection = rejection
 
 
 class _Deadline(Exception):
@@ -337,7 +174,8 @@ def _pdvs(body: bytes | bytearray) -> Iterator[tuple[int, int, memoryview]]:
 class Association:
     """One established association of the requestor (made by :meth:`Requestor.open`).
 
-    Used by one thread at a time. After a :class:`Failure`, :meth:`abort` or
+    Used by one thread at a time. After a
+    :class:`~segnode.node.dicom.requestor_outcome.Failure`, :meth:`abort` or
     :meth:`release` it is over: :attr:`is_established` is False and :attr:`ended` says how.
 
     Parameters
@@ -983,20 +821,4 @@ class Requestor:
         log.debug("association with %s: %d context(s) accepted", assoc.peer, len(accepted))
 
 
-__all__ = [
-    "AssociationFailed",
-    "Association",
-    "ConnectionLost",
-    "Context",
-    "Failure",
-    "NoResponse",
-    "PeerAborted",
-    "ProtocolViolation",
-    "Requestor",
-    "Response",
-    "StatusKind",
-    "describe_abort",
-    "describe_rejection",
-    "sanitise",
-    "status_name",
-]
+__all__ = ["Association", "Requestor"]

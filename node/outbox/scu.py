@@ -37,21 +37,21 @@ in the same way.
 Per destination the results go in order, SEG first, then SR (then a rejection note): the
 ledger does not make a result due while an earlier one of its job to the same destination is
 unacknowledged and not due itself, and within a pass a result is sent only once the earlier
-ones it waits on were accepted (:class:`InOrder`), so an SR never reaches a destination that
-has not accepted its SEG. Destinations are served side by side and independently: each pass
-to a destination runs on a thread of its own, and the outbox thread starts a destination's
-next pass once its last one ended, whatever the others do (:meth:`Dispatcher._run`), so one
-that is slow, silent or hostile delays no other; every operation of its pass is bounded by
-``dispatch.timeout_s``, and so is :meth:`Dispatcher.stop`.
+ones it waits on were accepted (:class:`~segnode.node.outbox.policy.InOrder`), so an SR never
+reaches a destination that has not accepted its SEG. Destinations are served side by side and
+independently: each pass to a destination runs on a thread of its own, and the outbox thread
+starts a destination's next pass once its last one ended, whatever the others do
+(:meth:`Dispatcher._run`), so one that is slow, silent or hostile delays no other; every
+operation of its pass is bounded by ``dispatch.timeout_s``, and so is :meth:`Dispatcher.stop`.
 
 Associations are the node's own requestor's (:mod:`segnode.node.dicom.requestor`: one
 thread, deadlines on every read and write, limits on every PDU). A C-STORE sends the result
 file's dataset bytes as the worker wrote them (PS3.10, Explicit VR Little Endian): nothing is
 decoded or encoded again, unless the destination accepted only another transfer syntax for
 the SOP class (:meth:`Dispatcher._store`). The association to a destination stays open
-``dispatch.keep_open_s`` after a batch for the next job's objects (:class:`KeptAssociations`);
-one the peer closed meanwhile, or on which it sent anything unasked, is replaced without
-using an attempt.
+``dispatch.keep_open_s`` after a batch for the next job's objects
+(:class:`~segnode.node.outbox.policy.KeptAssociations`); one the peer closed meanwhile, or on
+which it sent anything unasked, is replaced without using an attempt.
 """
 
 from __future__ import annotations
@@ -59,336 +59,40 @@ from __future__ import annotations
 import logging
 import random
 import ssl
-import struct
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import BinaryIO
 
-from pydicom import dcmread
 from pydicom.errors import InvalidDicomError
-from pydicom.filebase import DicomBytesIO
 from pydicom.filereader import read_file_meta_info
-from pydicom.filewriter import write_dataset
-from pydicom.uid import (
-    UID,
-    Comprehensive3DSRStorage,
-    ExplicitVRLittleEndian,
-    ImplicitVRLittleEndian,
-    KeyObjectSelectionDocumentStorage,
-    SegmentationStorage,
-)
+from pydicom.uid import UID, ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
 from segnode.node.config import Config
-from segnode.node.dicom.requestor import (
-    Association,
+from segnode.node.dicom.requestor import Association, Requestor
+from segnode.node.dicom.requestor_outcome import (
     AssociationFailed,
     ConnectionLost,
     Failure,
     NoResponse,
     PeerAborted,
-    Requestor,
     Response,
     StatusKind,
 )
 from segnode.node.dicom.tls import tls_args
 from segnode.node.dicom.ul_pdu import VERIFICATION
 from segnode.node.errors import ConfigError, log_failure
+from segnode.node.outbox.encoding import dataset_offset, encode_dataset, proposed_contexts
+from segnode.node.outbox.policy import Backoff, CircuitBreakers, InOrder, KeptAssociations
 from segnode.node.outbox.stow import StowFailed, StowTarget, StowUnreachable
 from segnode.node.outbox.stow import store as stow_store
 from segnode.node.peers import Peer
-from segnode.node.results.build import LABEL_MAP_SEGMENTATION_STORAGE
 from segnode.node.routing.destinations import SENDER, Target, from_name, index
 from segnode.storage.ledger import DueDelivery, Ledger, utcnow
 
 log = logging.getLogger(__name__)
-
-#: The storage SOP classes the outbox sends.
-STORAGE_CLASSES = (
-    SegmentationStorage,
-    LABEL_MAP_SEGMENTATION_STORAGE,
-    Comprehensive3DSRStorage,
-    KeyObjectSelectionDocumentStorage,
-)
-
-
-def proposed_contexts() -> list[tuple[str, tuple[str, ...]]]:
-    """The presentation contexts the outbox proposes (abstract syntax, transfer syntaxes).
-
-    Each storage SOP class is proposed in two presentation contexts, Explicit VR Little Endian
-    (the result files' own transfer syntax, sent as they are) and Implicit VR Little Endian
-    (the fallback, re-encoded), so that a destination supporting both accepts the first rather
-    than choosing Implicit from a single context (PS3.8 §9.3.2.2); then Verification.
-    """
-    contexts: list[tuple[str, tuple[str, ...]]] = []
-    for cls in STORAGE_CLASSES:
-        contexts.append((cls, (ExplicitVRLittleEndian,)))
-        contexts.append((cls, (ImplicitVRLittleEndian,)))
-    contexts.append((VERIFICATION, (ImplicitVRLittleEndian, ExplicitVRLittleEndian)))
-    return contexts
-
-
-#: Value representations whose length is a 32-bit field after two reserved bytes (PS3.5 §7.1.2).
-_LONG_VRS = frozenset(
-    {b"OB", b"OD", b"OF", b"OL", b"OV", b"OW", b"SQ", b"SV", b"UC", b"UN", b"UR", b"UT", b"UV"}
-)
-
-
-def dataset_offset(f: BinaryIO) -> int:
-    """Where the data set of a PS3.10 file starts: after the 128-byte preamble, ``DICM`` and
-    the File Meta Information (group 0002, Explicit VR Little Endian, PS3.10 §7.1), walked
-    element by element.
-
-    Raises
-    ------
-    InvalidDicomError
-        The file has no PS3.10 preamble.
-    """
-    f.seek(0)
-    head = f.read(132)
-    if len(head) < 132 or head[128:132] != b"DICM":
-        raise InvalidDicomError("not a PS3.10 file (no DICM prefix)")
-    offset = 132
-    while True:
-        f.seek(offset)
-        tag = f.read(8)
-        if len(tag) < 8 or struct.unpack_from("<H", tag)[0] != 0x0002:
-            return offset
-        if tag[4:6] in _LONG_VRS:
-            extra = f.read(4)
-            if len(extra) < 4:
-                raise InvalidDicomError("File Meta Information truncated")
-            offset += 12 + struct.unpack("<I", extra)[0]
-        else:
-            offset += 8 + struct.unpack_from("<H", tag, 6)[0]
-
-
-def encode_dataset(path: str | Path, syntax: str) -> bytes:
-    """The data set of the file at ``path`` encoded again in ``syntax`` (Implicit or Explicit
-    VR Little Endian), without its File Meta Information."""
-    ds = dcmread(path)
-    fp = DicomBytesIO()
-    fp.is_little_endian = True
-    fp.is_implicit_VR = syntax == ImplicitVRLittleEndian
-    write_dataset(fp, ds)
-    return bytes(fp.getvalue())
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """The outbox's retry delays: "equal jitter" exponential backoff.
-
-    The exponential delay ``min(maximum, initial * 2**attempts)`` is split in half: one half
-    is always waited, the other is uniformly random (from ``rng``), so that many nodes or
-    objects do not retry in step. One backoff serves a delivery's retries and a destination's
-    connection attempts while its breaker is closed.
-    """
-
-    initial: float
-    maximum: float
-    rng: random.Random = field(default_factory=random.Random, compare=False)
-
-    def delay(self, attempts: int) -> float:
-        """Seconds to wait after ``attempts`` failures."""
-        base = min(self.maximum, self.initial * (2 ** min(max(0, attempts), 62)))
-        return float(base / 2 + self.rng.uniform(0, base / 2))
-
-
-@dataclass
-class _BreakerState:
-    failures: int = 0
-    open_until: float = 0.0
-
-
-class CircuitBreakers:
-    """One circuit breaker per destination (connection-level failures only).
-
-    Parameters
-    ----------
-    threshold
-        Consecutive connection failures that open the breaker.
-    cooldown
-        Seconds an open breaker skips its destination before one probe is allowed.
-    backoff
-        Waits between connection attempts while the breaker is still closed (its ``rng``
-        also jitters the cooldown).
-    clock
-        Monotonic clock (seconds).
-    """
-
-    def __init__(
-        self,
-        threshold: int,
-        cooldown: float,
-        backoff: Backoff,
-        clock: Callable[[], float] | None = None,
-    ) -> None:
-        self.threshold = threshold
-        self.cooldown = cooldown
-        self.backoff = backoff
-        self._clock = clock or time.monotonic
-        self._state: dict[str, _BreakerState] = defaultdict(_BreakerState)
-        self._lock = threading.Lock()
-
-    def blocked_for(self, dest: str) -> float:
-        """Seconds the breaker of ``dest`` still skips it (0: an attempt may be made)."""
-        with self._lock:
-            st = self._state.get(dest)
-            return 0.0 if st is None else max(0.0, st.open_until - self._clock())
-
-    def is_open(self, dest: str) -> bool:
-        """Whether ``dest`` has failed ``threshold`` times in a row (open or half-open)."""
-        with self._lock:
-            st = self._state.get(dest)
-            return st is not None and st.failures >= self.threshold
-
-    def failure(self, dest: str) -> tuple[float, bool]:
-        """Record a connection failure; return ``(seconds to wait, breaker just opened)``."""
-        with self._lock:
-            st = self._state[dest]
-            st.failures += 1
-            if st.failures >= self.threshold:
-                wait = self.cooldown * self.backoff.rng.uniform(0.9, 1.1)
-                opened = st.failures == self.threshold
-            else:
-                wait = self.backoff.delay(st.failures - 1)
-                opened = False
-            st.open_until = self._clock() + wait
-            return wait, opened
-
-    def success(self, dest: str) -> bool:
-        """Record a successful association; return True if the breaker was open."""
-        with self._lock:
-            st = self._state.pop(dest, None)
-            return st is not None and st.failures >= self.threshold
-
-
-class InOrder:
-    """Within one pass to one destination: whether a job's next result may be sent.
-
-    A result waits on the earlier results of its job to the destination that were not
-    acknowledged when it was selected (:attr:`~segnode.storage.ledger.DueDelivery.waits_on`);
-    it goes only once this pass has seen all of them accepted. Once one of a job's results
-    is not accepted (refused, no answer, not sent), the job's later ones wait for a later
-    pass, where the ledger holds them back until the earlier one is due again.
-    """
-
-    def __init__(self) -> None:
-        self._accepted: dict[int, int] = defaultdict(int)
-        self._held: set[int] = set()
-
-    def may_send(self, d: DueDelivery) -> bool:
-        """Whether every earlier result ``d`` waits on was accepted in this pass."""
-        if d.job_id in self._held or self._accepted[d.job_id] < d.waits_on:
-            self._held.add(d.job_id)
-            return False
-        return True
-
-    def outcome(self, d: DueDelivery, accepted: bool) -> None:
-        """Record whether ``d`` was accepted (anything else holds its job's later results)."""
-        if accepted:
-            self._accepted[d.job_id] += 1
-        else:
-            self._held.add(d.job_id)
-
-
-class KeptAssociations:
-    """Established C-STORE associations kept open between batches, one per destination.
-
-    Before a batch, the destination's pass takes its association (:meth:`take`) and puts it
-    back after (:meth:`put`); passes to different destinations run on different threads, so
-    the map is behind a lock (an association itself is used by one thread at a time: taken
-    out of the map while in use). :meth:`close_idle` runs at each wake-up of the outbox loop:
-    it ends the associations on which the peer sent anything (an A-RELEASE-RQ is answered; an
-    A-ABORT or a closed connection ends it; anything else is a protocol violation, aborted)
-    and releases those idle ``keep_open`` seconds; :meth:`close_all` runs when the outbox
-    stops. With ``keep_open`` 0 every association is released after its batch.
-
-    Parameters
-    ----------
-    keep_open
-        Seconds an association may stay idle (``dispatch.keep_open_s``).
-    clock
-        Monotonic clock (seconds).
-    """
-
-    def __init__(self, keep_open: float, clock: Callable[[], float] | None = None) -> None:
-        self.keep_open = keep_open
-        self._clock = clock or time.monotonic
-        self._idle: dict[str, tuple[Association, float]] = {}
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._idle)
-
-    def take(self, dest: str) -> Association | None:
-        """The open association to ``dest``, or None (then the caller opens one)."""
-        with self._lock:
-            entry = self._idle.pop(dest, None)
-        if entry is None:
-            return None
-        assoc, since = entry
-        if self._clock() - since >= self.keep_open:
-            assoc.release()
-            return None
-        if not assoc.poll_idle():
-            log.info("%s ended the idle association (%s)", dest, assoc.ended)
-            return None
-        return assoc
-
-    def put(self, dest: str, assoc: Association) -> None:
-        """Keep ``assoc`` for the next batch to ``dest``, or release it (``keep_open`` 0)."""
-        if self.keep_open > 0 and assoc.is_established:
-            with self._lock:
-                old = self._idle.pop(dest, None)
-                self._idle[dest] = (assoc, self._clock())
-            if old is not None and old[0] is not assoc:
-                old[0].release()
-        else:
-            assoc.release()
-
-    def close_idle(self) -> float | None:
-        """Release associations idle ``keep_open`` seconds or more; end those the peer ended
-        or sent anything on. Returns the seconds until the next one is due, None when none is
-        open.
-
-        The peers' news is read under the lock, so that a pass never finds its destination's
-        association missing meanwhile: it costs a poll per association, and a PDU's read only
-        when one has begun to arrive (bounded by the requestor's release time); the releases
-        happen outside it.
-        """
-        now = self._clock()
-        due: float | None = None
-        expired: list[tuple[str, Association, float]] = []
-        with self._lock:
-            for dest, (assoc, since) in list(self._idle.items()):
-                left = since + self.keep_open - now
-                if left <= 0:
-                    del self._idle[dest]
-                    expired.append((dest, assoc, now - since))
-                elif not assoc.poll_idle():
-                    del self._idle[dest]
-                    log.info("%s ended the idle association (%s)", dest, assoc.ended)
-                else:
-                    due = left if due is None else min(due, left)
-        for dest, assoc, idle in expired:
-            log.debug("releasing the association to %s, idle %.1f s", dest, idle)
-            assoc.release()
-        return due
-
-    def close_all(self) -> None:
-        """Release every kept association (the outbox stops)."""
-        with self._lock:
-            entries, self._idle = self._idle, {}
-        for assoc, _ in entries.values():
-            assoc.release()
-
 
 SEND_PDU_BYTES = 1 << 20
 """Largest P-DATA PDU the outbox sends, even to a peer that takes larger ones (PS3.8 9.3.1
@@ -860,15 +564,4 @@ def echo(peer: Peer, calling_ae: str = "SEGNODE", timeout: float = 10.0) -> int:
         assoc.release()
 
 
-__all__ = [
-    "Backoff",
-    "CircuitBreakers",
-    "Dispatcher",
-    "InOrder",
-    "KeptAssociations",
-    "SEND_PDU_BYTES",
-    "dataset_offset",
-    "echo",
-    "encode_dataset",
-    "proposed_contexts",
-]
+__all__ = ["Dispatcher", "SEND_PDU_BYTES", "echo"]
