@@ -42,7 +42,8 @@ import numpy as np
 import numpy.typing as npt
 
 from segnode.engines.base import create_engine
-from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.node import __version__
 from segnode.node.ingest.volume import Volume, assemble_from_datasets
 from segnode.node.pipeline.worker import encode

@@ -365,7 +365,7 @@ def bench_tensorrt(
 def tissue_agreement(torch: Any, shape: tuple[int, int, int]) -> dict[str, Any]:
     """TorchEngine (GPU, fp32 and fp16) vs OrtEngine (CPU) on the bundled tissue model."""
     from segnode.engines.base import create_engine
-    from segnode.engines.manifest import load_manifest
+    from segnode.engines.manifest_parse import load_manifest
     from segnode.engines.torch_backend import TorchEngine
 
     if not TISSUE.exists():
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from segnode.engines.manifest import load_manifest
+    from segnode.engines.manifest_parse import load_manifest
 
     if not torch.cuda.is_available():
         print("no CUDA GPU: this benchmark needs one")

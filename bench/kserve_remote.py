@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from segnode.engines.base import create_engine
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.models import default_manifest_path
 from segnode.engines.sliding_window import patch_grid
 from segnode.node.ingest.volume import assemble_from_datasets

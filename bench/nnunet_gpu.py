@@ -162,7 +162,7 @@ def predictor(folder: Path, mirroring: bool) -> Any:
 
 def torch_engine(manifest_path: Path, precision: str = "fp16") -> Any:
     """segnode's torch engine on the GPU, loaded with ``manifest_path``."""
-    from segnode.engines.manifest import load_manifest  # noqa: PLC0415
+    from segnode.engines.manifest_parse import load_manifest  # noqa: PLC0415
     from segnode.engines.torch_backend import TorchEngine  # noqa: PLC0415
 
     engine = TorchEngine(device="cuda", precision=precision)
@@ -183,7 +183,7 @@ def read_labels(path: Path) -> npt.NDArray[np.uint8]:
 def run_oracle(folder: Path, manifest_path: Path, work: Path) -> dict[str, Any]:
     """nnUNetPredictor live on the GPU vs segnode's GPU (and CPU) path on the oracle series."""
     from scripts.nnunet_phantom import write_dicom_case  # noqa: PLC0415
-    from segnode.engines.manifest import load_manifest  # noqa: PLC0415
+    from segnode.engines.manifest_parse import load_manifest  # noqa: PLC0415
     from segnode.engines.ort_backend import OrtEngine  # noqa: PLC0415
     from segnode.engines.preprocess.orientation import Geometry  # noqa: PLC0415
     from segnode.engines.trained import segment_trained  # noqa: PLC0415
@@ -269,7 +269,7 @@ def run_speed(
     """Both sides, with and without mirroring, on the same in-memory CT."""
     import torch  # noqa: PLC0415
 
-    from segnode.engines.manifest import load_manifest  # noqa: PLC0415
+    from segnode.engines.manifest_parse import load_manifest  # noqa: PLC0415
     from segnode.engines.trained import segment_trained  # noqa: PLC0415
 
     geometry = plane_geometry(grid, grid.slices)

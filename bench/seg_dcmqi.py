@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.node.ingest.volume import assemble_volume
 from segnode.node.results.build import Equipment, ResultUIDs
 from segnode.node.results.seg_check import check_encoded

@@ -27,7 +27,7 @@ WORKER = """
 import hashlib, json, sys, time
 import numpy as np
 from segnode.engines.base import create_engine
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.models import default_manifest_path
 from tests.fixtures.synthetic import synthetic_datasets
 from segnode.node.ingest.volume import assemble_from_datasets

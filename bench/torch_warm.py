@@ -46,7 +46,7 @@ t_spawn = float(sys.argv[1])
 import torch
 t_torch = time.time()
 import numpy as np
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.torch_backend import TorchEngine
 from bench.gpu_bench import synthetic_ct
 manifest, mode, cache, out, shape, device = sys.argv[2:8]

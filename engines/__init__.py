@@ -7,7 +7,8 @@ from segnode.engines.base import (
     create_engine,
     register_backend,
 )
-from segnode.engines.manifest import LabelSpec, ModelManifest, load_manifest
+from segnode.engines.manifest import LabelSpec, ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 
 __all__ = [
     "Engine",

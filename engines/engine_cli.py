@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from segnode.engines.base import EngineError
-from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
+from segnode.engines.manifest import ModelManifest, check_runnable
+from segnode.engines.manifest_parse import load_manifest
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 #: What ``--precision`` is for a model the configuration does not name.

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from segnode.engines.importers.labels import load_label_csv  # noqa: PLC0415
     from segnode.engines.importers.totalsegmentator import import_totalsegmentator  # noqa: PLC0415
-    from segnode.engines.manifest import load_manifest  # noqa: PLC0415
+    from segnode.engines.manifest_parse import load_manifest  # noqa: PLC0415
     from segnode.engines.ort_backend import OrtEngine  # noqa: PLC0415
     from segnode.engines.preprocess.orientation import Geometry  # noqa: PLC0415
     from segnode.engines.trained import segment_trained  # noqa: PLC0415

@@ -204,7 +204,7 @@ def throughput(args: argparse.Namespace, pg: PostgresCluster, root: Path) -> lis
     model = None
     server = None
     if args.engine == "kserve":  # one KServe v2 server (ONNX Runtime) for every node
-        from segnode.engines.manifest import load_manifest
+        from segnode.engines.manifest_parse import load_manifest
         from segnode.engines.models import default_manifest_path
         from tests.test_kserve import KServeServer
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.models import default_manifest_path
 from segnode.engines.torch_backend import GPU_BATCH_VOXELS, default_batch
 from segnode.node.pipeline import parallel

@@ -24,7 +24,8 @@ import pytest
 from pydicom import dcmread
 
 from segnode.engines.base import LabelSums, SumsEngine
-from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL, ConfigError, from_dict
 from segnode.node.errors import ResultError

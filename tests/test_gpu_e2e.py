@@ -16,7 +16,7 @@ import pytest
 from pydicom import dcmread
 from pynetdicom import AE
 
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL
 from segnode.node.ingest.volume import assemble_volume

@@ -17,7 +17,7 @@ from pydicom import dcmread
 from pydicom.filebase import DicomBytesIO
 
 from scripts.harness import storescu_args
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL
 from segnode.node.ingest.volume import assemble_volume

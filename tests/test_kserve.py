@@ -25,7 +25,8 @@ import numpy.typing as npt
 import pytest
 
 from segnode.engines.base import EngineError, create_engine
-from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.node.errors import ConfigError
 from segnode.node.modelspec import parse_model_spec
 from tests.conftest import LOOPBACK, PHANTOM, ROOT, free_port, require_data, wait_for

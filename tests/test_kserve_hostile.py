@@ -27,7 +27,8 @@ import numpy.typing as npt
 import pytest
 
 from segnode.engines.base import EngineError, create_engine
-from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.sliding_window import sliding_window_segment
 from tests.conftest import LOOPBACK, ROOT
 from tests.test_web import web_certificate

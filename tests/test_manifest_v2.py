@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from segnode.engines.base import EngineError
-from segnode.engines.manifest import ManifestError, ModelContract, load_manifest
+from segnode.engines.manifest import ManifestError, ModelContract
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.models import default_manifest_path
 from segnode.engines.preprocess import CTNormalization, LinearNormalization
 

@@ -36,7 +36,7 @@ from segnode.engines.importers.nnunet_plans import (
     read_model_folder,
     resolve_configuration,
 )
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest_parse import load_manifest
 from tests.fixtures.nnunet import plans_json as nnunet_plans_json
 
 REPO = Path(__file__).resolve().parent.parent

@@ -26,7 +26,8 @@ import numpy.typing as npt
 import pytest
 
 from scripts.nnunet_phantom import LABELS, dice, oracle_cases, write_dicom_case
-from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.engines.preprocess.orientation import Geometry
 from segnode.engines.trained import segment_trained

@@ -31,7 +31,7 @@ from scripts.make_nnunet_window_golden import (
     stand_in_logits,
     stand_in_weights,
 )
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.nnunet_window import (
     WindowSettings,
     compute_gaussian,

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from pydicom.dataset import Dataset
 
-from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.models import default_manifest_path
 from segnode.engines.preprocess import (
     CTNormalization,

@@ -27,7 +27,8 @@ from scripts.make_nnunet_golden import (
     nnunet_reference,
     predictor,
 )
-from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.preprocess import CTNormalization, Geometry
 from segnode.engines.preprocess.pipeline import run_model
 from segnode.engines.preprocess.resampling import compute_new_shape, resample, separate_z_axis

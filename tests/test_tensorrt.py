@@ -24,7 +24,8 @@ from onnx import TensorProto, helper
 from bench.unet import SMALL, write_unet
 from segnode.engines.base import EngineError
 from segnode.engines.engine_cache import EngineCache, atomic_write
-from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.trt_backend import (
     BuildSettings,
     TensorRTEngine,

@@ -15,14 +15,12 @@ import pytest
 
 from bench.unet import SMALL, write_unet
 from segnode.engines.base import EngineError, create_engine
-from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 
 torch: Any = pytest.importorskip("torch", reason="PyTorch not installed (GPU machines only)")
-from segnode.engines.torch_backend import (  # noqa: E402
-    TorchEngine,
-    convert_onnx,
-    import_onnx2torch,
-)
+from segnode.engines.torch_backend import TorchEngine  # noqa: E402
+from segnode.engines.torch_convert import convert_onnx, import_onnx2torch  # noqa: E402
 
 try:
     import_onnx2torch()
@@ -137,7 +135,7 @@ def test_compiled_engine_pads_the_last_batch(unet: ModelManifest) -> None:
 RESTART = """
 import hashlib, json, sys
 import numpy as np
-from segnode.engines.manifest import load_manifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.torch_backend import TorchEngine
 manifest, cache, kind, device, precision, out = sys.argv[1:]
 engine = TorchEngine(device=device, precision=precision, compile=True, cache_dir=cache,
@@ -408,7 +406,7 @@ def test_onnx2torch_is_imported_without_torchvision() -> None:
 
     code = (
         "import sys\n"
-        "from segnode.engines.torch_backend import import_onnx2torch\n"
+        "from segnode.engines.torch_convert import import_onnx2torch\n"
         "m = import_onnx2torch()\n"
         "from onnx2torch.node_converters import roialign\n"
         "print('torchvision' in sys.modules, roialign.roi_align.__name__)\n"

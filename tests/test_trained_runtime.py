@@ -28,7 +28,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from segnode.engines.base import EngineError, TrainedEngine
-from segnode.engines.manifest import ManifestError, ModelManifest, check_runnable, load_manifest
+from segnode.engines.manifest import ManifestError, ModelManifest, check_runnable
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.nnunet_window import predict_for_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.engines.preprocess.orientation import Geometry, GeometryError
@@ -703,7 +704,7 @@ def test_identity_fed_weights_become_initializers() -> None:
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from segnode.engines.torch_backend import fold_initializer_nodes
+    from segnode.engines.torch_convert import fold_initializer_nodes
 
     rng = np.random.default_rng(2)
     weight = numpy_helper.from_array(rng.standard_normal((2, 1, 3, 3, 3)).astype(np.float32), "w")
@@ -741,7 +742,7 @@ def test_cast_weights_become_float32_initializers() -> None:
     import onnx
     import onnxruntime as ort
 
-    from segnode.engines.torch_backend import fold_initializer_nodes
+    from segnode.engines.torch_convert import fold_initializer_nodes
 
     path = Path(__file__).resolve().parent / "data" / "nnunet_phantom" / "fold_0.onnx"
     if not path.is_file():

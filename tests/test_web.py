@@ -601,7 +601,7 @@ def test_sr_volumes_read_back(tmp_path: Path, kind: str) -> None:
     preview reads both kinds of SEG."""
     import pydicom
 
-    from segnode.engines.manifest import load_manifest
+    from segnode.engines.manifest_parse import load_manifest
     from segnode.engines.ort_backend import OrtEngine
     from segnode.node.config import DEFAULT_MODEL
     from segnode.node.pipeline.engine_pool import EnginePool

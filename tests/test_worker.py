@@ -13,7 +13,8 @@ import pytest
 from pydicom import dcmread
 from sqlalchemy import select
 
-from segnode.engines.manifest import ModelManifest, load_manifest
+from segnode.engines.manifest import ModelManifest
+from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL, from_dict
 from segnode.node.pipeline.engine_pool import EnginePool

@@ -9,7 +9,7 @@ The folder written holds::
     OUT/import.json        source path, folds, checkpoint and its SHA-256 per fold, versions,
                            date, the export check per fold, labels given generic codes
 
-The manifest is loaded with :func:`segnode.engines.manifest.load_manifest` before the import
+The manifest is loaded with :func:`segnode.engines.manifest_parse.load_manifest` before the import
 reports success.
 """
 
@@ -116,7 +116,7 @@ def write_json(path: Path, value: Any) -> None:
 
 def check_manifest(path: Path) -> None:
     """Load ``path`` with the node's own loader; the import fails if it does not load."""
-    from segnode.engines.manifest import load_manifest
+    from segnode.engines.manifest_parse import load_manifest
 
     try:
         load_manifest(path)

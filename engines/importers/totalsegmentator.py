@@ -222,8 +222,9 @@ def check_composite_json(path: Path) -> None:
 
 
 def check_composite(path: Path) -> list[str]:
-    """Check the composite on its JSON, then with :func:`segnode.engines.manifest.load_manifest`
-    when the node's loader reads composite manifests (``ModelManifest.parts``).
+    """Check the composite on its JSON, then with
+    :func:`segnode.engines.manifest_parse.load_manifest` when the node's loader reads
+    composite manifests (``ModelManifest.parts``).
 
     Returns
     -------
@@ -235,7 +236,8 @@ def check_composite(path: Path) -> list[str]:
     ModelImportError
         A check failed.
     """
-    from segnode.engines.manifest import ModelManifest, load_manifest
+    from segnode.engines.manifest import ModelManifest
+    from segnode.engines.manifest_parse import load_manifest
 
     check_composite_json(path)
     if "parts" not in {f.name for f in dataclasses.fields(ModelManifest)}:

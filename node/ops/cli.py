@@ -407,7 +407,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_rules(args: argparse.Namespace) -> int:
     """``segnode rules test``: the routing decision for each series of the files given."""
     from segnode.engines.base import EngineError
-    from segnode.engines.manifest import load_manifest
+    from segnode.engines.manifest_parse import load_manifest
     from segnode.node.routing.rules import Router, dry_run, model_specs, senders_from_peers
 
     cfg = _config(args)

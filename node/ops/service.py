@@ -24,7 +24,8 @@ from pydicom.errors import InvalidDicomError
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from segnode.engines.base import Engine, EngineError, create_engine
-from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
+from segnode.engines.manifest import ModelManifest, check_runnable
+from segnode.engines.manifest_parse import load_manifest
 from segnode.node.config import Config
 from segnode.node.errors import ConfigError, SegnodeError, log_failure
 from segnode.node.ingest.scp import StoreSCP, record_from_file

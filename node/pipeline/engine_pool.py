@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from segnode.engines.base import Engine, EngineError, create_engine
-from segnode.engines.manifest import ModelManifest, check_runnable, load_manifest
+from segnode.engines.manifest import ModelManifest, check_runnable
+from segnode.engines.manifest_parse import load_manifest
 from segnode.node.config import Config
 from segnode.node.routing.rules import DEFAULT_MODEL_NAME, ModelSpec, model_specs
 
