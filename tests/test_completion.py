@@ -601,7 +601,7 @@ def test_a_release_waits_for_the_decoder_to_read_the_headers(loop: LoopFactory) 
 
 def test_a_release_completes_as_soon_as_the_decoder_catches_up(loop: LoopFactory) -> None:
     """A whole series behind the decoder at its release completes once the decoder has
-    read it, within a few milliseconds (a job would wait for those decodes anyway)."""
+    read it, at the next recheck (a job would wait for those decodes anyway)."""
     r = Recorder()
     hints = {"s": SeriesHints(received=10, behind=2)}
     t = loop(r.complete, hints=hints.get, on_hold=r.hold, quiet_period_s=30.0)
@@ -612,7 +612,7 @@ def test_a_release_completes_as_soon_as_the_decoder_catches_up(loop: LoopFactory
     hints["s"] = SeriesHints(received=12, expected=12, complete=True)
     assert r.event.wait(2)
     assert [(s, trig) for s, trig, _ in r.done] == [("s", RELEASE)]
-    assert r.done[0][2] - caught_up < 0.1
+    assert r.done[0][2] - caught_up < 0.5  # rechecked every 5 ms; slack for a loaded machine
     assert r.held == []  # a wait for the decoder is not reported as a hold
 
 
