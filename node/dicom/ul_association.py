@@ -6,8 +6,7 @@ not yet (or no more) an association (TLS handshake, reading the A-ASSOCIATE-RQ i
 draining in ``Sta13``), the association's own thread from AE-7 to its end (reading PDUs within
 the data-phase time limits, assembling DIMSE messages within their size limits, dispatching
 C-STORE and C-ECHO to the service user and sending the responses, then their follow-ups), and
-the association negotiation (the A-ASSOCIATE-AC, through pynetdicom's
-``negotiate_as_acceptor``).
+the association negotiation (the A-ASSOCIATE-AC: :mod:`segnode.node.dicom.ul_negotiation`).
 
 Must not touch: the listening socket, the selector, the pending and association counts or the
 admission limits, which are the :class:`~segnode.node.dicom.ul.Acceptor`'s. It reaches the
@@ -28,32 +27,20 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from pydicom.uid import UID
-from pynetdicom.pdu import A_ASSOCIATE_AC, A_ASSOCIATE_RQ
-from pynetdicom.pdu_primitives import (
-    A_ASSOCIATE,
-    ImplementationClassUIDNotification,
-    ImplementationVersionNameNotification,
-    MaximumLengthNotification,
-    SCP_SCU_RoleSelectionNegotiation,
-)
-from pynetdicom.presentation import negotiate_as_acceptor
+from pynetdicom.pdu import A_ASSOCIATE_RQ
 
 from segnode.node.dicom.ul_fsm import NOT_POSSIBLE, TABLE, Action, Event, InvalidTransition, State
+from segnode.node.dicom.ul_negotiation import accept_pdu
 from segnode.node.dicom.ul_pdu import (
     ABORT,
-    APPLICATION_CONTEXT_NAME,
     ASSOCIATE_AC,
     ASSOCIATE_RJ,
     ASSOCIATE_RQ,
     C_CANCEL_RQ,
     C_ECHO_RQ,
     C_STORE_RQ,
-    IMPLEMENTATION_CLASS_UID,
-    IMPLEMENTATION_VERSION,
     MAX_ASSOCIATE_RQ,
     MAX_COMMAND_BYTES,
-    MIN_FRAGMENT_COST,
     NO_DATASET,
     P_DATA_TF,
     RELEASE_RP,
@@ -65,7 +52,7 @@ from segnode.node.dicom.ul_pdu import (
     VERIFICATION,
     _context_fault,
     _each_pdv,
-    _fragment_cost,
+    _gather,
     _text,
     _uint16,
     _us,
@@ -111,30 +98,6 @@ class _Timeout(Exception):
 
 class _Interrupted(Exception):
     """The acceptor is stopping."""
-
-
-def _gather(
-    parts: list[memoryview], size: int, value: memoryview, limit: int, what: str, reason: int
-) -> int:
-    """Add one PDV's ``value`` to a message's ``parts``; return the message's size so far as
-    the limit counts it (:func:`_fragment_cost`: wire bytes, at least ``MIN_FRAGMENT_COST`` a
-    fragment).
-
-    Raises
-    ------
-    ProtocolError
-        The size passes ``limit`` (0: none); the association is aborted with ``reason``.
-    """
-    if value:
-        parts.append(value)
-    size += _fragment_cost(value)
-    if limit and size > limit:
-        raise ProtocolError(
-            f"{what} over {limit} bytes (PDV headers included, "
-            f"at least {MIN_FRAGMENT_COST} a fragment)",
-            reason,
-        )
-    return size
 
 
 class _Association:
@@ -258,7 +221,11 @@ class _Association:
         return State.STA3
 
     def _ae7(self, _: Any) -> State:
-        self._send(self._accept_pdu())
+        pdu, self.info.max_send_pdu, contexts = accept_pdu(
+            self.request, self.acceptor._supported, self.options.max_pdu
+        )
+        self.info.contexts.update(contexts)
+        self._send(pdu)
         self.established = True
         self.handlers.accepted(self.info)
         return State.STA6
@@ -352,45 +319,6 @@ class _Association:
         self._try_send(abort_pdu(0x02, self.abort_reason))
         self._start_artim()
         return State.STA13
-
-    # -- association negotiation -------------------------------------------------------
-
-    def _accept_pdu(self) -> bytes:
-        rq = self.request
-        max_length = 0
-        roles: dict[UID, tuple[bool | None, bool | None]] = {}
-        for item in rq.user_information:
-            if isinstance(item, MaximumLengthNotification):
-                max_length = int(item.maximum_length_received or 0)
-            elif isinstance(item, SCP_SCU_RoleSelectionNegotiation) and item.sop_class_uid:
-                roles[UID(item.sop_class_uid)] = (item.scu_role, item.scp_role)
-        self.info.max_send_pdu = max_length
-        results, role_items = negotiate_as_acceptor(
-            rq.presentation_context_definition_list, self.acceptor._supported, roles
-        )
-        for cx in results:
-            if cx.result == 0x00 and cx.context_id is not None:
-                self.info.contexts[int(cx.context_id)] = (
-                    str(cx.abstract_syntax),
-                    str(cx.transfer_syntax[0]),
-                )
-        ac = A_ASSOCIATE()
-        ac.application_context_name = UID(APPLICATION_CONTEXT_NAME)
-        ac.calling_ae_title = rq.calling_ae_title
-        ac.called_ae_title = rq.called_ae_title
-        ac.result = 0x00
-        ac.result_source = 0x01
-        ac.presentation_context_definition_results_list = results
-        length = MaximumLengthNotification()
-        length.maximum_length_received = self.options.max_pdu
-        impl = ImplementationClassUIDNotification()
-        impl.implementation_class_uid = UID(IMPLEMENTATION_CLASS_UID)
-        version = ImplementationVersionNameNotification()
-        version.implementation_version_name = IMPLEMENTATION_VERSION
-        ac.user_information = [length, impl, version, *role_items]
-        out = A_ASSOCIATE_AC()
-        out.from_primitive(ac)
-        return bytes(out.encode())
 
     # -- transport -----------------------------------------------------------------------
 

@@ -127,6 +127,30 @@ def _fragment_cost(value: memoryview) -> int:
     return max(len(value) + 6, MIN_FRAGMENT_COST)
 
 
+def _gather(
+    parts: list[memoryview], size: int, value: memoryview, limit: int, what: str, reason: int
+) -> int:
+    """Add one PDV's ``value`` to a message's ``parts``; return the message's size so far as
+    the limit counts it (:func:`_fragment_cost`: wire bytes, at least ``MIN_FRAGMENT_COST`` a
+    fragment).
+
+    Raises
+    ------
+    ProtocolError
+        The size passes ``limit`` (0: none); the association is aborted with ``reason``.
+    """
+    if value:
+        parts.append(value)
+    size += _fragment_cost(value)
+    if limit and size > limit:
+        raise ProtocolError(
+            f"{what} over {limit} bytes (PDV headers included, "
+            f"at least {MIN_FRAGMENT_COST} a fragment)",
+            reason,
+        )
+    return size
+
+
 def _context_fault(contexts: Iterable[PresentationContext]) -> str:
     """What makes a decoded A-ASSOCIATE-RQ's presentation contexts invalid, "" if nothing: each
     item has one abstract syntax and at least one transfer syntax (PS3.8 §9.3.2.2), and an ID
