@@ -481,7 +481,12 @@ class CompletionLoop:
     def _closed(self, event: Closed) -> None:
         done = self._close(event)
         if event.released:
-            log.info("association released; %d series complete", len(done))
+            reading = (
+                f", {len(self._behind)} waiting for their headers to be read"
+                if self._behind
+                else ""
+            )
+            log.info("association released; %d series complete%s", len(done), reading)
 
     def _close(self, event: Closed) -> list[str]:
         a = self._assocs.pop(event.assoc_id, None)
