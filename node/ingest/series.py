@@ -479,19 +479,17 @@ class CompletionLoop:
         return any(series_uid in a.series for a in self._assocs.values())
 
     def _closed(self, event: Closed) -> None:
-        done = self._close(event)
+        done, reading = self._close(event)
         if event.released:
-            reading = (
-                f", {len(self._behind)} waiting for their headers to be read"
-                if self._behind
-                else ""
-            )
-            log.info("association released; %d series complete%s", len(done), reading)
+            waits = f", {reading} waiting for their headers to be read" if reading else ""
+            log.info("association released; %d series complete%s", len(done), waits)
 
-    def _close(self, event: Closed) -> list[str]:
+    def _close(self, event: Closed) -> tuple[list[str], int]:
+        """End an association; return the series its release completed and how many of its
+        series wait for the decoder."""
         a = self._assocs.pop(event.assoc_id, None)
         if a is None or not a.series:
-            return []
+            return [], 0
         for uid in a.series:
             self._last_end.pop(uid, None)
             self._last_end[uid] = (a.calling_ae, event.at)
@@ -502,16 +500,12 @@ class CompletionLoop:
         pattern = self.senders.learn(a.calling_ae, sum(a.series.values()), bool(a.continues), gap)
         if not event.released or RELEASE not in self.signals(a.calling_ae):
             self.senders.persist(a.calling_ae)
-            return []
-        done: list[str] = []
+            return [], 0
         give_up_at = time.monotonic() + BEHIND_MOST_S
-        for uid in sorted(set(a.series) - still_busy):
-            if self._released(uid, a, pattern, give_up_at, at_once=True):
-                done.append(uid)
-        for uid in done:
-            self._complete(uid, RELEASE)
+        ended = sorted(set(a.series) - still_busy)
+        done = [uid for uid in ended if self._released(uid, a, pattern, give_up_at)]
         self.senders.persist(a.calling_ae)
-        return done
+        return done, sum(uid in self._behind for uid in ended)
 
     def _series_hints(self, uid: str) -> SeriesHints | None:
         return self._hints(uid) if self._hints is not None else None
@@ -538,16 +532,10 @@ class CompletionLoop:
         return True
 
     def _released(
-        self,
-        uid: str,
-        a: _Association,
-        pattern: SenderPattern,
-        give_up_at: float,
-        *,
-        at_once: bool = False,
+        self, uid: str, a: _Association, pattern: SenderPattern, give_up_at: float
     ) -> bool:
-        """Decide ``uid`` after ``a``'s release: True when it completes now (returned when
-        ``at_once``, else completed here), else it is held (or waits for the decoder)."""
+        """Decide ``uid`` after ``a``'s release: complete it now (True), or hold it (or wait
+        for the decoder and decide again then)."""
         hints = self._series_hints(uid)
 
         def again(until: float) -> None:
@@ -557,8 +545,7 @@ class CompletionLoop:
             return False
         reason = self._hold_reason(uid, a, pattern, hints)
         if reason is None:
-            if not at_once:
-                self._complete(uid, RELEASE)
+            self._complete(uid, RELEASE)
             return True
         self._hold(uid, pattern.wait_s(self._most_wait), reason)
         if sum(a.series.values()) == 1:

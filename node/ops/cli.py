@@ -334,9 +334,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         for (kind, dest, status, attempts), err, start, ack in zip(
             j.deliveries, errors, starts, acks, strict=False
         ):
-            last = f"; last error: {err}" if err and status != "sent" else ""
-            if err and status == "sent":
-                last = f"; {err}"  # stored with a warning
+            # A sent delivery's "error" is the warning it was stored with.
+            last = "" if not err else f"; {err}" if status == "sent" else f"; last error: {err}"
             acked = f", acked +{(ack - last_in).total_seconds():.2f}s" if ack and last_in else ""
             took = send_seconds(start, ack) if status == "sent" else None
             sent_in = f" in {took:.2f}s" if took is not None else ""
