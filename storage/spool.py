@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from segnode.storage.durable import ensure_folder, fsync_folder
+
 #: Anything os.write accepts.
 Buffer = bytes | bytearray | memoryview
 
@@ -45,7 +47,7 @@ def write_atomic(path: Path, chunks: Sequence[Buffer] | bytes, *, mode: int = 0o
     """
     tmp, size = write_synced(path, chunks, mode=mode)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_folder(path.parent)
     return size
 
 
@@ -54,10 +56,11 @@ def write_synced(
 ) -> tuple[Path, int]:
     """The first half of :func:`write_atomic`: ``chunks`` written and fsynced to a temp file
     next to ``path``; returns it and the bytes written. The caller renames it to ``path``
-    (``os.replace``) and fsyncs the folder, or unlinks it."""
+    (``os.replace``) and fsyncs the folder, or unlinks it. A folder created for ``path`` is
+    durable when this returns (:func:`~segnode.storage.durable.ensure_folder`)."""
     if isinstance(chunks, bytes):
         chunks = [chunks]
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ensure_folder(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(chunks)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
@@ -233,7 +236,7 @@ class StagingPool:
         while len(self) < self.target and not should_stop():
             path = self.folder / f"{os.getpid()}-{next(_counter)}{POOL_SUFFIX}"
             try:
-                self.folder.mkdir(exist_ok=True, mode=0o700)
+                ensure_folder(self.folder)
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
                     _write_all(fd, [zeros])
@@ -261,20 +264,12 @@ def _after(views: Sequence[memoryview], skip: int) -> list[memoryview]:
     return out
 
 
-def _fsync_dir(folder: Path) -> None:
-    dfd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 class Spool:
     """Instance files under ``root``."""
 
     def __init__(self, root: Path, pool_files: int = 0) -> None:
         self.root = root
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ensure_folder(root)  # and its new parents, their names durable
         #: Recycled staging files (:class:`StagingPool`); ``pool_files`` 0 turns it off.
         self.pool = StagingPool(root / INCOMING, pool_files)
 
@@ -330,7 +325,7 @@ class Spool:
         path = self.incoming_dir / f"{os.getpid()}-{next(_counter)}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_DSYNC", 0)
         try:
-            self.incoming_dir.mkdir(exist_ok=True, mode=0o700)
+            ensure_folder(self.incoming_dir)
             fd = os.open(path, flags, 0o600)
         except OSError as exc:
             raise SpoolError(f"cannot write to the spool: {exc.strerror or exc}") from exc
@@ -342,14 +337,17 @@ class Spool:
         return self.open_staged().write_synced(chunks)
 
     def place(self, staged: Staged, study_uid: str, series_uid: str, sop_uid: str) -> Path:
-        """Rename a staged file to the instance's path; durable after :meth:`sync_folder`."""
+        """Rename a staged file to the instance's path; durable after :meth:`sync_folder`.
+
+        A new study or series folder is made durable here, before the rename (its parent's
+        fsync, once per folder: :func:`~segnode.storage.durable.ensure_folder`)."""
         try:
             path = self.path_for(study_uid, series_uid, sop_uid)
         except ValueError:
             self.discard(staged)
             raise
         try:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            ensure_folder(path.parent)
             os.replace(staged.path, path)
         except OSError as exc:
             self.discard(staged)
@@ -369,7 +367,7 @@ class Spool:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            _fsync_dir(path.parent)
+            fsync_folder(path.parent)
         except OSError as exc:
             raise SpoolError(f"cannot sync {path.parent.name}: {exc.strerror or exc}") from exc
 

@@ -20,7 +20,7 @@ from segnode.node.config import DEFAULT_MODEL, from_dict
 from segnode.node.pipeline.engine_pool import EnginePool
 from segnode.node.pipeline.worker import Worker, result_paths
 from segnode.node.results.build import ResultError, ResultUIDs
-from segnode.storage.ledger import InstanceRecord, JobView, Ledger
+from segnode.storage.ledger import MISSING_FILES, InstanceRecord, JobView, Ledger
 from segnode.storage.models import Event
 from segnode.storage.spool import Spool
 from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets, write_synthetic_series
@@ -120,7 +120,7 @@ def test_missing_spool_file_fails_with_reason(tmp_path: Path, engine: OrtEngine)
     uid = ingest(ledger, spool, files)
     ledger.instance_paths(uid)[1].unlink()
     jid, view = run_job(worker, ledger, uid)
-    assert view.state == "failed" and "missing" in (view.reason or "")
+    assert view.state == "failed" and MISSING_FILES in (view.reason or "")
 
 
 class _ArrivesDuringTheJob:

@@ -105,6 +105,8 @@ class _Admitted:
     rec: InstanceRecord
     header: Header
     path: Path
+    #: Its row was recorded without its file (lost, or never written here): stored again.
+    restored: bool = False
 
 
 class StoreSCP:
@@ -450,6 +452,8 @@ class StoreSCP:
         finally:
             self._release(rec.sop_instance_uid)
         series_uid = rec.series_instance_uid
+        if outcome.restored:
+            self._resume(series_uid)
         self.budget.add(series_uid, staged.size)
         span = outcome.header.pixel_span
         arrival = Arrival(
@@ -463,6 +467,18 @@ class StoreSCP:
             transfer_syntax=req.transfer_syntax,
         )
         return arrival
+
+    def _resume(self, series_uid: str) -> None:
+        """A stored-again instance may complete a series whose job failed for missing files:
+        that job runs again (same result UIDs) once every file is whole. Never fails the
+        store (the instance is durable and recorded)."""
+        try:
+            resumed = self.ledger.resume_restored(series_uid)
+        except Exception as exc:
+            log.warning("could not check for a job waiting for these files: %s", exc)
+            return
+        for job_id in resumed:
+            log.info("job %d: its missing instance files were sent again; it runs again", job_id)
 
     def _unstore(self, sop_uid: str, path: Path | None) -> None:
         """Undo a refused instance: its file (renamed into the spool but not made durable)
@@ -585,9 +601,10 @@ class StoreSCP:
                 if not moved and not self.ledger.record_instance(rec, path, incoming):
                     return OUT_OF_RESOURCES, "instance being stored elsewhere; retry"
                 log.info(
-                    "instance recorded without its file (a node died, or a commit went "
-                    "unconfirmed): stored here"
+                    "instance recorded without its file (a node died, a commit went "
+                    "unconfirmed, or a power cut took the file): stored here"
                 )
+                return _Admitted(rec, header, path, restored=True)
         except Exception as exc:
             log.error("ledger write failed: %s", exc)
             return OUT_OF_RESOURCES, "cannot record the instance"

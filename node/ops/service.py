@@ -45,6 +45,7 @@ from segnode.node.routing.rules import (
     read_facts,
     senders_from_peers,
 )
+from segnode.storage.durable import ensure_folder
 from segnode.storage.ledger import Ledger, LedgerInUse, NewJob, utcnow
 from segnode.storage.spool import POOL_FILE_BYTES, Spool
 
@@ -94,7 +95,7 @@ def make_data_dir(path: Path) -> None:
         It cannot be created, or something other than a folder is in its place.
     """
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ensure_folder(path)  # a new data_dir's name (and its new parents') durable
     except FileExistsError as exc:
         raise ConfigError(f"data_dir: {path} exists and is not a folder") from exc
     except OSError as exc:

@@ -80,7 +80,7 @@ from segnode.node.results.seg_check import check_encoded
 from segnode.node.results.seg_encode import SegPlan
 from segnode.node.results.sr_encode import SrPlan
 from segnode.node.results.statistics import statistics_from_sums
-from segnode.storage.ledger import JobState, JobView, Ledger
+from segnode.storage.ledger import MISSING_FILES, JobState, JobView, Ledger
 from segnode.storage.spool import write_atomic, write_synced
 
 log = logging.getLogger(__name__)
@@ -320,7 +320,8 @@ class Worker:
         missing = [p for p in paths if not p.exists()]
         if missing:
             raise JobError(
-                f"{len(missing)} spooled instance file(s) are missing, e.g. {missing[0].name}"
+                f"{len(missing)} {MISSING_FILES}, e.g. {missing[0].name}; the job runs again "
+                "by itself when the sender sends them again (or: segnode retry)"
             )
         engine, manifest = self.pool.get(job.model_name)
         volume = self._sibling_volume(job, paths)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from segnode.storage.ledger.connection import LedgerBase, LedgerInUse, utcnow
 from segnode.storage.ledger.instances import InstanceRecord, InstanceStore
-from segnode.storage.ledger.jobs import JobStore, NewJob
+from segnode.storage.ledger.jobs import MISSING_FILES, JobStore, NewJob
 from segnode.storage.ledger.nodes import NodeStore, NodeView
 from segnode.storage.ledger.outbox import DueDelivery, Outbox
 from segnode.storage.ledger.retention import PurgeCandidate, Retention
@@ -55,6 +55,7 @@ __all__ = [
     "ACTIVE_STATES",
     "DELIVERY_MOVES",
     "FINAL_STATES",
+    "MISSING_FILES",
     "TRANSITIONS",
     "DeliveryStatus",
     "DueDelivery",

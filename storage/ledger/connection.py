@@ -32,6 +32,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from segnode.storage import migrations
+from segnode.storage.durable import ensure_folder, sync_new_file
 from segnode.storage.models import SCHEMA_VERSION, Node
 
 # The logger keeps the name it had when the ledger was one module.
@@ -98,9 +99,16 @@ class LedgerBase:
         else:
             if path is None:
                 raise ValueError("a ledger needs a path or a URL")
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            ensure_folder(path.parent)  # a new folder's name durable (its parent's fsync)
             # Create the file 0600 before SQLite opens it: its -wal and -shm files take its mode.
-            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            # SQLite syncs the folder when it creates a journal or WAL, never for the database
+            # file itself: a new ledger's name is made durable here.
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+            except FileExistsError:
+                pass
+            else:
+                sync_new_file(path)
             os.chmod(path, 0o600)
             self.url = f"sqlite:///{path}"
             self.where = str(path)

@@ -39,6 +39,11 @@ from segnode.storage.ledger.states import (
 from segnode.storage.ledger.views import JobView, Views
 from segnode.storage.models import Delivery, Event, Instance, Job, Result, Series
 
+#: How the worker's reason begins when a job's spooled instance files are missing (a power
+#: cut that took them, a disk replaced): :meth:`JobStore.resume_restored` runs such a job again
+#: once the instances are stored again.
+MISSING_FILES = "spooled instance file(s) are missing"
+
 
 @dataclass(frozen=True)
 class NewJob:
@@ -500,6 +505,50 @@ class JobStore(Views, NodeStore):
             job.finished_at = None
             return True
 
+    def resume_restored(self, series_instance_uid: str) -> list[int]:
+        """Requeue (same result UIDs) the series' jobs that failed because spooled files were
+        missing (:data:`MISSING_FILES`) once every instance of the series has its whole file
+        again (a sender's resend stored them anew). Returns the ids requeued.
+
+        Only the latest version's jobs: an older version was replaced anyway.
+        """
+        with self._tx() as s:
+            series = s.scalars(
+                select(Series).where(Series.series_instance_uid == series_instance_uid)
+            ).first()
+            if series is None:
+                return []
+            latest = s.scalar(select(func.max(Job.version)).where(Job.series_id == series.id))
+            jobs = s.scalars(
+                select(Job).where(
+                    Job.series_id == series.id,
+                    Job.version == latest,
+                    Job.state == JobState.FAILED,
+                    Job.reason.contains(MISSING_FILES),
+                )
+            ).all()
+            if not jobs:
+                return []
+            rows = s.execute(
+                select(Instance.path, Instance.size).where(Instance.series_id == series.id)
+            ).all()
+            if not all(_whole(Path(path), size) for path, size in rows):
+                return []
+            now = utcnow()
+            for job in jobs:
+                move(
+                    s,
+                    job,
+                    JobState.QUEUED,
+                    now,
+                    kind="job-resumed",
+                    message=f"run again: all {len(rows)} instance files are stored again",
+                )
+                job.reason = None
+                job.finished_at = None
+            self._notify(s)
+            return [job.id for job in jobs]
+
     @staticmethod
     def _all_sent(s: Session, job_id: int) -> bool:
         """Whether the job has deliveries and every one of them was sent."""
@@ -548,3 +597,11 @@ def _outgrown(s: Session, job: Job, now: datetime, outcome: str) -> bool:
     job.reason = reason[:2048]
     job.finished_at = now
     return True
+
+
+def _whole(path: Path, size: int) -> bool:
+    """Whether ``path`` holds ``size`` bytes."""
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
