@@ -18,13 +18,18 @@ venv: $(BIN)/segnode
 run: venv
 	$(BIN)/segnode serve --config config.toml
 
-# Debian tools the interop tests use (DCMTK, Orthanc, dicom3tools, PostgreSQL); installed when missing
-# and we are root, otherwise those tests say what is missing.
+# Debian tools the tests use, the same list as .ci/run: DCMTK, Orthanc, dicom3tools, PostgreSQL,
+# openssl, systemd (systemd-analyze), Chromium (the browser test) and FUSE 3 (the power-cut
+# tests' lazy file system); installed when missing and we are root, otherwise those tests say
+# what is missing.
+DEBIAN_TOOLS := dcmtk orthanc orthanc-dicomweb dicom3tools openssl systemd postgresql \
+	chromium chromium-driver fuse3
 tools:
 	@command -v storescu >/dev/null && command -v Orthanc >/dev/null && command -v dciodvfy >/dev/null && [ -e /usr/share/orthanc/plugins/libOrthancDicomWeb.so ] && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+	  && command -v openssl >/dev/null && command -v systemd-analyze >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v fusermount3 >/dev/null \
 	  || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	       apt-get install -y -qq dcmtk orthanc orthanc-dicomweb dicom3tools postgresql >/dev/null; \
-	     else echo "note: install dcmtk orthanc dicom3tools postgresql for the interop tests"; fi; }
+	       apt-get install -y -qq $(DEBIAN_TOOLS) >/dev/null; \
+	     else echo "note: install $(DEBIAN_TOOLS) for the interop tests"; fi; }
 
 lint: $(VENV)/.test-deps
 	$(BIN)/ruff check segnode/*.py node engines storage tests bench scripts
