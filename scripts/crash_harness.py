@@ -340,6 +340,14 @@ class CrashHarness:
             again = send_files(files, self.node.port)
             if not again.complete:
                 t.violations.append(f"resend after restart failed: {again.error or again}")
+        self.verify_settled(t, files, study, series_uid)
+        t.seconds = round(time.monotonic() - t_start, 2)
+        return t
+
+    def verify_settled(self, t: Trial, files: list[Path], study: str, series_uid: str) -> None:
+        """After the restart (and resend): the series settles with one job version, sent,
+        with every instance, its SEG and SR received once each (a resend only after a kill
+        while sending), and no job left active anywhere."""
         state = self._settle(series_uid, 90)
         if state is None:
             t.violations.append("series did not settle within 90 s (job stuck)")
@@ -373,8 +381,6 @@ class CrashHarness:
         stuck = self.ledger.active_jobs()
         if stuck:
             t.violations.append(f"active jobs after settling: {stuck}")
-        t.seconds = round(time.monotonic() - t_start, 2)
-        return t
 
     def run(self, trials: int, base_seed: int = 5000) -> Report:
         """Calibrate, then run ``trials`` trials."""
