@@ -41,6 +41,8 @@ Deliberate differences from nnU-Net's code:
 * Tiles may be batched (``batch_size``); nnU-Net predicts one tile at a time. A predictor
   that treats the batch items independently (every network in eval mode) gives the same.
 * Non-finite logits raise ``ValueError`` (nnU-Net raises on infinities only).
+* The logits can be had slab by slab along z (:func:`sliding_window_slabs`, issue 37): the
+  accumulator then spans about one patch depth instead of the image, with the same values.
 
 Everything goes through the array-API namespace of the image (NumPy, torch, CuPy), as
 :mod:`segnode.engines.sliding_window` does.
@@ -48,10 +50,9 @@ Everything goes through the array-API namespace of the image (NumPy, torch, CuPy
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -229,8 +230,10 @@ def maybe_mirror_and_predict(
     ``mirror_axes`` (0 = z of the patch), divided by the number of terms.
     """
     xp = array_namespace(batch)
-    prediction = xp.astype(predictor(batch), xp.float32, copy=True)
     combos = mirror_combinations(mirror_axes)
+    # Without mirroring nothing is added into the prediction: it is used as it came (a
+    # second copy of a batch of many-label logits is what issue 37 ran out of memory on).
+    prediction = xp.astype(predictor(batch), xp.float32, copy=bool(combos))
     for axes in combos:
         shifted = tuple(a + 2 for a in axes)
         flipped = predictor(xp.flip(batch, axis=shifted))
@@ -329,12 +332,41 @@ def sliding_window_logits(
     Returns
     -------
     array
-        float32 ``(C, z, y, x)`` logits, namespace and device of ``image``.
+        float32 ``(C, z, y, x)`` logits, namespace and device of ``image``: the slabs of
+        :func:`sliding_window_slabs` put together.
 
     Raises
     ------
     ValueError
         On a malformed image, no folds, a prediction of the wrong shape, or non-finite logits.
+    """
+    xp = array_namespace(image)
+    logits: Array = None
+    for start, stop, slab in sliding_window_slabs(image, fold_predictors, settings):
+        if logits is None:
+            shape = (int(slab.shape[0]), *(int(n) for n in image.shape))
+            logits = xp.empty(shape, dtype=xp.float32, device=array_device(image))
+        logits[:, start:stop, ...] = slab
+    return logits
+
+
+def sliding_window_slabs(
+    image: Array, fold_predictors: Sequence[PatchPredictor], settings: WindowSettings
+) -> Iterator[tuple[int, int, Array]]:
+    """:func:`sliding_window_logits` slab by slab along z: ``(start, stop, logits)`` with
+    float32 ``(C, stop - start, y, x)`` logits, for consecutive ranges that cover the image.
+
+    The tiles are visited in z-major order, and a slice's logits are final (and given out)
+    as soon as no remaining tile reaches it, so the accumulator spans about one patch depth,
+    not the image: memory in proportion to labels x one patch depth, whatever the number of
+    slices. Each value is the one the whole-image accumulation gives, bit for bit (the same
+    tiles added in the same order). nnU-Net's float16 reproduction with several folds sums
+    whole volumes, one per fold: that case is accumulated whole and given as one slab.
+
+    Raises
+    ------
+    ValueError
+        As :func:`sliding_window_logits` (a slab's non-finite logits when it is given out).
     """
     xp = array_namespace(image)
     dev = array_device(image)
@@ -364,22 +396,55 @@ def sliding_window_logits(
     else:
         gaussian = xp.ones(patch, dtype=xp.float32, device=dev)
 
-    passes: list[Sequence[PatchPredictor]] = [fold_predictors]
     if settings.accumulator_dtype == "float16" and len(fold_predictors) > 1:
-        passes = [[predictor] for predictor in fold_predictors]  # nnU-Net: a volume per fold
+        stream = _per_fold_volumes(data, tiles, fold_predictors, gaussian, acc_dtype, settings)
+    else:
+        stream = _blend(data, tiles, fold_predictors, gaussian, acc_dtype, settings)
+    first_z, last_z = inner[0].start, inner[0].stop
+    for start, stop, slab in stream:
+        low, high = max(start, first_z), min(stop, last_z)
+        if low >= high:
+            continue
+        part = slab[(slice(None), slice(low - start, high - start), *inner[1:])]
+        del slab
+        part = xp.astype(part, xp.float32, copy=False)
+        if not bool(xp.all(xp.isfinite(part))):
+            raise ValueError("the blended logits are not all finite (a predictor returned inf/nan)")
+        yield low - first_z, high - first_z, part
+
+
+def _per_fold_volumes(
+    data: Array,
+    tiles: list[tuple[slice, ...]],
+    fold_predictors: Sequence[PatchPredictor],
+    gaussian: Array,
+    acc_dtype: Any,
+    settings: WindowSettings,
+) -> Iterator[tuple[int, int, Array]]:
+    """nnU-Net's float16 fold average: one blended volume per fold, summed and divided by
+    the number of folds in float16; one slab, the whole padded image."""
+    xp = array_namespace(data)
+    depth = int(data.shape[0])
     logits: Array = None
     channels = settings.channels
-    for predictors in passes:
-        window, channels = _blend(data, tiles, predictors, gaussian, acc_dtype, settings, channels)
+    for predictor in fold_predictors:
+        window: Array = None
+        for start, stop, slab in _blend(
+            data, tiles, [predictor], gaussian, acc_dtype, settings, channels
+        ):
+            if window is None:
+                channels = int(slab.shape[0])
+                shape = (channels, *(int(n) for n in data.shape))
+                window = xp.empty(shape, dtype=acc_dtype, device=array_device(data))
+            window[:, start:stop, ...] = slab
         logits = window if logits is None else logits + window
-    if len(passes) > 1:
-        logits /= float(len(passes))
-    logits = xp.astype(logits, xp.float32, copy=False)
-    if not bool(xp.all(xp.isfinite(logits))):
-        raise ValueError("the blended logits are not all finite (a predictor returned inf/nan)")
-    if padded_shape != size:
-        logits = xp.asarray(logits[(slice(None), *inner)], copy=True)
-    return logits
+    logits /= float(len(fold_predictors))
+    yield 0, depth, logits
+
+
+_SLAB_BYTES = 64 * 1024 * 1024
+"""Largest slab of final logits given out at once (at least one slice), and largest
+product of a prediction and the Gaussian added into the accumulator at once."""
 
 
 def _blend(
@@ -389,22 +454,35 @@ def _blend(
     gaussian: Array,
     acc_dtype: Any,
     settings: WindowSettings,
-    channels: int | None,
-) -> tuple[Array, int]:
-    """``sum_t g p_t / sum_t g`` over ``tiles`` of the padded ``data`` (``acc_dtype``), with
-    ``p_t`` the mirror-averaged prediction averaged over ``fold_predictors`` (the mirror axes
-    and the batch size of ``settings``)."""
+    channels: int | None = None,
+) -> Iterator[tuple[int, int, Array]]:
+    """``sum_t g p_t / sum_t g`` over ``tiles`` (z-major) of the padded ``data``, in
+    ``acc_dtype``, given out as ``(start, stop, slab)`` as soon as slices are final, with
+    ``p_t`` the mirror-averaged prediction averaged over ``fold_predictors`` (the mirror
+    axes and the batch size of ``settings``).
+
+    The accumulator holds the slices from the first unfinished one to the deepest a batch
+    reaches (about a patch depth); finished slices are divided by their summed weight and
+    given out in slabs of at most :data:`_SLAB_BYTES`, and the rest moves to the front."""
     xp = array_namespace(data)
     dev = array_device(data)
     patch = tuple(int(n) for n in gaussian.shape)
     half = acc_dtype != xp.float32
-    logits: Array = None
-    weight_sum = xp.zeros(tuple(int(n) for n in data.shape), dtype=acc_dtype, device=dev)
+    depth, rows, cols = (int(n) for n in data.shape)
+    batch_size = settings.batch_size
+    groups = [tiles[i : i + batch_size] for i in range(0, len(tiles), batch_size)]
+    # the first slice each group leaves unfinished, and the rows the accumulator needs
+    ends = [group[0][0].start for group in groups[1:]] + [depth]
+    span, low = 1, 0
+    for group, end in zip(groups, ends, strict=True):
+        span = max(span, max(int(t[0].stop) for t in group) - low)
+        low = max(low, end)
+    weight_sum = xp.zeros((span, rows, cols), dtype=acc_dtype, device=dev)
     tile_weight = xp.astype(gaussian, acc_dtype)
     folds = len(fold_predictors)
-    batch_size = settings.batch_size
-    for first in range(0, len(tiles), batch_size):
-        group = tiles[first : first + batch_size]
+    acc: Array = None
+    low = used = 0
+    for group, end in zip(groups, ends, strict=True):
         batch = xp.stack([data[t] for t in group])[:, None, ...]
         prediction: Array = None
         for predictor in fold_predictors:
@@ -415,22 +493,44 @@ def _blend(
             if tuple(fold.shape) != want:
                 raise ValueError(f"a predictor returned {tuple(fold.shape)}, expected {want}")
             prediction = fold if prediction is None else prediction + fold
+            del fold  # the next fold's prediction is not made beside this one
+        del batch
         if folds > 1:
             prediction /= float(folds)
-        if logits is None:
-            logits = xp.zeros((channels, *data.shape), dtype=acc_dtype, device=dev)
-        for index, tile in enumerate(group):
-            where = (slice(None), *tile)
-            weighted = prediction[index, ...] * gaussian
-            if half:  # float32 sum rounded to float16, as nnU-Net's half += float32
-                weighted = xp.astype(logits[where], xp.float32) + weighted
-                logits[where] = xp.astype(weighted, acc_dtype)
-            else:
-                logits[where] += weighted
-            weight_sum[tile] += tile_weight
-    logits /= weight_sum[None, ...]
-    assert channels is not None
-    return logits, channels
+        assert channels is not None
+        if acc is None:
+            acc = xp.zeros((channels, span, rows, cols), dtype=acc_dtype, device=dev)
+        step = max(1, _SLAB_BYTES // (4 * math.prod(patch)))  # channels per product
+        for index, (zs, ys, xs) in enumerate(group):
+            rz = slice(zs.start - low, zs.stop - low)
+            for c0 in range(0, channels, step):
+                where = (slice(c0, c0 + step), rz, ys, xs)
+                weighted = prediction[index, c0 : c0 + step, ...] * gaussian
+                if half:  # float32 sum rounded to float16, as nnU-Net's half += float32
+                    weighted = xp.astype(acc[where], xp.float32) + weighted
+                    acc[where] = xp.astype(weighted, acc_dtype)
+                else:
+                    acc[where] += weighted
+                del weighted
+            weight_sum[rz, ys, xs] += tile_weight
+            used = max(used, zs.stop - low)
+        del prediction  # not alive while the next batch is predicted
+        if end <= low:
+            continue
+        count = end - low
+        per_slab = max(1, _SLAB_BYTES // (channels * rows * cols * 4))
+        for first in range(0, count, per_slab):
+            last = min(count, first + per_slab)
+            yield low + first, low + last, acc[:, first:last, ...] / weight_sum[None, first:last]
+        rest = max(0, used - count)
+        for c in range(channels):  # one channel at a time: no copy of the whole buffer
+            if rest:
+                acc[c, :rest, ...] = xp.asarray(acc[c, count:used, ...], copy=True)
+            acc[c, rest:used, ...] = 0
+        if rest:
+            weight_sum[:rest, ...] = xp.asarray(weight_sum[count:used, ...], copy=True)
+        weight_sum[rest:used, ...] = 0
+        low, used = end, rest
 
 
 def tile_step_size_from_overlap(
@@ -455,7 +555,25 @@ def make_predict(
     folds = tuple(fold_predictors)
     if not folds:
         raise ValueError("at least one fold predictor is needed")
-    return functools.partial(sliding_window_logits, fold_predictors=folds, settings=settings)
+    return WindowPredictor(folds, settings)
+
+
+@dataclass(frozen=True)
+class WindowPredictor:
+    """An :data:`ImagePredictor` over fold predictors that can also give its logits slab by
+    slab (:meth:`slabs`), which :func:`segnode.engines.preprocess.pipeline.run_model` prefers:
+    the logits of every label over the whole model grid then never exist at once."""
+
+    folds: tuple[PatchPredictor, ...]
+    settings: WindowSettings
+
+    def __call__(self, image: Array) -> Array:
+        """:func:`sliding_window_logits` of ``image``."""
+        return sliding_window_logits(image, self.folds, self.settings)
+
+    def slabs(self, image: Array) -> Iterator[tuple[int, int, Array]]:
+        """:func:`sliding_window_slabs` of ``image``."""
+        return sliding_window_slabs(image, self.folds, self.settings)
 
 
 def predict_for_manifest(

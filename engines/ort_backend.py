@@ -8,7 +8,10 @@ On the CPU the threads share the work by patch, not by operator: each thread run
 patches through the session with a single intra-op thread, and the sliding window hands over
 one batch per thread at a time. A small, memory-bound graph such as the default "tissue"
 model then keeps each core on its own patch, in its own cache, with no hand-over between
-threads at every operator (see docs/performance.md).
+threads at every operator (see docs/performance.md). A model whose tile output is large
+(:data:`PATCH_THREADS_MAX_TILE_BYTES`, a many-label 3-D U-Net) runs the other way: one tile
+per run on ONNX Runtime's intra-op threads, without its CPU arena, each run writing into the
+window's output array (issue 37: memory in proportion to one tile, not threads x batch).
 
 A version-2 (trained) manifest loads one session per fold file
 (:meth:`~segnode.engines.manifest.ModelManifest.model_files`); :meth:`OrtEngine.fold_predictors`
@@ -117,17 +120,27 @@ class OrtEngine(HostArrays):
                 f"onnxruntime providers {missing} not available here; have {available}"
             )
         workers = 1
-        if self._providers == ["CPUExecutionProvider"]:
+        on_cpu = self._providers == ["CPUExecutionProvider"]
+        large = tile_bytes(manifest) > PATCH_THREADS_MAX_TILE_BYTES
+        if on_cpu and not large:
             workers = self._threads or _usable_cores()
         options = ort.SessionOptions()
         # Idle pool threads (with one worker) sleep instead of spinning: on a small node the
         # spinning costs as much CPU as the model and slows the DICOM side.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if large:
+            # No CPU arena (it keeps its peak reserved for the life of the session, and
+            # grows with every concurrent run) and no memory pattern (one block sized for
+            # every intermediate at once): each tensor is freed when its last reader has
+            # run. docs/performance.md: not slower for a large model, a third of the peak;
+            # a small one's many short runs are slower without them, and small.
+            options.enable_cpu_mem_arena = False
+            options.enable_mem_pattern = False
         if workers > 1:
             options.intra_op_num_threads = 1
             options.inter_op_num_threads = 1
-        elif self._threads is not None:
-            options.intra_op_num_threads = self._threads
+        elif self._threads is not None or large:
+            options.intra_op_num_threads = self._threads or _usable_cores()
             options.inter_op_num_threads = 1
         sessions: list[tuple[ort.InferenceSession, ModelManifest, int, bool]] = []
         for unit in units:
@@ -144,6 +157,8 @@ class OrtEngine(HostArrays):
             sessions.append((session, unit, batch, fixed))
         self.close()
         run_batch = min(batch for _, _, batch, _ in sessions)
+        if large and not any(fixed for _, _, _, fixed in sessions):
+            run_batch = 1  # a tile at a time: its output alone is large
         self._run_batch, self._workers = run_batch, workers
         if workers > 1:
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ort-patch")
@@ -172,26 +187,44 @@ class OrtEngine(HostArrays):
         fixed batch axis gets its last run padded."""
         input_name, output_name = unit.input_name, unit.output_name
         run_batch, pool = self._run_batch, self._pool
+        channels_and_patch = (unit.output_channels, *unit.patch_size)
+        bind = self._providers == ["CPUExecutionProvider"] and all(
+            o.type == "tensor(float)" for o in session.get_outputs() if o.name == output_name
+        )
 
-        def run(batch: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        def run(batch: npt.NDArray[np.float32], out: npt.NDArray[np.float32]) -> None:
             n = len(batch)
             feed = np.ascontiguousarray(batch, dtype=np.float32)
-            if fixed_batch is not None and n < fixed_batch:
-                feed = np.concatenate(
-                    [feed, np.zeros((fixed_batch - n, *feed.shape[1:]), feed.dtype)]
-                )
             try:
-                out = session.run([output_name], {input_name: feed})[0]
+                if fixed_batch is not None and n < fixed_batch:
+                    feed = np.concatenate(
+                        [feed, np.zeros((fixed_batch - n, *feed.shape[1:]), feed.dtype)]
+                    )
+                    out[...] = session.run([output_name], {input_name: feed})[0][:n]
+                elif bind:
+                    # the session writes its output where the window reads it: no copy
+                    binding = session.io_binding()
+                    binding.bind_cpu_input(input_name, feed)
+                    binding.bind_output(
+                        output_name, "cpu", 0, np.float32, list(out.shape), out.ctypes.data
+                    )
+                    session.run_with_iobinding(binding)
+                else:
+                    out[...] = session.run([output_name], {input_name: feed})[0]
             except _ORT_ERRORS as exc:
                 raise EngineError(f"model {unit.name!r}: inference failed: {exc}") from exc
-            return np.asarray(out[:n], dtype=np.float32)
 
         def predict(batch: Any) -> Any:
-            if len(batch) <= run_batch:
-                return run(batch)
-            chunks = [batch[i : i + run_batch] for i in range(0, len(batch), run_batch)]
-            results = pool.map(run, chunks) if pool is not None else map(run, chunks)
-            return np.concatenate(list(results))
+            # one output array, each run writing its part (no concatenation of run outputs)
+            out = np.empty((len(batch), *channels_and_patch), dtype=np.float32)
+            spans = [(i, min(len(batch), i + run_batch)) for i in range(0, len(batch), run_batch)]
+            if pool is None or len(spans) == 1:
+                for first, last in spans:
+                    run(batch[first:last], out[first:last])
+            else:
+                for done in [pool.submit(run, batch[a:b], out[a:b]) for a, b in spans]:
+                    done.result()
+            return out
 
         return predict
 
@@ -268,6 +301,27 @@ class OrtEngine(HostArrays):
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+PATCH_THREADS_MAX_TILE_BYTES = 64 * 1024 * 1024
+"""Output of one tile above which the CPU threads share each run by operator (ONNX
+Runtime's intra-op threads, one tile per run) instead of running a patch each: a patch per
+thread suits a small memory-bound model, but with a large output (a model of many labels and
+a large patch: 0.74 GiB a tile for 118 labels and 112 x 128 x 112) it multiplies the memory
+by the threads and the batch, and a large network parallelises well by operator
+(docs/performance.md)."""
+
+
+def tile_bytes(manifest: ModelManifest) -> int:
+    """Bytes of one tile's float32 output (every part of a composite: the largest)."""
+    units = [part.manifest for part in manifest.parts] if manifest.parts else [manifest]
+    largest = 0
+    for unit in units:
+        voxels = 1
+        for n in unit.patch_size:
+            voxels *= int(n)
+        largest = max(largest, 4 * voxels * unit.output_channels)
+    return largest
 
 
 def _usable_cores() -> int:

@@ -798,3 +798,52 @@ def test_region_based_model_exports_one_channel_per_region(tmp_path):
     session = ort.InferenceSession(str(tmp_path / "r" / "fold_0.onnx"))
     out = session.run(None, {"input": np.zeros((1, 1, 32, 32, 32), np.float32)})[0]
     assert out.shape == (1, 3, 32, 32, 32)
+
+
+FAST_FOLDER = "Dataset297_TotalSegmentator_total_3mm_1559subj"
+FAST_TRAINER = "nnUNetTrainer_4000epochs_NoMirroring__nnUNetPlans__3d_fullres"
+
+
+def test_plain_import_of_totalsegmentators_fast_dataset_names_the_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``model import nnunet`` of TotalSegmentator's Dataset297 refuses, naming the
+    ``totalsegmentator --task total_fast`` import (issue 37); ``--as-nnunet`` goes on to the
+    folder itself (here: empty, so the folder's own error)."""
+    from segnode.node.ops.cli import main  # noqa: PLC0415
+
+    weights = tmp_path / "results"
+    folder = weights / FAST_FOLDER / FAST_TRAINER
+    folder.mkdir(parents=True)
+    assert main(["model", "import", "nnunet", str(folder), "--name", "fast", "--folds", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "Dataset297" in err and "--fast" in err
+    assert f"segnode model import totalsegmentator {weights} --task total_fast" in err
+    assert "overlap 0.2" in err and "3.0 mm" in err
+    other = ["model", "import", "nnunet", str(folder), "--name", "fast", "--as-nnunet"]
+    assert main(other) == 1
+    assert "totalsegmentator --task" not in capsys.readouterr().err
+    plain = tmp_path / "Dataset555_Phantom" / "nnUNetTrainer__nnUNetPlans__3d_fullres"
+    from segnode.engines.importers.totalsegmentator import profile_advice  # noqa: PLC0415
+
+    assert profile_advice(plain) is None
+    assert profile_advice(weights / "Dataset298_TotalSegmentator_total_6mm_1559subj") is not None
+
+
+@pytest.mark.parametrize(("task", "dataset"), [("total_fast", 297), ("total_fastest", 298)])
+def test_totalsegmentator_fast_tasks_find_their_dataset_and_check_its_spacing(
+    tmp_path: Path, task: str, dataset: int
+) -> None:
+    from segnode.engines.importers.totalsegmentator import import_totalsegmentator  # noqa: PLC0415
+
+    with pytest.raises(ModelImportError, match=f"no Dataset{dataset}_"):
+        import_totalsegmentator(tmp_path, tmp_path / "out", task=task)
+    folder = tmp_path / f"Dataset{dataset}_TotalSegmentator_x" / FAST_TRAINER
+    folder.mkdir(parents=True)
+    (folder / "dataset.json").write_text(
+        json.dumps({"channel_names": {"0": "CT"}, "labels": {"background": 0, "spleen": 1}})
+    )
+    plans = {"configurations": {"3d_fullres": {"spacing": [1.5, 1.5, 1.5]}}}  # "total" 1.5 mm
+    (folder / "plans.json").write_text(json.dumps(plans))
+    with pytest.raises(ModelImportError, match=f"this is not the {task} model"):
+        import_totalsegmentator(tmp_path, tmp_path / "out", task=task)

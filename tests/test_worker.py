@@ -412,3 +412,45 @@ def test_no_space_for_the_results_queues_the_job_until_there_is_room(
     view = ledger.job(jid)
     assert view is not None and view.state == "done" and view.reason is None, view
     assert len(result_paths(tmp_path, jid)) == 2
+
+
+PHANTOM_MODEL = Path(__file__).parent / "data" / "nnunet_phantom" / "phantom.json"
+
+
+def test_a_job_over_the_memory_limit_fails_naming_it_and_the_next_one_runs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``[engine] memory_limit``: a trained model's job estimated above it fails before it
+    runs, with the figures; the worker goes on, and a job that fits gives its peak resident
+    set in the timing line."""
+    manifest = load_manifest(PHANTOM_MODEL)
+    trained = OrtEngine()
+    trained.load(manifest)
+    worker, ledger, spool = worker_on(tmp_path, trained, manifest, {"engine": {"memory_limit": 1}})
+    assert worker.memory_limit == 1024 * 1024
+    geometry = PhantomGeometry(rows=64, columns=64, slices=12)
+    first = ingest(ledger, spool, write_synthetic_series(tmp_path / "a", geometry, seed=41))
+    _, view = run_job(worker, ledger, first, model="phantom")
+    assert view.state == "failed"
+    assert "not enough memory" in (view.reason or "")
+    assert "[engine] memory_limit 0.0 GiB" in (view.reason or "")
+    assert "64x64x12" in (view.reason or "")
+
+    worker.memory_limit = 64 * 1024**3
+    second = ingest(ledger, spool, write_synthetic_series(tmp_path / "b", geometry, seed=42))
+    with caplog.at_level("INFO", logger="segnode.node.pipeline.worker"):
+        _, view = run_job(worker, ledger, second, model="phantom")
+    assert view.state == "done"
+    timing = [r.getMessage() for r in caplog.records if "timing ms" in r.getMessage()]
+    assert len(timing) == 1 and "peak RSS" in timing[0] and "estimated" in timing[0]
+
+
+def test_memory_limit_defaults_to_a_share_of_the_available_memory(
+    tmp_path: Path, engine: OrtEngine
+) -> None:
+    from segnode.engines.memory import available_bytes  # noqa: PLC0415
+
+    worker, _, _ = worker_on(
+        tmp_path, engine, load_manifest(DEFAULT_MODEL), {"engine": {"memory_fraction": 0.5}}
+    )
+    assert 0 < worker.memory_limit <= 0.5 * available_bytes() * 1.2

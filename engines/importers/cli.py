@@ -6,8 +6,9 @@ The node's CLI registers the sub-commands with :func:`add_model_parser` and disp
     segnode model import nnunet FOLDER --name NAME [--folds 0 1 2 3 4]
             [--checkpoint final|best] [--configuration 3d_fullres]
             [--labels FILE|totalsegmentator] [--allow-generic]
-            [--orientation CODE|source] [--model-version 1.0.0] [--out DIR]
-    segnode model import totalsegmentator WEIGHTS_DIR [--task total] [--name total]
+            [--orientation CODE|source] [--model-version 1.0.0] [--out DIR] [--as-nnunet]
+    segnode model import totalsegmentator WEIGHTS_DIR
+            [--task total|total_fast|total_fastest] [--name total]
             [--labels FILE|totalsegmentator] [--allow-generic] [--model-version 1.0.0]
             [--out DIR]
 """
@@ -47,6 +48,12 @@ def add_model_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="orientation code of the training arrays (e.g. SPL, SAL, SAR) or 'source'; "
         "default SAR for readers that reorient to RAS, else SPL (docs/import.md)",
     )
+    nn.add_argument(
+        "--as-nnunet",
+        action="store_true",
+        help="import one of TotalSegmentator's datasets with nnU-Net's defaults all the same "
+        "(without it, such a folder is refused with the totalsegmentator command to use)",
+    )
     _shared(nn)
 
     ts = kinds.add_parser("totalsegmentator", help="TotalSegmentator's weights (composite)")
@@ -55,7 +62,13 @@ def add_model_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=Path,
         help="folder with Dataset291_... (~/.totalsegmentator/nnunet/results)",
     )
-    ts.add_argument("--task", default="total", choices=("total",))
+    ts.add_argument(
+        "--task",
+        default="total",
+        choices=("total", "total_fast", "total_fastest"),
+        help="total (datasets 291-295, 1.5 mm), total_fast (297, 3 mm: TotalSegmentator "
+        "--fast) or total_fastest (298, 6 mm: --fastest)",
+    )
     ts.add_argument("--name", default="total", help="model name (manifest NAME.json)")
     _shared(ts)
     return model  # type: ignore[no-any-return]
@@ -90,6 +103,12 @@ def run_model_command(args: argparse.Namespace, out: TextIO | None = None) -> in
         if args.import_kind == "nnunet":
             from segnode.engines.importers.nnunet import import_nnunet
             from segnode.engines.importers.nnunet_plans import parse_fold
+            from segnode.engines.importers.totalsegmentator import profile_advice
+
+            advice = profile_advice(args.folder)
+            if advice is not None and not args.as_nnunet:
+                print(f"segnode: model import: {advice}", file=sys.stderr)
+                return 1
 
             report = import_nnunet(
                 args.folder,

@@ -57,7 +57,58 @@ TASKS = {
         spacing=1.5,
         overlap=0.2,  # TotalSegmentator's step_size 0.8 for the total tasks
     ),
+    # TASK_CONFIGS["total"]["sub_modes"]: --fast and --fastest, one dataset each of all 117
+    # structures, the same pipeline (step 0.8 "for every resolution variant of the total
+    # CT and MR models, including fast and fastest modes", nnunet.py)
+    "total_fast": TaskProfile(
+        datasets=((297, "Dataset297_TotalSegmentator_total_3mm_1559subj"),),
+        trainer_folder="nnUNetTrainer_4000epochs_NoMirroring__nnUNetPlans__3d_fullres",
+        spacing=3.0,
+        overlap=0.2,
+    ),
+    "total_fastest": TaskProfile(
+        datasets=((298, "Dataset298_TotalSegmentator_total_6mm_1559subj"),),
+        trainer_folder="nnUNetTrainer_4000epochs_NoMirroring__nnUNetPlans__3d_fullres",
+        spacing=6.0,
+        overlap=0.2,
+    ),
 }
+
+_FLAGS = {"total": "", "total_fast": " --fast", "total_fastest": " --fastest"}
+
+
+def totalsegmentator_task(folder: Path) -> tuple[str, int] | None:
+    """``(task, dataset id)`` when ``folder`` (a trained-model folder, or its dataset folder)
+    is one of TotalSegmentator's datasets by name (``Dataset297_TotalSegmentator_...``)."""
+    for path in (folder, folder.parent):
+        for task, profile in TASKS.items():
+            for task_id, folder_name in profile.datasets:
+                if path.name == folder_name or (
+                    path.name.startswith(f"Dataset{task_id}_") and "TotalSegmentator" in path.name
+                ):
+                    return task, task_id
+    return None
+
+
+def profile_advice(folder: Path) -> str | None:
+    """What to run instead of a plain nnU-Net import of one of TotalSegmentator's datasets
+    (``None`` for any other folder)."""
+    found = totalsegmentator_task(folder)
+    if found is None:
+        return None
+    task, task_id = found
+    profile = TASKS[task]
+    weights = folder.parent.parent if folder.parent.name.startswith("Dataset") else folder.parent
+    return (
+        f"{folder} is TotalSegmentator's Dataset{task_id} (TotalSegmentator "
+        f"--task total{_FLAGS[task]}); import it with its own settings (orientation SAR, "
+        f"overlap {profile.overlap}, no mirroring, order 1 to {profile.spacing} mm and the "
+        f"labels back at order 0, as TotalSegmentator runs it): segnode model import "
+        f"totalsegmentator {weights} --task {task}. A plain nnU-Net import uses nnU-Net's "
+        f"defaults instead (overlap 0.5, order-1 logits of every label back on the source "
+        f"grid: slower, other labels); --as-nnunet imports it so all the same"
+    )
+
 
 PROFILE_RESAMPLING = {
     # change_spacing(..., order=1) before nnU-Net: scipy.ndimage.zoom (corner-aligned), one

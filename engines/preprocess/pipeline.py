@@ -11,7 +11,8 @@ source grid.
 5. ``predict``: the model's scores on that grid (sliding window, folds, mirroring - the
    engine's business);
 6. resample the scores back to the cropped source shape (order 1, separate z decided from the
-   target spacing first, as nnU-Net's export), then arg-max (or the regions' thresholds);
+   target spacing first, as nnU-Net's export), then arg-max (or the regions' thresholds) -
+   slab by slab when the predictor gives slabs (:mod:`~segnode.engines.preprocess.export`);
 7. paste into the uncropped shape (background outside), undo the transpose and the
    reorientation.
 
@@ -35,9 +36,15 @@ from array_api_compat import array_namespace
 from array_api_compat import device as array_device
 
 from segnode.engines.manifest import ModelContract, ModelManifest
+from segnode.engines.preprocess.export import Decision, Slabs, labels_from_slabs
 from segnode.engines.preprocess.intensity import nonzero_bbox
 from segnode.engines.preprocess.orientation import Geometry, plan_reorientation
-from segnode.engines.preprocess.resampling import compute_new_shape, resample, separate_z_axis
+from segnode.engines.preprocess.resampling import (
+    compute_new_shape,
+    resample,
+    resample_labels,
+    separate_z_axis,
+)
 
 Predict = Callable[[Any], Any]
 """``predict(image)``: the preprocessed float32 ``(z, y, x)`` image on the model's grid in,
@@ -121,10 +128,10 @@ def run_model(
         precise=precise,
     )[0, ...]
 
-    scores = predict(image)
     labels = _labels_on_source(
-        scores, manifest, contract, model_shape, cropped_shape, target, spacing, precise, xp
+        predict, image, manifest, contract, model_shape, cropped_shape, target, spacing, precise
     )
+    del image
     dev = array_device(hu)
     full = xp.zeros(full_shape, dtype=xp.uint8, device=dev)
     full[box] = labels
@@ -156,22 +163,21 @@ def _resample_first(
         else tuple(slice(0, n) for n in model_shape)
     )
     cropped = contract.normalization(resampled[box])
+    del resampled
     cropped_shape = tuple(int(n) for n in cropped.shape)
-    scores = predict(cropped)
     # on the model grid: nnU-Net's export resampling is the identity there
     labels = _labels_on_source(
-        scores, manifest, contract, cropped_shape, cropped_shape, target, target, precise, xp
+        predict, cropped, manifest, contract, cropped_shape, cropped_shape, target, target, precise
     )
+    del cropped
     full = xp.zeros(model_shape, dtype=xp.uint8, device=array_device(image))
     full[box] = labels
-    back = resample(xp.astype(full, xp.float32)[None, ...], source_shape, order=0, grid="corners")[
-        0, ...
-    ]
-    return xp.astype(back, xp.uint8)
+    return resample_labels(full, source_shape, grid="corners")
 
 
 def _labels_on_source(
-    scores: Any,
+    predict: Predict,
+    image: Any,
     manifest: ModelManifest,
     contract: ModelContract,
     model_shape: tuple[int, ...],
@@ -179,46 +185,43 @@ def _labels_on_source(
     target: tuple[float, ...],
     spacing: tuple[float, ...],
     precise: bool,
-    xp: Any,
 ) -> Any:
-    """uint8 labels of the cropped source shape from the model-grid ``scores``."""
+    """uint8 labels of the cropped source shape from ``predict``'s scores of ``image`` (on
+    the model grid), slab by slab where the predictor gives slabs
+    (:mod:`~segnode.engines.preprocess.export`)."""
     back_axis = separate_z_axis(
         target,
         spacing,
         threshold=contract.anisotropy_threshold,
         force=contract.force_separate_z,
     )
-    if scores.ndim == 3:
-        if tuple(scores.shape) != model_shape:
-            raise ValueError(
-                f"predict returned labels {tuple(scores.shape)}, expected {model_shape}"
-            )
-        labels = resample(
-            xp.astype(scores, xp.float32)[None, ...],
-            cropped_shape,
-            order=0,
-            separate_axis=back_axis,
-            order_z=0,
-        )[0, ...]
-        return xp.astype(labels, xp.uint8)
-    want = (manifest.output_channels, *model_shape)
-    if tuple(scores.shape) != want:
-        raise ValueError(f"predict returned shape {tuple(scores.shape)}, expected {want}")
-    back = resample(
-        xp.astype(scores, xp.float32),
-        cropped_shape,
+    slabs = getattr(predict, "slabs", None)
+    if slabs is not None:
+        stream: Slabs = slabs(image)
+    else:
+        scores = predict(image)
+        if scores.ndim == 3:
+            if tuple(scores.shape) != model_shape:
+                raise ValueError(
+                    f"predict returned labels {tuple(scores.shape)}, expected {model_shape}"
+                )
+            return resample_labels(scores, cropped_shape)
+        want = (manifest.output_channels, *model_shape)
+        if tuple(scores.shape) != want:
+            raise ValueError(f"predict returned shape {tuple(scores.shape)}, expected {want}")
+        stream = [(0, model_shape[0], scores)]
+    decide = Decision()
+    if contract.regions is not None and contract.regions_class_order is not None:
+        # region-based: sigmoid(logit) > 0.5 <=> logit > 0 (probabilities: > 0.5), later wins
+        threshold = 0.0 if manifest.output_kind == "logits" else 0.5
+        decide = Decision(tuple(contract.regions_class_order), threshold)
+    return labels_from_slabs(
+        stream,
+        decide,
+        model_shape=model_shape,
+        new_shape=cropped_shape,
         order=contract.logits_order,
         separate_axis=back_axis,
         order_z=contract.order_z,
         precise=precise,
     )
-    if contract.regions is None or contract.regions_class_order is None:
-        return xp.astype(xp.argmax(back, axis=0), xp.uint8)
-    # region-based: sigmoid(logit) > 0.5 <=> logit > 0 (probabilities: > 0.5), later wins
-    threshold = 0.0 if manifest.output_kind == "logits" else 0.5
-    dev = array_device(back)
-    labels = xp.zeros(cropped_shape, dtype=xp.uint8, device=dev)
-    for channel, value in enumerate(contract.regions_class_order):
-        fill = xp.asarray(value, dtype=xp.uint8, device=dev)
-        labels = xp.where(back[channel, ...] > threshold, fill, labels)
-    return labels

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from array_api_compat import array_namespace
 from array_api_compat import device as array_device
 
@@ -160,24 +161,84 @@ def resample(
         raise ValueError(f"new_shape must be three positive sizes, got {tuple(new_shape)}")
     if shape == target:
         return data
-    out_dtype = data.dtype
-    work = xp.astype(data, xp.float64 if precise else xp.float32)
+    work_dtype = xp.float64 if precise else xp.float32
     if grid == "corners":
-        out = work
+        out = data
         for axis in (1, 2, 3):
             if shape[axis - 1] != target[axis - 1]:
-                out = _interpolate(out, axis, target[axis - 1], order, xp, corners=True)
+                out = _pass(out, axis, target[axis - 1], order, xp, work_dtype, corners=True)
     elif separate_axis is None:
-        out = _zoom(work, shape, target, (1, 2, 3), order, xp)
+        out = _zoom(data, shape, target, (1, 2, 3), order, xp, work_dtype)
     else:
         if separate_axis not in (0, 1, 2):
             raise ValueError(f"separate_axis must be 0, 1, 2 or None, got {separate_axis}")
         plane = tuple(1 + a for a in range(3) if a != separate_axis)
-        out = _zoom(work, shape, target, plane, order, xp)
+        out = _zoom(data, shape, target, plane, order, xp, work_dtype)
         axis = 1 + separate_axis
         if shape[separate_axis] != target[separate_axis]:
-            out = _interpolate(out, axis, target[separate_axis], order_z, xp)
-    return xp.astype(out, out_dtype)
+            out = _pass(out, axis, target[separate_axis], order_z, xp, work_dtype)
+    return xp.astype(out, data.dtype)
+
+
+def resample_labels(labels: Any, new_shape: Sequence[int], *, grid: str = "centers") -> Any:
+    """A ``(z, y, x)`` label map (any integer dtype) resampled to ``new_shape`` with nearest
+    neighbours: :func:`resample` with ``order=0`` (and ``order_z=0``), which picks voxels
+    and so gives the same labels whatever the separate axis, without a float copy of the
+    output grid."""
+    xp = array_namespace(labels)
+    if grid not in GRIDS:
+        raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
+    target = tuple(int(n) for n in new_shape)
+    if len(target) != 3 or min(target) < 1:
+        raise ValueError(f"new_shape must be three positive sizes, got {tuple(new_shape)}")
+    out = labels
+    for axis in range(3):
+        if int(out.shape[axis]) != target[axis]:
+            out = _interpolate(out, axis, target[axis], 0, xp, corners=grid == "corners")
+    return out
+
+
+_CHUNK_BYTES = 64 * 1024 * 1024
+"""Largest working array of one chunk of a resampling pass (about: the prefilter holds a
+few of them)."""
+
+
+def _pass(
+    data: Any,
+    axis: int,
+    size: int,
+    order: int,
+    xp: Any,
+    work_dtype: Any,
+    *,
+    corners: bool = False,
+) -> Any:
+    """``data`` (``(C, z, y, x)``, any float dtype) interpolated along ``axis`` to ``size``
+    in ``work_dtype``, chunk by chunk along another axis: each output element is computed
+    from the same inputs with the same operations as in one piece, and no temporary is
+    larger than about :data:`_CHUNK_BYTES` (a copy of the whole input in ``work_dtype``
+    never exists)."""
+    shape = [int(n) for n in data.shape]
+    others = [a for a in range(4) if a != axis]
+    along = max(others, key=lambda a: shape[a])
+    row = (shape[axis] + 2 * _PAD) * 8
+    for a in others:
+        if a != along:
+            row *= shape[a]
+    step = max(1, _CHUNK_BYTES // max(1, row))
+    out_shape = list(shape)
+    out_shape[axis] = size
+    out = xp.empty(tuple(out_shape), dtype=work_dtype, device=array_device(data))
+    for first in range(0, shape[along], step):
+        where = [slice(None)] * 4
+        where[along] = slice(first, min(shape[along], first + step))
+        piece = xp.astype(data[tuple(where)], work_dtype)
+        if order > 1:
+            piece = _prefilter(_pad_edge(piece, axis, xp), axis, xp)
+        out[tuple(where)] = _interpolate(
+            piece, axis, size, order, xp, padded=order > 1, corners=corners
+        )
+    return out
 
 
 def _zoom(
@@ -187,21 +248,34 @@ def _zoom(
     axes: tuple[int, ...],
     order: int,
     xp: Any,
+    work_dtype: Any,
 ) -> Any:
     """scikit-image ``resize`` over ``axes`` of ``data`` (each channel and, for in-plane
     axes, each slice on its own): separable zoom, then clip to the input's range."""
-    out = data
     changed = [a for a in axes if shape[a - 1] != target[a - 1]]
     if not changed:
-        return out
+        return data
+    out = data
     for axis in changed:
-        coefficients = _prefilter(_pad_edge(out, axis, xp), axis, xp) if order > 1 else out
-        out = _interpolate(coefficients, axis, target[axis - 1], order, xp, padded=order > 1)
+        out = _pass(out, axis, target[axis - 1], order, xp, work_dtype)
     if order > 0:  # scikit-image clips the output to the input's range (clip=True)
-        low = xp.min(data, axis=axes, keepdims=True)
-        high = xp.max(data, axis=axes, keepdims=True)
-        out = xp.minimum(xp.maximum(out, low), high)
+        low = xp.astype(xp.min(data, axis=axes, keepdims=True), work_dtype)
+        high = xp.astype(xp.max(data, axis=axes, keepdims=True), work_dtype)
+        along = axes[0]  # reduced in the bounds: a chunk along it broadcasts against them
+        step = max(1, _CHUNK_BYTES // max(1, _nbytes(out) // int(out.shape[along])))
+        for first in range(0, int(out.shape[along]), step):
+            where = [slice(None)] * 4
+            where[along] = slice(first, first + step)
+            part = out[tuple(where)]
+            out[tuple(where)] = xp.minimum(xp.maximum(part, low), high)
     return out
+
+
+def _nbytes(array: Any) -> int:
+    count = 1
+    for n in array.shape:
+        count *= int(n)
+    return count * 8
 
 
 def _pad_edge(data: Any, axis: int, xp: Any) -> Any:
@@ -251,35 +325,40 @@ def _interpolate(
     *,
     padded: bool = False,
     corners: bool = False,
+    window: tuple[int, int, int, int] | None = None,
 ) -> Any:
     """Evaluate ``data`` along ``axis`` at ``size`` grid-mode coordinates (order 0, 1 or 3;
-    order 3 expects spline coefficients padded by ``_PAD``), or corner-aligned ones."""
-    n = int(data.shape[axis]) - (2 * _PAD if padded else 0)
-    if corners:
-        step = (n - 1) / (size - 1) if size > 1 else 0.0
-        coords = np.arange(size, dtype=np.float64) * step
+    order 3 expects spline coefficients padded by ``_PAD``), or corner-aligned ones.
+
+    ``window = (n, start, out_start, out_stop)`` (orders 0 and 1): ``data`` holds input
+    rows ``start ..`` of an axis of ``n`` rows (at least those that outputs ``out_start ..
+    out_stop - 1`` read, :func:`source_rows`); only those outputs are computed, each as
+    in the whole axis' evaluation."""
+    if window is None:
+        n = int(data.shape[axis]) - (2 * _PAD if padded else 0)
+        start, out_start, out_stop = 0, 0, size
     else:
-        scale = float(n) / size
-        coords = scale * (np.arange(size, dtype=np.float64) + 0.5) - 0.5
+        n, start, out_start, out_stop = window
+    coords = _coordinates(n, size, corners)[out_start:out_stop]
     dev = array_device(data)
     shape = [1] * data.ndim
-    shape[axis] = size
+    shape[axis] = out_stop - out_start
 
     def weighted(index: Any, weight: Any) -> Any:
-        taken = xp.take(data, xp.asarray(index, dtype=xp.int64, device=dev), axis=axis)
+        taken = xp.take(data, xp.asarray(index - start, dtype=xp.int64, device=dev), axis=axis)
         return taken * xp.reshape(xp.asarray(weight, dtype=data.dtype, device=dev), shape)
 
     if order == 0:
         index = np.clip(np.floor(coords + 0.5).astype(np.int64), 0, n - 1)
-        return xp.take(data, xp.asarray(index, device=dev), axis=axis)
+        return xp.take(data, xp.asarray(index - start, device=dev), axis=axis)
     base = np.floor(coords)
     t = coords - base
-    start = base.astype(np.int64)
+    first = base.astype(np.int64)
     if order == 1:
-        left = np.clip(start, 0, n - 1)
-        right = np.clip(start + 1, 0, n - 1)
+        left = np.clip(first, 0, n - 1)
+        right = np.clip(first + 1, 0, n - 1)
         return weighted(left, 1.0 - t) + weighted(right, t)
-    start = start - 1 + _PAD
+    first = first - 1 + _PAD
     t2, t3 = t * t, t * t * t
     taps = (
         (1.0 - t) ** 3 / 6.0,
@@ -287,7 +366,31 @@ def _interpolate(
         (-3.0 * t3 + 3.0 * t2 + 3.0 * t + 1.0) / 6.0,
         t3 / 6.0,
     )
-    out = weighted(start, taps[0])
+    out = weighted(first, taps[0])
     for k in range(1, 4):
-        out = out + weighted(start + k, taps[k])
+        out = out + weighted(first + k, taps[k])
     return out
+
+
+def _coordinates(n: int, size: int, corners: bool) -> npt.NDArray[np.float64]:
+    """Input coordinates of ``size`` outputs along an axis of ``n`` inputs."""
+    if corners:
+        step = (n - 1) / (size - 1) if size > 1 else 0.0
+        return np.arange(size, dtype=np.float64) * step
+    scale = float(n) / size
+    return scale * (np.arange(size, dtype=np.float64) + 0.5) - 0.5
+
+
+def source_rows(
+    n: int, size: int, order: int, out_start: int, out_stop: int, *, corners: bool = False
+) -> tuple[int, int]:
+    """Input rows ``(start, stop)`` that outputs ``out_start .. out_stop - 1`` of an axis of
+    ``n`` inputs resampled to ``size`` read at ``order`` 0 or 1."""
+    if order not in (0, 1):
+        raise ValueError(f"source_rows: order 0 or 1, got {order}")
+    coords = _coordinates(n, size, corners)[[out_start, out_stop - 1]]
+    if order == 0:
+        index = np.clip(np.floor(coords + 0.5).astype(np.int64), 0, n - 1)
+        return int(index[0]), int(index[1]) + 1
+    base = np.floor(coords).astype(np.int64)
+    return int(np.clip(base[0], 0, n - 1)), int(np.clip(base[1] + 1, 0, n - 1)) + 1

@@ -183,6 +183,19 @@ class StreamingConfig:
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """``[engine]``: what a job may use (``docs/operations.md``)."""
+
+    #: Memory a job may bring the node to, in MiB (its estimated peak resident set,
+    #: :func:`segnode.engines.memory.estimate_job`); a job estimated above it fails with
+    #: that reason before it runs. 0: ``memory_fraction`` of the memory available at start.
+    memory_limit: int = setting(0, 0)
+    #: The share of the memory available at start (MemAvailable) that ``memory_limit = 0``
+    #: gives.
+    memory_fraction: float = setting(0.7, 0.05, 1.0)
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     """``[metrics]``: the Prometheus endpoint (off by default)."""
 
@@ -303,6 +316,7 @@ class Config:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     results: ResultsConfig = field(default_factory=ResultsConfig)
     web: WebConfig = field(default_factory=WebConfig)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)

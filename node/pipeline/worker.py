@@ -55,6 +55,13 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from segnode.engines.base import Engine, EngineError, LabelSums, SumsEngine
 from segnode.engines.manifest import ModelManifest
+from segnode.engines.memory import (
+    JobEstimate,
+    available_bytes,
+    estimate_job,
+    peak_resident_bytes,
+    reset_peak,
+)
 from segnode.node import __version__
 from segnode.node.config import Config
 from segnode.node.dicom.rejection import KOS_SOP_CLASS, build_rejection_note
@@ -110,6 +117,9 @@ class Volumes(Protocol):
     def recycle(self, volume: Volume) -> None:
         """Take back the memory of a volume whose job is done."""
 
+
+MIB = 1024 * 1024
+GIB = 1024.0**3
 
 #: How long the worker waits after a job found no room for its results before it runs again.
 NO_SPACE_WAIT_S = 10.0
@@ -172,6 +182,11 @@ class Worker:
             for t in config.configured_destinations()
             if isinstance(t, Peer) and t.reject_superseded
         }
+        #: Bytes a job may bring the node to (``[engine] memory_limit``, or its share of the
+        #: memory available now).
+        self.memory_limit = config.engine.memory_limit * MIB or int(
+            config.engine.memory_fraction * available_bytes()
+        )
         self.segmentation_type = config.results.segmentation_type
         self.prepare_mode = config.results.prepare
         # Prepares the SEG and SR of a job while its inference runs.
@@ -345,6 +360,8 @@ class Worker:
         # re-run, so a re-encoding after a crash gives the same bytes.
         queued = job.stages.get("queued") or datetime.now(UTC).replace(tzinfo=None)
         created = queued.replace(tzinfo=UTC).astimezone().replace(tzinfo=None)
+        estimate = self._check_memory(engine, manifest, volume)
+        reset_peak()  # the timing line gives this job's peak
         clock = _Clock()
         if self.prepare_mode == "before":
             seg_plan, sr_plan = self._prepare(volume, manifest, uids, created)
@@ -405,7 +422,8 @@ class Worker:
         log.info(
             "job %d: timing ms: inference %.1f, prepare %.1f (%s, inference waited %.1f); "
             "after inference %.1f = mark %.1f, SEG encode %.1f, check %.1f, statistics %.1f "
-            "(%s), SR encode %.1f, files %.1f (%.1f MB), notes %.1f, ledger %.1f",
+            "(%s), SR encode %.1f, files %.1f (%.1f MB), notes %.1f, ledger %.1f; "
+            "peak RSS %.2f GiB (estimated %s)",
             job.id,
             ms["inference"],
             ms["prepare"],
@@ -422,6 +440,8 @@ class Worker:
             (len(seg.data) + len(sr_bytes)) / 1e6,
             ms["notes"],
             ms["ledger"],
+            peak_resident_bytes() / GIB,
+            f"{estimate.peak / GIB:.2f} GiB" if estimate is not None else "-",
         )
         if not kept:
             log.info(
@@ -432,6 +452,33 @@ class Worker:
             return
         if self.on_encoded is not None:
             self.on_encoded(job.id)
+
+    def _check_memory(
+        self, engine: Engine, manifest: ModelManifest, volume: Volume
+    ) -> JobEstimate | None:
+        """A trained model's estimated peak (:func:`segnode.engines.memory.estimate_job`);
+        a job that would not fit ``[engine] memory_limit`` fails here, with the figures,
+        before it takes the memory (the node keeps serving). Version-1 models stream their
+        window along z (:mod:`segnode.engines.sliding_window`) and are not estimated."""
+        if not manifest.is_trained:
+            return None
+        window_batch = getattr(engine, "window_batch", None)
+        z, y, x = (int(n) for n in volume.hu.shape)
+        dz, dy, dx = (float(s) for s in volume.spacing)
+        estimate = estimate_job(
+            manifest,
+            (z, y, x),
+            (dz, dy, dx),
+            window_batch=int(window_batch()) if callable(window_batch) else 1,
+        )
+        if estimate.peak > self.memory_limit:
+            raise JobError(
+                f"not enough memory: model {manifest.name} on this {x}x{y}x{z} series needs "
+                f"about {estimate.peak / GIB:.1f} GiB (the node holds "
+                f"{estimate.base / GIB:.1f} GiB), more than [engine] memory_limit "
+                f"{self.memory_limit / GIB:.1f} GiB"
+            )
+        return estimate
 
     def _timed_prepare(
         self, volume: Volume, manifest: ModelManifest, uids: ResultUIDs, created: datetime
