@@ -54,10 +54,13 @@ ACTIVE = ("queued", "running", "encoded")
 SERIES = PhantomGeometry(rows=96, columns=96, slices=16)
 
 
-def _epoch(text: str | None) -> float | None:
-    if text is None:
+def _epoch(value: str | datetime | None) -> float | None:
+    """Seconds since the epoch of a ledger timestamp (naive UTC: text from SQLite, a
+    ``datetime`` from PostgreSQL)."""
+    if value is None:
         return None
-    return datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp()
+    when = value if isinstance(value, datetime) else datetime.fromisoformat(value)
+    return when.replace(tzinfo=UTC).timestamp()
 
 
 class LedgerView:
@@ -187,6 +190,9 @@ class CrashHarness:
         before a kill; long enough for the resend after a restart to start first.
     rng
         Source of randomness (seeded for a reproducible run).
+    ledger
+        The ``[ledger]`` section (default: none, the SQLite file in the data folder). A
+        subclass on another ledger replaces :attr:`ledger` with a view of it.
     """
 
     def __init__(
@@ -200,6 +206,7 @@ class CrashHarness:
         rng: random.Random | None = None,
         log: Any = print,
         stages: tuple[str, ...] = STAGES,
+        ledger: dict[str, Any] | None = None,
     ) -> None:
         self.workdir = workdir
         self.geometry = geometry
@@ -209,21 +216,21 @@ class CrashHarness:
         self.scp = CountingSCP(delay=scp_delay).start()
         port = free_port()
         data = workdir / "data"
-        cfg = write_config(
-            workdir / "config.toml",
-            data,
-            port,
-            node={"staging_pool_mb": staging_pool_mb},
-            series={"quiet_period_s": quiet_period_s},
-            dispatch={
+        #: The config sections of the node (another node on the same ledger reuses them).
+        self.sections: dict[str, dict[str, Any]] = {
+            "node": {"staging_pool_mb": staging_pool_mb},
+            "series": {"quiet_period_s": quiet_period_s},
+            "dispatch": {
                 "destinations": [self.scp.peer],
                 "retry_initial_s": 0.2,
                 "retry_max_s": 1.0,
                 "breaker_failures": 5,
                 "breaker_cooldown_s": 1.0,
             },
-            top={"job_max_attempts": 5},
-        )
+            "top": {"job_max_attempts": 5},
+            **({"ledger": ledger} if ledger else {}),
+        }
+        cfg = write_config(workdir / "config.toml", data, port, **self.sections)
         self.node = NodeRunner(cfg, data, port, workdir / "node.log")
         self.ledger = LedgerView(data / "ledger.sqlite")
         self.restart_times: list[float] = []

@@ -4,6 +4,10 @@ nothing acknowledged is lost.
 Run::
 
     .venv/bin/python -m scripts.power_harness --trials 100 [--out report.json]
+    .venv/bin/python -m scripts.power_harness --postgres --trials 20 [--silent-network]
+
+(``--postgres``: two nodes on a PostgreSQL ledger, the cuts under one; see
+:mod:`scripts.power_postgres`.)
 
 The node's whole data folder (spool, results, the SQLite ledger with its WAL) lives on the
 lazy file system of :mod:`scripts.lazyfs`, which passes every write through but forgets, at a
@@ -35,8 +39,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,9 +57,12 @@ from pydicom import dcmread
 from scripts.crash_harness import SERIES, STAGES, CrashHarness, Report, Trial
 from scripts.harness import SendResult, send_files
 from scripts.lazyfs import LazyFS, fuse_usable
+from tests.fixtures.postgres import PostgresCluster, postgres_bin
 from tests.fixtures.synthetic import PhantomGeometry
 
 MODES = ("series", "instance")
+#: Set in the copy of the harness that runs in a network namespace of its own.
+_NETNS = "SEGNODE_POWER_HARNESS_NETNS"
 
 
 @dataclass
@@ -64,30 +73,61 @@ class PowerTrial(Trial):
     ready_s: float = 0.0
     lost: list[str] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)
+    #: Two nodes: which one held the series' work when A was cut (``A``, ``B``, ``-``:
+    #: none; ``A+B``: both sending), and which one encoded the results that were sent.
+    held_by: str = ""
+    encoded_by: str = ""
+    b_paused: bool = False
+    refused_s: float = 0.0
 
 
 @dataclass
 class PowerReport(Report):
     """The whole run, with the send modes and what the cuts dropped."""
 
+    ledger: str = "sqlite"
     modes: dict[str, int] = field(default_factory=dict)
     acknowledged: int = 0
     lost: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    held_by: dict[str, int] = field(default_factory=dict)
+    encoded_by: dict[str, int] = field(default_factory=dict)
+    b_paused: int = 0
+    silent_network: bool = False
+    refused: int = 0
+    max_refused_s: float = 0.0
 
     def summary(self) -> str:
         """One paragraph for humans."""
-        return (
+        text = (
             super().summary()
-            + f"\nsend modes: {dict(sorted(self.modes.items()))}; {self.acknowledged} instances "
-            f"acknowledged before a cut, {self.lost} lost; the cuts dropped "
-            f"{dict(sorted(self.dropped.items()))}"
+            + f"\nledger {self.ledger}; send modes: {dict(sorted(self.modes.items()))}; "
+            f"{self.acknowledged} instances acknowledged before a cut, {self.lost} lost; the "
+            f"cuts dropped {dict(sorted(self.dropped.items()))}"
         )
+        if self.held_by or self.encoded_by:
+            text += (
+                f"\nthe series' work at the cut was on {dict(sorted(self.held_by.items()))} "
+                f"(- : no node); the sent results were encoded by "
+                f"{dict(sorted(self.encoded_by.items()))}; B paused until A took the job "
+                f"in {self.b_paused} trial(s)"
+            )
+        if self.silent_network:
+            text += (
+                f"\nsilent network (the cut drops A's packets to PostgreSQL): A's restart was "
+                f"refused in {self.refused} trial(s), for up to {self.max_refused_s:.1f} s"
+            )
+        return text
 
 
 class PowerCutHarness(CrashHarness):
     """A node whose data folder is on the lazy file system, a counting destination, and the
     trial loop of :class:`~scripts.crash_harness.CrashHarness` with power cuts for kills."""
+
+    #: The ledger's kind, for the report.
+    ledger_kind = "sqlite"
+    #: Whether a cut also drops the node's packets to its database (PostgreSQL only).
+    silent_network = False
 
     def __init__(self, workdir: Path, *, torn: bool = False, **kwargs: Any) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -137,21 +177,25 @@ class PowerCutHarness(CrashHarness):
         files = self._series(seed)
         head = dcmread(files[0], stop_before_pixels=True)
         study, series_uid = str(head.StudyInstanceUID), str(head.SeriesInstanceUID)
-        killer = threading.Timer(delay, self.node.kill)
+        self._send_starts(t, series_uid)
+        killer = threading.Timer(delay, self._kill_node)
         killer.start()
         res = self._send(files, mode)
         killer.join()
-        self.node.kill()  # the send may end before the timer: the cut comes after it anyway
+        self._kill_node()  # the send may end before the timer: the cut comes after it anyway
+        self._node_killed()
         t.acknowledged = len(res.acknowledged)
         t.first_send_complete = res.complete
         t.landed = self._landed(series_uid, res.complete)
+        t.held_by = self._held_by(series_uid)
         pending = self.fs.stats()
-        self.fs.cut()
+        self._cut()
         t.dropped = {"files": pending["pending_files"], "names": pending["pending_names"]}
         # 1. Right after the cut: every acknowledged instance's file is there and whole.
         integrity = self.ledger.integrity()
         if integrity != "ok":
             t.violations.append(f"ledger integrity_check after the cut: {integrity}")
+        self._check_rows_at_cut(t, res.acknowledged, study, series_uid)
         spool = self.node.data_dir / "spool" / study / series_uid
         for uid in res.acknowledged:
             path = spool / f"{uid}.dcm"
@@ -165,7 +209,7 @@ class PowerCutHarness(CrashHarness):
                 t.lost.append(uid)
                 t.violations.append(f"acknowledged instance {uid}: spool file unreadable: {exc}")
         # 2. After the restart: each acknowledged instance has its row (re-recorded if lost).
-        t.ready_s = self.node.start()
+        t.ready_s = self._restart(t)
         self.restart_times.append(t.ready_s)
         row = self.ledger.series(series_uid)
         stored = self.ledger.instances(row[0]) if row else {}
@@ -183,8 +227,40 @@ class PowerCutHarness(CrashHarness):
                 t.violations.append(f"resend after restart failed: {again.error or again}")
         self.verify_settled(t, files, study, series_uid)
         self._verify_seg(t, series_uid, res.acknowledged)
+        self._check_settled(t, series_uid)
         t.seconds = round(time.monotonic() - t_start, 2)
         return t
+
+    def _send_starts(self, t: PowerTrial, series_uid: str) -> None:
+        """Just before the first send of a trial (one node: nothing to do)."""
+
+    def _kill_node(self) -> None:
+        """SIGKILL the node (the first half of a power cut)."""
+        self.node.kill()
+
+    def _restart(self, t: PowerTrial) -> float:
+        """Start the node after the cut; the seconds to READY."""
+        return self.node.start()
+
+    def _node_killed(self) -> None:
+        """Right after the kill, before the cut (one node: nothing to do)."""
+
+    def _cut(self) -> None:
+        """The cut of the file system (the node is dead already)."""
+        self.fs.cut()
+
+    def _held_by(self, series_uid: str) -> str:
+        """Which node held the series' work at the cut (one node: nothing to tell)."""
+        return ""
+
+    def _check_rows_at_cut(
+        self, t: PowerTrial, acknowledged: list[str], study: str, series_uid: str
+    ) -> None:
+        """Ledger checks right after the cut, beyond the integrity check (SQLite: none, its
+        rows may be lost with the cut and are recorded again at start)."""
+
+    def _check_settled(self, t: PowerTrial, series_uid: str) -> None:
+        """Checks after the series settled, beyond the SEG's (one node: none)."""
 
     def _verify_seg(self, t: PowerTrial, series_uid: str, acknowledged: list[str]) -> None:
         """The series' sent SEG references every acknowledged instance; no job of any series
@@ -232,14 +308,19 @@ class PowerCutHarness(CrashHarness):
             "warm stage windows (s after send start): "
             + ", ".join(f"{k} {a:.2f}-{b:.2f}" for k, (a, b) in self.windows.items())
         )
-        report = PowerReport(windows=dict(self.windows))
+        report = PowerReport(windows=dict(self.windows), ledger=self.ledger_kind)
         t0 = time.monotonic()
         for i in range(trials):
             t = self.trial(i, base_seed + 1 + i)
             report.details.append(t)
+            nodes = (
+                f"{'B paused ' if t.b_paused else ''}on {t.held_by} by {t.encoded_by or '-'} "
+                if t.held_by
+                else ""
+            )
             self.log(
                 f"trial {i:3d}: {t.mode:<8} target {t.target:<11} cut at {t.delay:5.2f}s landed "
-                f"{t.landed:<11} acked {t.acknowledged:2d} resent {t.resent!s:<5} "
+                f"{t.landed:<11} {nodes}acked {t.acknowledged:2d} resent {t.resent!s:<5} "
                 f"dups {t.duplicates} ready {t.ready_s:4.2f}s dropped {t.dropped} "
                 f"{t.seconds:5.1f}s "
                 + ("OK" if not t.violations else "VIOLATION: " + "; ".join(t.violations))
@@ -249,6 +330,12 @@ class PowerCutHarness(CrashHarness):
         report.violations = sum(len(t.violations) for t in details)
         report.landed = dict(Counter(t.landed for t in details))
         report.modes = dict(Counter(t.mode for t in details))
+        report.held_by = dict(Counter(t.held_by for t in details if t.held_by))
+        report.encoded_by = dict(Counter(t.encoded_by for t in details if t.held_by))
+        report.b_paused = sum(t.b_paused for t in details)
+        report.silent_network = self.silent_network
+        report.refused = sum(t.refused_s > 0 for t in details)
+        report.max_refused_s = max((t.refused_s for t in details), default=0.0)
         report.same_uid_resends = sum(t.duplicates for t in details)
         report.acknowledged = sum(t.acknowledged for t in details)
         report.lost = sum(len(t.lost) for t in details)
@@ -277,29 +364,77 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(STAGES),
         help="comma-separated stages to aim cuts at (default: all)",
     )
+    p.add_argument(
+        "--postgres",
+        action="store_true",
+        help="two nodes on a PostgreSQL ledger (fsync on, never cut); the cuts hit node A",
+    )
+    p.add_argument("--lease-s", type=float, default=3.0, help="[ledger] lease_s with --postgres")
+    p.add_argument(
+        "--silent-network",
+        action="store_true",
+        help="with --postgres: the cut also drops A's packets to PostgreSQL, as a power cut "
+        "does (no FIN reaches the server); runs in a network namespace of its own "
+        "(unshare -n, needs CAP_SYS_ADMIN and CAP_NET_ADMIN)",
+    )
     args = p.parse_args(argv)
+    if args.silent_network and not args.postgres:
+        p.error("--silent-network needs --postgres")
+    if args.silent_network and os.environ.get(_NETNS) != "1":
+        # Again in a network namespace of its own, whose loopback the cuts may change.
+        argv = sys.argv[1:] if argv is None else argv
+        cmd = ["unshare", "-n", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+        cmd += [sys.executable, "-m", "scripts.power_harness", *argv]
+        return subprocess.run(cmd, env={**os.environ, _NETNS: "1"}).returncode
     why = fuse_usable()
     if why is not None:
         print(f"cannot run: {why}", file=sys.stderr)
+        return 2
+    bindir = postgres_bin()
+    if args.postgres and bindir is None:
+        print(
+            "cannot run: PostgreSQL is not installed (apt-get install postgresql)", file=sys.stderr
+        )
         return 2
     stages = tuple(x for x in args.stages.split(",") if x)
     if not stages or set(stages) - set(STAGES):
         p.error(f"--stages: choose from {', '.join(STAGES)}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="segnode-power-"))
+    work = (args.workdir or Path(tempfile.mkdtemp(prefix="segnode-power-"))).resolve()
     print(f"seed {seed}; work dir {work}")
-    h = PowerCutHarness(
-        work,
-        torn=args.torn,
-        geometry=PhantomGeometry(rows=args.rows, columns=args.rows, slices=args.slices),
-        rng=random.Random(seed),
-        stages=stages,
-        quiet_period_s=6.0,
-    )
+    options: dict[str, Any] = {
+        "torn": args.torn,
+        "geometry": PhantomGeometry(rows=args.rows, columns=args.rows, slices=args.slices),
+        "rng": random.Random(seed),
+        "stages": stages,
+        # Longer than a restart refused while the server keeps A's dead sessions: else B
+        # completes a series cut short by the quiet period before the sender can resend.
+        "quiet_period_s": 45.0 if args.silent_network else 6.0,
+    }
+    cluster = None
     try:
-        report = h.run(args.trials, base_seed=7000 + (seed % 100000) * 1000)
+        if args.postgres:
+            from scripts.power_postgres import PostgresPowerHarness
+
+            assert bindir is not None
+            cluster = PostgresCluster(bindir, fsync=True)
+            print(f"PostgreSQL in {cluster.root} (fsync on)")
+            h: PowerCutHarness = PostgresPowerHarness(
+                work,
+                url=cluster.database(),
+                lease_s=args.lease_s,
+                silent_network=args.silent_network,
+                **options,
+            )
+        else:
+            h = PowerCutHarness(work, **options)
+        try:
+            report = h.run(args.trials, base_seed=7000 + (seed % 100000) * 1000)
+        finally:
+            h.close()
     finally:
-        h.close()
+        if cluster is not None:
+            cluster.stop()
     print(report.summary())
     if args.out:
         args.out.write_text(json.dumps(asdict(report), indent=2))

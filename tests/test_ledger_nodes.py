@@ -365,3 +365,39 @@ def test_an_own_row_whose_commit_was_not_confirmed_is_stored_again(
         assert dcmread(path).SOPInstanceUID == lost.sop_instance_uid
     finally:
         h.close()
+
+
+def _shown(led: Ledger, name: str) -> set[str]:
+    """``SHOW name`` on each session kind of a node: the engine's, the hot path's, the one
+    holding the lock on its name."""
+    with led.engine.connect() as conn:
+        engine = str(conn.exec_driver_sql(f"SHOW {name}").scalar())
+    hot = str(led._hot_connection().execute(f"SHOW {name}").fetchone()[0])
+    assert led._node_lock is not None
+    lock = str(led._node_lock.execute(f"SHOW {name}").fetchone()[0])
+    return {engine, hot, lock}
+
+
+def test_the_server_notices_within_seconds_that_a_node_lost_power(nodes: list[Ledger]) -> None:
+    # A node that loses power sends no FIN: the server keeps its sessions, the advisory lock
+    # on its name (it cannot start again: "already running") and the row locks of an open
+    # transaction until TCP keepalive probes go unanswered, after 2 h by the OS's default.
+    # (python -m scripts.power_harness --postgres --silent-network shows it end to end.)
+    assert _shown(nodes[0], "tcp_keepalives_idle") == {"10"}
+    assert _shown(nodes[0], "tcp_keepalives_interval") == {"5"}
+    assert _shown(nodes[0], "tcp_keepalives_count") == {"3"}
+
+
+def test_options_in_the_ledger_url_reach_every_session(pg_url: str) -> None:
+    # libpq's options take spaces; the URL has them percent-encoded.
+    upgrade_database(pg_url)
+    led = Ledger(
+        url=pg_url + "?options=-c%20statement_timeout%3D12345%20-c%20tcp_keepalives_count%3D4"
+    )
+    try:
+        led.join("a", "SEGNODE@127.0.0.1:11100", lease_s=1.0)
+        assert _shown(led, "statement_timeout") == {"12345ms"}
+        assert _shown(led, "tcp_keepalives_count") == {"4"}  # the URL's own wins
+        assert _shown(led, "tcp_keepalives_idle") == {"10"}
+    finally:
+        led.close()

@@ -44,9 +44,29 @@ def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
+#: What every session of a node asks of a PostgreSQL server (libpq ``options``): probe the
+#: connection after 10 s without traffic, then every 5 s, and end it after 3 unanswered
+#: probes. A node that loses power (or its network) sends no FIN; without these the server
+#: keeps its sessions until the operating system's keepalive ends them (Linux: 7200 s, then 9
+#: probes 75 s apart), and with them the advisory lock on the node's name (it cannot start
+#: again: :meth:`~segnode.storage.ledger.nodes.NodeStore.join`) and the row locks of a
+#: transaction it had open.
+SESSION_OPTIONS = "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
+
+
+def session_options(url: str) -> str:
+    """libpq ``options`` for a session on the PostgreSQL ledger at ``url``:
+    :data:`SESSION_OPTIONS`, then the URL's own ``options`` (a setting given there wins)."""
+    own = make_url(url).query.get("options", "")
+    return " ".join([SESSION_OPTIONS, *([own] if isinstance(own, str) else own)]).strip()
+
+
 def libpq_conninfo(url: str) -> str:
-    """A ``postgresql+psycopg://`` SQLAlchemy URL as libpq (psycopg) takes it."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    """A ``postgresql+psycopg://`` SQLAlchemy URL as libpq (psycopg) takes it, without its
+    ``options`` (rendered into a URL again, their spaces would become ``+``): pass
+    :func:`session_options` as psycopg's ``options``."""
+    plain = make_url(url).set(drivername="postgresql").difference_update_query(["options"])
+    return plain.render_as_string(hide_password=False)
 
 
 #: The longest the SCP's per-instance write waits for the ledger (this process's write lock,
@@ -94,7 +114,11 @@ class LedgerBase:
             self.url = url
             self.where = make_url(url).render_as_string(hide_password=True)
             self.engine: Engine = create_engine(
-                url, pool_size=8, max_overflow=16, pool_pre_ping=True
+                url,
+                pool_size=8,
+                max_overflow=16,
+                pool_pre_ping=True,
+                connect_args={"options": session_options(url)},
             )
         else:
             if path is None:
@@ -302,7 +326,7 @@ class HotConnection:
         """PostgreSQL through psycopg; each commit is durable (the server's settings)."""
         import psycopg  # the postgres extra; the engine of a postgresql URL already needs it
 
-        conn = psycopg.connect(libpq_conninfo(url), autocommit=True)
+        conn = psycopg.connect(libpq_conninfo(url), autocommit=True, options=session_options(url))
         return cls(conn, "BEGIN", psycopg.IntegrityError)
 
     def execute(self, statement: str, params: Sequence[Any] = ()) -> Any:

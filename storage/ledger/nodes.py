@@ -29,6 +29,7 @@ from segnode.storage.ledger.connection import (
     LedgerBase,
     LedgerInUse,
     libpq_conninfo,
+    session_options,
 )
 from segnode.storage.ledger.states import JobState
 from segnode.storage.models import Job, Node
@@ -121,7 +122,9 @@ class NodeStore(LedgerBase):
 
         while not self._listening.is_set():
             try:
-                with psycopg.connect(libpq_conninfo(self.url), autocommit=True) as conn:
+                with psycopg.connect(
+                    libpq_conninfo(self.url), autocommit=True, options=session_options(self.url)
+                ) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     while not self._listening.is_set():
                         for _ in conn.notifies(timeout=0.5):
