@@ -443,6 +443,14 @@ def test_a_job_over_the_memory_limit_fails_naming_it_and_the_next_one_runs(
     assert view.state == "done"
     timing = [r.getMessage() for r in caplog.records if "timing ms" in r.getMessage()]
     assert len(timing) == 1 and "peak RSS" in timing[0] and "estimated" in timing[0]
+    # ... and the ledger keeps it with the job (the event of its move to done/encoded), and
+    # the metrics gauge reads it from the worker.
+    with ledger.engine.connect() as conn:
+        messages = (
+            conn.execute(select(Event.message).where(Event.job_id == view.id)).scalars().all()
+        )
+    assert any("peak RSS" in m and "estimated" in m for m in messages), messages
+    assert 0 < worker.last_peak_rss < 64 * 1024**3
 
 
 def test_memory_limit_defaults_to_a_share_of_the_available_memory(

@@ -254,6 +254,8 @@ class Node:
                     {
                         "segnode_streaming_bytes": lambda: self.streaming.memory_bytes,
                         "segnode_streaming_series": lambda: self.streaming.series_in_memory,
+                        # the job's peak resident set (VmHWM since it started), last job
+                        "segnode_job_peak_rss_bytes": lambda: self.worker.last_peak_rss,
                     },
                 )
             self.retention = Retention(config, self.ledger)

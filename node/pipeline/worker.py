@@ -187,6 +187,8 @@ class Worker:
         self.memory_limit = config.engine.memory_limit * MIB or int(
             config.engine.memory_fraction * available_bytes()
         )
+        #: The peak resident set of the last job that encoded (bytes; metrics).
+        self.last_peak_rss = 0
         self.segmentation_type = config.results.segmentation_type
         self.prepare_mode = config.results.prepare
         # Prepares the SEG and SR of a job while its inference runs.
@@ -407,6 +409,10 @@ class Worker:
         clock.lap("files")
         notes = self._rejection_notes(job, out)
         clock.lap("notes")
+        self.last_peak_rss = peak = peak_resident_bytes()
+        memory = f"peak RSS {peak / GIB:.2f} GiB" + (
+            f" (estimated {estimate.peak / GIB:.2f} GiB)" if estimate is not None else ""
+        )
         kept = self.ledger.save_results(
             job.id,
             [
@@ -415,6 +421,7 @@ class Worker:
             ],
             list(job.destinations),
             notes,
+            memory=memory,
         )
         clock.lap("ledger")
         ms = {name: seconds * 1e3 for name, seconds in clock.laps.items()}
@@ -422,8 +429,7 @@ class Worker:
         log.info(
             "job %d: timing ms: inference %.1f, prepare %.1f (%s, inference waited %.1f); "
             "after inference %.1f = mark %.1f, SEG encode %.1f, check %.1f, statistics %.1f "
-            "(%s), SR encode %.1f, files %.1f (%.1f MB), notes %.1f, ledger %.1f; "
-            "peak RSS %.2f GiB (estimated %s)",
+            "(%s), SR encode %.1f, files %.1f (%.1f MB), notes %.1f, ledger %.1f; %s",
             job.id,
             ms["inference"],
             ms["prepare"],
@@ -440,8 +446,7 @@ class Worker:
             (len(seg.data) + len(sr_bytes)) / 1e6,
             ms["notes"],
             ms["ledger"],
-            peak_resident_bytes() / GIB,
-            f"{estimate.peak / GIB:.2f} GiB" if estimate is not None else "-",
+            memory,
         )
         if not kept:
             log.info(

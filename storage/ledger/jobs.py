@@ -337,6 +337,7 @@ class JobStore(Views, NodeStore):
         results: Sequence[tuple[str, str, str, str, Path]],
         destinations: Sequence[str],
         notes: Sequence[tuple[str, str, str, str, Path, Sequence[str]]] = (),
+        memory: str = "",
     ) -> bool:
         """Record encoded result files and their outbox rows; the job becomes ``encoded``.
 
@@ -354,6 +355,9 @@ class JobStore(Views, NodeStore):
         notes
             Objects for some destinations only, sent after ``results`` (rejection notes):
             ``(kind, sop_class_uid, sop_instance_uid, series_instance_uid, path, destinations)``.
+        memory
+            What the job took (its peak resident set), kept in the event of the move to
+            ``encoded`` (``segnode jobs --events``).
         """
         now = utcnow()
         with self._tx() as s:
@@ -402,7 +406,7 @@ class JobStore(Views, NodeStore):
                         )
             job.encoded_at = now
             self._notify(s)
-            done = f"{len(results)} objects"
+            done = f"{len(results)} objects" + (f"; {memory}" if memory else "")
             if destinations:
                 move(s, job, JobState.ENCODED, now, message=done)
             else:
