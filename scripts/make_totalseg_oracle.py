@@ -1,30 +1,46 @@
-"""TotalSegmentator's own Python API against segnode's TotalSegmentator profile (issue 15).
+"""TotalSegmentator's own Python API against segnode's TotalSegmentator profile (issues 15, 37).
 
 The model nnU-Net trained on the phantom (:mod:`scripts.make_nnunet_trained`) is placed under
-TotalSegmentator's folder names for its ``total`` task (datasets 291-295,
-``nnUNetTrainerNoMirroring__nnUNetPlans__3d_fullres/fold_0``), once per dataset, each copy
-with its three labels renamed to the first three structures of that part
-(``class_map_5_parts``) and its output channels permuted differently (:data:`PERMUTATIONS`),
-so that a part taken in the wrong order or mapped to the wrong names shows. Then, for each
-oracle series (:func:`scripts.nnunet_phantom.oracle_cases`):
+TotalSegmentator's folder names for one of its tasks (:data:`STANDINS`), so that a part taken
+in the wrong order or mapped to the wrong names shows:
 
-* ``totalsegmentator.python_api.totalsegmentator(..., task="total", ml=True)`` - its own
-  pipeline (canonical RAS, order-1 resampling to 1.5 mm, nnU-Net with step 0.8 and no
-  mirroring on each part, the parts merged, the labels back on the input grid) - on the
-  series as NIfTI; its multi-label output is the golden file;
-* ``segnode model import totalsegmentator`` of the same weights folder, and segnode's
-  composite model on ONNX Runtime on the series read as DICOM by the node's volume assembly.
+* ``total`` (datasets 291-295, ``nnUNetTrainerNoMirroring__nnUNetPlans__3d_fullres/fold_0``):
+  once per dataset, each copy with its three labels renamed to the first three structures of
+  that part (``class_map_5_parts``) and its output channels permuted differently;
+* ``total_fast`` (``--fast``: dataset 297, 3 mm) and ``total_fastest`` (``--fastest``: dataset
+  298, 6 mm; ``nnUNetTrainer_4000epochs_NoMirroring__nnUNetPlans__3d_fullres/fold_0``): one
+  copy whose plans say 3 mm (6 mm), with its output channels permuted; TotalSegmentator reads
+  such a dataset's output value ``v`` as ``class_map["total"][v]`` (no per-part map), so its
+  three labels carry the names of values 1-3 (spleen, kidney_right, kidney_left).
+
+Then, for each oracle series (:func:`oracle_series`: the phantom's oracle cases, head-first,
+feet-first and coronal, and ``wide_hfs``, on which step 0.8 and 0.5 tile differently at
+3 and 6 mm):
+
+* ``totalsegmentator.python_api.totalsegmentator(..., task="total", ml=True)`` (with
+  ``fast=True`` or ``fastest=True`` for the one-dataset tasks) - its own pipeline (canonical
+  RAS, order-1 resampling to 1.5, 3 or 6 mm, nnU-Net with step 0.8 and no mirroring on each
+  dataset, the parts merged, the labels back on the input grid at order 0) - on the series as
+  NIfTI; its multi-label output is the golden file;
+* ``segnode model import totalsegmentator --task TASK`` of the same weights folder, and
+  segnode's composite model on ONNX Runtime on the series read as DICOM by the node's volume
+  assembly.
 
 Both label maps are compared per structure name (Dice). Outputs in ``--out``
-(``tests/data/totalseg_phantom``): the composite manifests the import wrote (``total.json``,
-``part_<id>/model.json``; the ONNX folds are not kept: the test rebuilds each part from the
-committed phantom fold with :func:`permuted_onnx`), ``golden.npz`` (TotalSegmentator's label
-maps and its structure names) and ``oracle.json`` (versions, timings, Dice).
+(``tests/data/totalseg_phantom``, ``..._fast``, ``..._fastest``): the composite manifests the
+import wrote (``<task>.json``, ``part_<id>/model.json``; the ONNX folds are not kept: the test
+rebuilds each part from the committed phantom fold with :func:`permuted_onnx`),
+``golden.npz`` (TotalSegmentator's label maps and its structure names) and ``oracle.json``
+(task, versions, timings, Dice).
+
+Without ``--model`` the phantom's checkpoint is rebuilt from the committed ONNX fold
+(:func:`checkpoint_from_onnx`: the same float16-stored weights the test runs, so both sides
+compute with identical weights).
 
 Run (torch, nnunetv2 and TotalSegmentator installed; a few minutes on a CPU)::
 
-    python -m scripts.make_totalseg_oracle --model nnunet_phantom_model.tar.gz \\
-        --work /tmp/tsw --out tests/data/totalseg_phantom
+    python -m scripts.make_totalseg_oracle --task total_fast --work /tmp/tsw \\
+        --out tests/data/totalseg_phantom_fast
 """
 
 from __future__ import annotations
@@ -43,10 +59,48 @@ import numpy as np
 import numpy.typing as npt
 
 from scripts.make_nnunet_trained import trained_model_folder
-from scripts.nnunet_phantom import dice, oracle_cases, sample, write_dicom_case, write_nifti
+from scripts.nnunet_phantom import (
+    Grid,
+    OracleCase,
+    dice,
+    oracle_cases,
+    sample,
+    write_dicom_case,
+    write_nifti,
+)
 
 PERMUTATIONS = ([0, 1, 2, 3], [0, 2, 3, 1], [0, 3, 1, 2], [0, 2, 1, 3], [0, 3, 2, 1])
 """Per part (291..295): new output channel ``j`` is the phantom model's channel ``perm[j]``."""
+
+STANDINS: dict[str, tuple[list[int], ...]] = {
+    "total": PERMUTATIONS,
+    # one dataset: a permutation other than the identity, so that a channel read in the
+    # phantom's own order (body, lung, bone) shows as the wrong structure
+    "total_fast": ([0, 3, 1, 2],),
+    "total_fastest": ([0, 2, 3, 1],),
+}
+"""Per task: the output-channel permutation of each of its datasets, in TotalSegmentator's
+order (:data:`segnode.engines.importers.totalsegmentator.TASKS`)."""
+
+RUN_FLAGS = {"total": {}, "total_fast": {"fast": True}, "total_fastest": {"fastest": True}}
+"""``totalsegmentator(task="total", **flags)`` for each of segnode's tasks."""
+
+WIDE_FOV = (480.0, 126.0, 100.0)
+"""A wide field of view (mm along row, column, normal): at 3 mm its 160 columns take four
+48-voxel tiles with step 0.8 and six with nnU-Net's default 0.5 (at 6 mm: two and three),
+so that the fast tasks' step size shows; the oracle cases fit one or two tiles there."""
+
+
+def oracle_series() -> tuple[OracleCase, ...]:
+    """:func:`scripts.nnunet_phantom.oracle_cases` and ``wide_hfs``, the same anatomy on a
+    2 mm x 5 mm axial grid of :data:`WIDE_FOV`."""
+    cases = oracle_cases()
+    wide = OracleCase("wide_hfs", Grid.covering(WIDE_FOV, 2.0, 5.0), cases[0].anatomy)
+    return (*cases, wide)
+
+
+PHANTOM = Path(__file__).resolve().parent.parent / "tests" / "data" / "nnunet_phantom"
+"""The committed phantom model: plans, dataset and its ONNX folds (float16-stored weights)."""
 
 
 def permuted_onnx(src: Path, dst: Path, perm: list[int]) -> None:
@@ -94,33 +148,120 @@ def compare(
     }
 
 
-def build_weights(model_dir: Path, weights: Path) -> list[tuple[int, list[str]]]:
-    """TotalSegmentator's ``total`` weights folder made of the phantom model (see the module
-    docstring); returns each part's task id and its three structure names."""
+def checkpoint_from_onnx(phantom: Path, work: Path, fold: int = 0) -> Path:
+    """An nnU-Net trained-model folder whose ``fold_0`` holds the weights of the committed
+    ONNX fold ``phantom/fold_<fold>.onnx`` (stored as float16 there, float32 here).
+
+    The network is built from the committed ``plans.json`` as nnU-Net's predictor builds it;
+    every parameter it uses is set by name from the ONNX initialisers (``<name>_fp16``,
+    :mod:`scripts.onnx_fp16_storage`); the deep-supervision heads the inference graph does not
+    contain (``decoder.seg_layers.0..2``) stay as built, unused. Returns the folder.
+    """
+    import onnx  # noqa: PLC0415
     import torch  # noqa: PLC0415
+    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans  # noqa: PLC0415
+    from onnx import numpy_helper  # noqa: PLC0415
+
+    plans = json.loads((phantom / "plans.json").read_text())
+    dataset = json.loads((phantom / "dataset.json").read_text())
+    arch = plans["configurations"]["3d_fullres"]["architecture"]
+    network = get_network_from_plans(
+        arch["network_class_name"],
+        arch["arch_kwargs"],
+        arch["_kw_requires_import"],
+        len(dataset["channel_names"]),
+        len(dataset["labels"]),
+        allow_init=True,
+        deep_supervision=False,
+    )
+    stored = {
+        init.name.removesuffix("_fp16"): numpy_helper.to_array(init)
+        for init in onnx.load(str(phantom / f"fold_{fold}.onnx")).graph.initializer
+    }
+    params = dict(network.named_parameters())  # shared modules once, by their first name
+    missing = [k for k in params if k not in stored and not k.startswith("decoder.seg_layers.")]
+    if missing or set(stored) - set(params):
+        raise SystemExit(
+            f"{phantom}: ONNX initialisers do not match the network: {missing}, "
+            f"{sorted(set(stored) - set(params))}"
+        )
+    with torch.no_grad():
+        for key, param in params.items():
+            if key in stored:
+                param.copy_(torch.from_numpy(stored[key].astype(np.float32)))
+    state = network.state_dict()
+    folder = work / "phantom_from_onnx" / "nnUNetTrainer__nnUNetPlansTiny__3d_fullres"
+    (folder / "fold_0").mkdir(parents=True, exist_ok=True)
+    shutil.copy(phantom / "plans.json", folder)
+    shutil.copy(phantom / "dataset.json", folder)
+    checkpoint = {
+        "network_weights": state,
+        "optimizer_state": None,
+        "grad_scaler_state": None,
+        "logging": {},
+        "_best_ema": None,
+        "current_epoch": 0,
+        "init_args": {
+            "plans": plans,
+            "configuration": "3d_fullres",
+            "fold": fold,
+            "dataset_json": dataset,
+        },
+        "trainer_name": "nnUNetTrainer",
+        "inference_allowed_mirroring_axes": (0, 1, 2),
+    }
+    torch.save(checkpoint, folder / "fold_0" / "checkpoint_final.pth")
+    return folder
+
+
+def standin_parts(task: str) -> list[tuple[int, str, list[str], list[int]]]:
+    """``(task id, folder name, three structure names, permutation)`` per dataset of
+    ``task``: the names TotalSegmentator gives that dataset's output values 1-3."""
     from totalsegmentator.map_to_binary import (  # noqa: PLC0415
+        class_map,
         class_map_5_parts,
         map_taskid_to_partname_ct,
     )
 
     from segnode.engines.importers.totalsegmentator import TASKS  # noqa: PLC0415
 
-    profile = TASKS["total"]
+    profile = TASKS[task]
+    parts = []
+    for (task_id, folder_name), perm in zip(profile.datasets, STANDINS[task], strict=True):
+        if len(profile.datasets) > 1:  # merged through class_map_5_parts (nnunet.py, lut)
+            names = class_map_5_parts[map_taskid_to_partname_ct[task_id]]
+        else:  # one dataset: its output values are class_map["total"]'s ids
+            names = class_map["total"]
+        parts.append((task_id, folder_name, [names[1], names[2], names[3]], perm))
+    return parts
+
+
+def build_weights(model_dir: Path, weights: Path, task: str) -> list[tuple[int, list[str]]]:
+    """TotalSegmentator's weights folder of ``task`` made of the phantom model (see the
+    module docstring); returns each dataset's task id and its three structure names."""
+    import torch  # noqa: PLC0415
+
+    from segnode.engines.importers.totalsegmentator import TASKS  # noqa: PLC0415
+
+    profile = TASKS[task]
+    trainer = profile.trainer_folder.split("__")[0]
     plans = json.loads((model_dir / "plans.json").read_text())
     plans["plans_name"] = "nnUNetPlans"
+    # the dataset's spacing (nnU-Net's own resampling after TotalSegmentator's is then a
+    # no-op, as with the real 3 mm / 6 mm models; segnode's import checks it)
+    plans["configurations"]["3d_fullres"]["spacing"] = [profile.spacing] * 3
     dataset = json.loads((model_dir / "dataset.json").read_text())
     ckpt = torch.load(model_dir / "fold_0" / "checkpoint_final.pth", map_location="cpu",
                       weights_only=False)  # fmt: skip
     parts = []
-    for (task_id, folder_name), perm in zip(profile.datasets, PERMUTATIONS, strict=True):
-        part = class_map_5_parts[map_taskid_to_partname_ct[task_id]]
-        names = [part[1], part[2], part[3]]
+    for task_id, folder_name, names, perm in standin_parts(task):
         folder = weights / folder_name / profile.trainer_folder
         (folder / "fold_0").mkdir(parents=True, exist_ok=True)
         labels = {"background": 0, **{n: i + 1 for i, n in enumerate(names)}}
         (folder / "dataset.json").write_text(json.dumps({**dataset, "labels": labels}, indent=2))
         (folder / "plans.json").write_text(json.dumps(plans, indent=2))
-        shutil.copy(model_dir / "dataset_fingerprint.json", folder)
+        if (model_dir / "dataset_fingerprint.json").is_file():
+            shutil.copy(model_dir / "dataset_fingerprint.json", folder)
         state = dict(ckpt["network_weights"])
         for key, value in state.items():
             if key.startswith("decoder.seg_layers."):
@@ -129,7 +270,7 @@ def build_weights(model_dir: Path, weights: Path) -> list[tuple[int, list[str]]]
         part_ckpt.update(
             network_weights=state,
             optimizer_state=None,
-            trainer_name="nnUNetTrainerNoMirroring",
+            trainer_name=trainer,
             inference_allowed_mirroring_axes=None,
             init_args={**ckpt["init_args"], "plans": plans, "dataset_json": {**dataset,
                                                                             "labels": labels}},
@@ -139,14 +280,42 @@ def build_weights(model_dir: Path, weights: Path) -> list[tuple[int, list[str]]]
     return parts
 
 
+def register_trainers() -> None:
+    """Put the trainer classes TotalSegmentator's ``total`` datasets name in its own table of
+    custom trainers.
+
+    nnU-Net finds a trainer class by importing every trainer module, one of which needs timm
+    (and so a torchvision built for this torch); the same classes, found directly.
+    """
+    import totalsegmentator.nnunet as ts_nnunet  # noqa: PLC0415
+    from nnunetv2.training.nnUNetTrainer.variants.data_augmentation.nnUNetTrainerNoMirroring import (  # noqa: E501, PLC0415
+        nnUNetTrainerNoMirroring,
+    )
+    from nnunetv2.training.nnUNetTrainer.variants.training_length.nnUNetTrainer_Xepochs_NoMirroring import (  # noqa: E501, PLC0415
+        nnUNetTrainer_4000epochs_NoMirroring,
+    )
+
+    ts_nnunet.custom_trainers.setdefault("nnUNetTrainerNoMirroring", nnUNetTrainerNoMirroring)
+    ts_nnunet.custom_trainers.setdefault(
+        "nnUNetTrainer_4000epochs_NoMirroring", nnUNetTrainer_4000epochs_NoMirroring
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build the weights, run both sides, write the artefacts; print a summary."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, required=True, help="trained model .tar.gz or folder")
+    ap.add_argument("--task", default="total", choices=sorted(STANDINS))
+    ap.add_argument(
+        "--model",
+        type=Path,
+        help="trained model .tar.gz or folder (default: rebuilt from the committed ONNX fold)",
+    )
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cpu", help="TotalSegmentator's device: cpu or gpu")
+    ap.add_argument("--cases", nargs="*", help="oracle case names (default: all)")
     args = ap.parse_args(argv)
+    task: str = args.task
     work: Path = args.work
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -161,23 +330,18 @@ def main(argv: list[str] | None = None) -> int:
             {"totalseg_id": "segnode-oracle", "send_usage_stats": False, "prediction_counter": 0}
         )  # fmt: skip
     )
-    model_dir = trained_model_folder(args.model, work)
+    if args.model is None:
+        model_dir = checkpoint_from_onnx(PHANTOM, work)
+    else:
+        model_dir = trained_model_folder(args.model, work)
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    parts = build_weights(model_dir, weights)
+    parts = build_weights(model_dir, weights, task)
     timings["weights_s"] = time.perf_counter() - t0
 
-    import totalsegmentator.nnunet as ts_nnunet  # noqa: PLC0415
-    from nnunetv2.training.nnUNetTrainer.variants.data_augmentation.nnUNetTrainerNoMirroring import (  # noqa: E501, PLC0415
-        nnUNetTrainerNoMirroring,
-    )
+    register_trainers()
     from totalsegmentator.map_to_binary import class_map  # noqa: PLC0415
-
-    # nnU-Net finds the trainer class by importing every trainer module, one of which needs
-    # timm (and so a torchvision built for this torch); register the one class the parts name
-    # in TotalSegmentator's own table of custom trainers instead (same class either way)
-    ts_nnunet.custom_trainers.setdefault("nnUNetTrainerNoMirroring", nnUNetTrainerNoMirroring)
     from totalsegmentator.python_api import totalsegmentator  # noqa: PLC0415
 
     from segnode.engines.importers.labels import load_label_csv  # noqa: PLC0415
@@ -193,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     _, composite, manifest_path, notes = import_totalsegmentator(
         weights,
         imported,
-        "total",
+        task,
+        task=task,
         codes=load_label_csv("totalsegmentator"),
         codes_source="totalsegmentator_snomed_mapping.csv",
     )
@@ -206,17 +371,19 @@ def main(argv: list[str] | None = None) -> int:
 
     golden: dict[str, Any] = {}
     results: dict[str, Any] = {}
-    for case in oracle_cases():
+    cases = [c for c in oracle_series() if not args.cases or c.name in args.cases]
+    for case in cases:
         hu, _ = sample(case.grid, case.anatomy)
         nifti = work / f"{case.name}.nii.gz"
         write_nifti(str(nifti), case.grid, hu)
         t0 = time.perf_counter()
-        totalsegmentator(nifti, work / f"{case.name}_total.nii.gz", ml=True, task="total",
-                         device=args.device, quiet=True, nr_thr_saving=1)  # fmt: skip
+        totalsegmentator(nifti, work / f"{case.name}_{task}.nii.gz", ml=True, task="total",
+                         device=args.device, quiet=True, nr_thr_saving=1,
+                         **RUN_FLAGS[task])  # fmt: skip
         timings[f"totalsegmentator_{case.name}_s"] = time.perf_counter() - t0
         import SimpleITK as sitk  # noqa: N813, PLC0415
 
-        theirs = sitk.GetArrayFromImage(sitk.ReadImage(str(work / f"{case.name}_total.nii.gz")))
+        theirs = sitk.GetArrayFromImage(sitk.ReadImage(str(work / f"{case.name}_{task}.nii.gz")))
         theirs = theirs.astype(np.uint8)
         volume = assemble_volume(write_dicom_case(case, work / "dicom" / case.name, 11))
         t0 = time.perf_counter()
@@ -240,15 +407,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     from importlib.metadata import version  # noqa: PLC0415
 
-    import nnunetv2  # noqa: F401, PLC0415
-
     summary = {
+        "task": task,
+        "manifest": manifest_path.name,
+        "totalsegmentator_call": {"task": "total", "ml": True, **RUN_FLAGS[task]},
         "totalsegmentator": version("TotalSegmentator"),
         "nnunetv2": version("nnunetv2"),
+        "torch": version("torch"),
+        "weights": "--model" if args.model is not None else "checkpoint_from_onnx(fold_0.onnx)",
         "device": args.device,
         "parts": {
             str(t): {"structures": n, "permutation": p}
-            for (t, n), p in zip(parts, PERMUTATIONS, strict=True)
+            for (t, n), p in zip(parts, STANDINS[task], strict=True)
         },  # fmt: skip
         "import_notes": notes,
         "codes": {
