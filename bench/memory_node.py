@@ -7,7 +7,8 @@ import nnunet`` writes it), a synthetic body CT (512 x 512 x ``--slices``, 0.8 m
 1.5 mm slices) sent by DCMTK ``storescu`` over one association, the results to a counting
 Storage SCP. Prints the node's peak resident set (``VmHWM`` of the process, read while it
 runs), the job's own peak (its timing line) and the time from ``storescu``'s exit (the last
-C-STORE response) to the SEG and SR acknowledged by the destination::
+C-STORE response) to the SEG and SR acknowledged by the destination (``--rows`` for a smaller
+matrix: an A/B against older code that needs far more memory)::
 
     .venv/bin/python -m bench.memory_node --manifest bench/out/standin/profile.json --slices 300
 
@@ -42,13 +43,14 @@ from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def series(slices: int) -> Path:
+def series(slices: int, rows: int = 512) -> Path:
     """A cached synthetic body CT under bench/generated/."""
-    out = ROOT / "bench" / "generated" / f"body{slices}"
-    done = out.with_name(f"body{slices}.done")
+    name = f"body{slices}" if rows == 512 else f"body{rows}x{slices}"
+    out = ROOT / "bench" / "generated" / name
+    done = out.with_name(f"{name}.done")
     if not done.exists():
         geometry = PhantomGeometry(
-            rows=512, columns=512, slices=slices, pixel_spacing=0.8, slice_spacing=1.5
+            rows=rows, columns=rows, slices=slices, pixel_spacing=0.8, slice_spacing=1.5
         )
         write_synthetic_series(out, geometry, seed=3700 + slices)
         done.touch()
@@ -59,11 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--manifest", type=Path, required=True)
     ap.add_argument("--slices", type=int, default=300)
+    ap.add_argument("--rows", type=int, default=512, help="rows = columns")
     ap.add_argument("--cap-gib", type=float, default=12.0)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
     args = ap.parse_args(argv)
-    folder = series(args.slices)
+    folder = series(args.slices, args.rows)
     work = Path(tempfile.mkdtemp(prefix="segnode-memnode-"))
     scp = CountingSCP().start()
     port = free_port()
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "manifest": str(args.manifest),
-        "series": f"512x512x{args.slices}",
+        "series": f"{args.rows}x{args.rows}x{args.slices}",
         "state": state,
         "reason": rows[-1]["reason"] if rows else None,
         "node_peak_rss_gib": round(peak / 1024, 2),
