@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,8 @@ from tests.fixtures.postgres import PostgresCluster, postgres_bin
 from tests.fixtures.synthetic import PhantomGeometry
 
 MODES = ("series", "instance")
+#: The same with DCMTK ``storescu`` as the modality (one process per series, or per instance).
+STORESCU_MODES = ("storescu-series", "storescu-instance")
 #: Set in the copy of the harness that runs in a network namespace of its own.
 _NETNS = "SEGNODE_POWER_HARNESS_NETNS"
 
@@ -129,7 +132,15 @@ class PowerCutHarness(CrashHarness):
     #: Whether a cut also drops the node's packets to its database (PostgreSQL only).
     silent_network = False
 
-    def __init__(self, workdir: Path, *, torn: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        torn: bool = False,
+        modes: tuple[str, ...] = MODES,
+        **kwargs: Any,
+    ) -> None:
+        self.modes = modes
         workdir.mkdir(parents=True, exist_ok=True)
         self.fs = LazyFS(workdir / "backing", workdir / "data", torn=torn)
         self.fs.start()
@@ -146,9 +157,41 @@ class PowerCutHarness(CrashHarness):
         finally:
             self.fs.stop()
 
+    def _storescu(self, files: list[Path], calling: str) -> list[str]:
+        """Send ``files`` with DCMTK ``storescu`` over one association, in this order; the
+        SOP Instance UIDs it saw acknowledged with Success (its n-th store response answers
+        its n-th request, which is the n-th file)."""
+        args = ["storescu", "-v", "-aet", calling, "-aec", "SEGNODE", "-to", "3", "-ta", "3"]
+        args += ["-td", "3", "127.0.0.1", str(self.node.port), *map(str, files)]
+        try:
+            out = subprocess.run(args, capture_output=True, text=True, timeout=60)
+            text = out.stdout + out.stderr
+        except subprocess.TimeoutExpired as exc:
+            text = str(exc.stdout or "") + str(exc.stderr or "")
+        answers = re.findall(r"Received Store Response \(([^)]*)\)", text)
+        return [
+            str(dcmread(f, stop_before_pixels=True).SOPInstanceUID)
+            for f, answer in zip(files, answers, strict=False)
+            if answer == "Success"
+        ]
+
     def _send(self, files: list[Path], mode: str) -> SendResult:
         if mode == "series":
             return send_files(files, self.node.port, timeout=3)
+        uids = [str(dcmread(f, stop_before_pixels=True).SOPInstanceUID) for f in files]
+        if mode.startswith("storescu"):
+            acked = []
+            if mode == "storescu-series":
+                acked = self._storescu(files, "STORESCU")
+            else:
+                for f in files:
+                    one = self._storescu([f], "STORESCU1")  # another AE: it splits series
+                    acked += one
+                    if not one:
+                        break
+            whole = acked == uids
+            statuses = {u: (0 if u in acked else -2) for u in uids}
+            return SendResult(acked, statuses, True, whole, None if whole else "cut short")
         acked: list[str] = []
         statuses: dict[str, int] = {}
         last: SendResult | None = None
@@ -159,17 +202,17 @@ class PowerCutHarness(CrashHarness):
             statuses.update(last.statuses)
             if not last.complete:
                 break
-        for f in files:
-            statuses.setdefault(str(dcmread(f, stop_before_pixels=True).SOPInstanceUID), -2)
+        for uid in uids:
+            statuses.setdefault(uid, -2)
         released = last is not None and last.complete and len(acked) == len(files)
         return SendResult(acked, statuses, True, released, None if last is None else last.error)
 
     def trial(self, index: int, seed: int) -> PowerTrial:
         """Run one trial (the node must be running); return its record."""
         target = self.rng.choice(self.stages)
-        mode = self.rng.choice(MODES)
+        mode = self.rng.choice(self.modes)
         lo, hi = self.windows[target]
-        if mode == "instance" and target == "association":
+        if mode.endswith("instance") and target == "association":
             hi = hi * 3  # one association per instance takes longer than the calibration's one
         delay = self.rng.uniform(lo, max(lo, hi))
         t = PowerTrial(index=index, seed=seed, target=target, delay=round(delay, 3), mode=mode)
@@ -365,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated stages to aim cuts at (default: all)",
     )
     p.add_argument(
+        "--modes",
+        default=",".join(MODES + STORESCU_MODES),
+        help="comma-separated ways to send, chosen at random per trial: series and instance "
+        "(pynetdicom, one association per series or per instance), storescu-series and "
+        "storescu-instance (DCMTK storescu); default: all",
+    )
+    p.add_argument(
         "--postgres",
         action="store_true",
         help="two nodes on a PostgreSQL ledger (fsync on, never cut); the cuts hit node A",
@@ -399,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     stages = tuple(x for x in args.stages.split(",") if x)
     if not stages or set(stages) - set(STAGES):
         p.error(f"--stages: choose from {', '.join(STAGES)}")
+    modes = tuple(x for x in args.modes.split(",") if x)
+    if not modes or set(modes) - set(MODES + STORESCU_MODES):
+        p.error(f"--modes: choose from {', '.join(MODES + STORESCU_MODES)}")
+    if set(modes) & set(STORESCU_MODES) and shutil.which("storescu") is None:
+        print("cannot run: DCMTK storescu is not installed (apt-get install dcmtk)")
+        return 2
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     work = (args.workdir or Path(tempfile.mkdtemp(prefix="segnode-power-"))).resolve()
     print(f"seed {seed}; work dir {work}")
@@ -407,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         "geometry": PhantomGeometry(rows=args.rows, columns=args.rows, slices=args.slices),
         "rng": random.Random(seed),
         "stages": stages,
+        "modes": modes,
         # Longer than a restart refused while the server keeps A's dead sessions: else B
         # completes a series cut short by the quiet period before the sender can resend.
         "quiet_period_s": 45.0 if args.silent_network else 6.0,
