@@ -458,11 +458,17 @@ def main(argv: list[str] | None = None) -> int:
         report = h.run(args.trials, base_seed=5000 + (seed % 100000) * 100)
     finally:
         h.close()
+    return finish(report, args.out, None if args.workdir else work)
+
+
+def finish(report: Report, out: Path | None, temporary: Path | None) -> int:
+    """Print the report, write it as JSON to ``out``, remove a ``temporary`` work folder when
+    nothing went wrong; the exit status (1: violations)."""
     print(report.summary())
-    if args.out:
-        args.out.write_text(json.dumps(asdict(report), indent=2))
-    if args.workdir is None and report.violations == 0:
-        shutil.rmtree(work, ignore_errors=True)
+    if out:
+        out.write_text(json.dumps(asdict(report), indent=2))
+    if temporary is not None and report.violations == 0:
+        shutil.rmtree(temporary, ignore_errors=True)
     return 0 if report.violations == 0 else 1
 
 

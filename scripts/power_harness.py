@@ -38,7 +38,6 @@ after sending; the windows are measured once by a run without a cut). Then it ch
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -49,13 +48,13 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydicom import dcmread
 
-from scripts.crash_harness import SERIES, STAGES, CrashHarness, Report, Trial
+from scripts.crash_harness import SERIES, STAGES, CrashHarness, Report, Trial, finish
 from scripts.harness import SendResult, send_files
 from scripts.lazyfs import LazyFS, fuse_usable
 from tests.fixtures.postgres import PostgresCluster, postgres_bin
@@ -492,12 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if cluster is not None:
             cluster.stop()
-    print(report.summary())
-    if args.out:
-        args.out.write_text(json.dumps(asdict(report), indent=2))
-    if args.workdir is None and report.violations == 0:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if report.violations == 0 else 1
+    return finish(report, args.out, None if args.workdir else work)
 
 
 if __name__ == "__main__":

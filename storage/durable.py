@@ -17,7 +17,7 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["ensure_folder", "fsync_folder", "sync_new_file"]
+__all__ = ["ensure_folder", "fsync_folder"]
 
 #: Folders whose names this process has made durable (or found and synced once).
 _known: set[str] = set()
@@ -84,12 +84,3 @@ def _settle(path: Path) -> None:
             break  # a system folder the service user cannot open: the operator's to keep
     with _lock:
         _known.update(os.fspath(folder) for folder in chain)
-
-
-def sync_new_file(path: Path) -> None:
-    """Make the name of a file just created in a known folder durable (its folder's fsync).
-
-    For files made by code that does not sync their folder itself, such as the ledger's
-    database file when SQLite creates it.
-    """
-    fsync_folder(path.parent)

@@ -32,7 +32,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from segnode.storage import migrations
-from segnode.storage.durable import ensure_folder, sync_new_file
+from segnode.storage.durable import ensure_folder, fsync_folder
 from segnode.storage.models import SCHEMA_VERSION, Node
 
 # The logger keeps the name it had when the ledger was one module.
@@ -132,7 +132,7 @@ class LedgerBase:
             except FileExistsError:
                 pass
             else:
-                sync_new_file(path)
+                fsync_folder(path.parent)
             os.chmod(path, 0o600)
             self.url = f"sqlite:///{path}"
             self.where = str(path)
