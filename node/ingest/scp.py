@@ -185,6 +185,9 @@ class StoreSCP:
         self._helper = ThreadPoolExecutor(nc.max_associations, thread_name_prefix="store-admit")
         # The next staged file of each association, created after its last response.
         self._ready: dict[int, StagingFile] = {}
+        #: Series with an instance stored again (its row had lost its file) whose failed job
+        #: is looked at after the response (:meth:`_resume`).
+        self._restored: set[str] = set()
         self._claims: set[str] = set()
         self._claims_lock = threading.Lock()
         # Staging-pool refill, only while the node is quiet (see _refill_loop).
@@ -453,7 +456,7 @@ class StoreSCP:
             self._release(rec.sop_instance_uid)
         series_uid = rec.series_instance_uid
         if outcome.restored:
-            self._resume(series_uid)
+            self._restored.add(series_uid)
         self.budget.add(series_uid, staged.size)
         span = outcome.header.pixel_span
         arrival = Arrival(
@@ -683,9 +686,13 @@ class StoreSCP:
             self._ready[info.id] = self.spool.open_staged()
 
     def _stored(self, arrival: Arrival) -> None:
-        """After the response: tell metrics and the streaming decoder."""
+        """After the response: tell metrics and the streaming decoder; a series with an
+        instance stored again may have a job to resume (:meth:`_resume`)."""
         if self.on_instance is not None:
             self.on_instance(arrival)
+        if arrival.series_uid in self._restored:
+            self._restored.discard(arrival.series_uid)
+            self._resume(arrival.series_uid)
 
 
 def _mismatch(header: Header, sop_class: str, sop_uid: str) -> str | None:
