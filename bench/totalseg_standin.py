@@ -35,6 +35,11 @@ PATCH = (112, 128, 112)
 FEATURES = (32, 64, 128, 256, 320)
 LABELS = 117
 SPACING = (3.0, 3.0, 3.0)
+#: ``total`` (1.5 mm): nnU-Net's default plans, and the labels of datasets 291-295
+#: (``class_map_5_parts``: organs 24, vertebrae 26, cardiac 18, muscles 23, ribs 26).
+TOTAL_PATCH = (128, 128, 128)
+TOTAL_FEATURES = (32, 64, 128, 256, 320, 320)
+TOTAL_PARTS = ((291, 24), (292, 26), (293, 18), (294, 23), (295, 26))
 INTENSITY = {
     "mean": -68.91615295410156,
     "std": 338.39581298828125,
@@ -43,7 +48,14 @@ INTENSITY = {
 }
 
 
-def build_onnx(path: Path, *, labels: int = LABELS, seed: int = 297) -> int:
+def build_onnx(
+    path: Path,
+    *,
+    labels: int = LABELS,
+    seed: int = 297,
+    features: tuple[int, ...] = FEATURES,
+    patch: tuple[int, int, int] = PATCH,
+) -> int:
     """Write the U-Net to ``path``; return its parameter count."""
     import onnx  # noqa: PLC0415
     from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
@@ -87,13 +99,13 @@ def build_onnx(path: Path, *, labels: int = LABELS, seed: int = 297) -> int:
         return f"{name}.o"
 
     x, cin, skips = "input", 1, []
-    for stage, cout in enumerate(FEATURES):
+    for stage, cout in enumerate(features):
         x = conv(x, cin, cout, f"enc{stage}a", stride=1 if stage == 0 else 2)
         x = conv(x, cout, cout, f"enc{stage}b")
         skips.append(x)
         cin = cout
-    for stage in range(len(FEATURES) - 2, -1, -1):
-        cout = FEATURES[stage]
+    for stage in range(len(features) - 2, -1, -1):
+        cout = features[stage]
         w = rng.normal(0.0, np.sqrt(2.0 / (cin * 8)), (cin, cout, 2, 2, 2))
         nodes.append(
             helper.make_node(
@@ -118,9 +130,9 @@ def build_onnx(path: Path, *, labels: int = LABELS, seed: int = 297) -> int:
     )
     graph = helper.make_graph(
         nodes,
-        "standin297",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 1, *PATCH])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", labels + 1, *PATCH])],
+        f"standin{seed}",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 1, *patch])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", labels + 1, *patch])],
         inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -130,7 +142,15 @@ def build_onnx(path: Path, *, labels: int = LABELS, seed: int = 297) -> int:
     return count
 
 
-def manifest(name: str, *, profile: bool, labels: int = LABELS) -> dict[str, Any]:
+def manifest(
+    name: str,
+    *,
+    profile: bool,
+    labels: int = LABELS,
+    patch: tuple[int, int, int] = PATCH,
+    spacing: tuple[float, float, float] = SPACING,
+    first: int = 1,
+) -> dict[str, Any]:
     """A version-2 manifest of the stand-in: TotalSegmentator's settings or nnU-Net's."""
     resampling: dict[str, Any] = {
         "data_order": 1 if profile else 3,
@@ -149,14 +169,14 @@ def manifest(name: str, *, profile: bool, labels: int = LABELS) -> dict[str, Any
         "input_name": "input",
         "output_name": "logits",
         "output_kind": "logits",
-        "patch_size": list(PATCH),
+        "patch_size": list(patch),
         "overlap": 0.2 if profile else 0.5,
         "sigma_scale": 0.125,
         "mirror_axes": [],
         "batch": {"min": 1, "opt": 2, "max": 4},
         "fp16": True,
         "geometry": {
-            "spacing": list(SPACING),
+            "spacing": list(spacing),
             "orientation": "SAR" if profile else "SPL",
             "transpose_forward": [0, 1, 2],
             "transpose_backward": [0, 1, 2],
@@ -167,7 +187,7 @@ def manifest(name: str, *, profile: bool, labels: int = LABELS) -> dict[str, Any
         "labels": [
             {
                 "value": k,
-                "name": f"structure_{k:03d}",
+                "name": f"structure_{first + k - 1:03d}",
                 "category": ["85756007", "SCT", "Tissue"],
                 "type": ["85756007", "SCT", "Tissue"],
                 "color": [(37 * k) % 256, (91 * k) % 256, (53 * k) % 256],
@@ -177,13 +197,71 @@ def manifest(name: str, *, profile: bool, labels: int = LABELS) -> dict[str, Any
     }
 
 
+def write_total(out: Path, *, spacing: float = 1.5) -> list[int]:
+    """The ``total`` task's shape: five parts (datasets 291-295) of nnU-Net's default 1.5 mm
+    network (6 stages, 32-320 features, patch 128^3), with the parts' true label counts, and
+    the composite manifest ``total.json`` over them; return the parameter counts."""
+    counts: list[int] = []
+    parts: list[dict[str, Any]] = []
+    merged: list[dict[str, Any]] = []
+    first = 1
+    for task_id, labels in TOTAL_PARTS:
+        folder = out / f"part_{task_id}"
+        folder.mkdir(parents=True, exist_ok=True)
+        counts.append(
+            build_onnx(
+                folder / "fold_0.onnx",
+                labels=labels,
+                seed=task_id,
+                features=TOTAL_FEATURES,
+                patch=TOTAL_PATCH,
+            )
+        )
+        part = manifest(
+            f"total_part_{task_id}",
+            profile=True,
+            labels=labels,
+            patch=TOTAL_PATCH,
+            spacing=(spacing,) * 3,
+            first=first,
+        )
+        (folder / "model.json").write_text(json.dumps(part, indent=1) + "\n")
+        parts.append(
+            {
+                "manifest": f"part_{task_id}/model.json",
+                "labels": {str(k): first + k - 1 for k in range(1, labels + 1)},
+            }
+        )
+        merged += [dict(e, value=first + e["value"] - 1) for e in part["labels"]]
+        first += labels
+    composite = {
+        "manifest_version": 2,
+        "name": "total_standin",
+        "version": "1.0.0",
+        "labels": merged,
+        "parts": parts,
+    }
+    (out / "total.json").write_text(json.dumps(composite, indent=1) + "\n")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write ``fold_0.onnx``, ``profile.json`` and ``plain.json`` to ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--labels", type=int, default=LABELS)
+    ap.add_argument(
+        "--task",
+        choices=("total_fast", "total"),
+        default="total_fast",
+        help="total: the five 1.5 mm parts and total.json",
+    )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.task == "total":
+        counts = write_total(args.out)
+        print(f"{args.out}: total.json, parts of {[round(c / 1e6, 2) for c in counts]} M")
+        return 0
     params = build_onnx(args.out / "fold_0.onnx", labels=args.labels)
     for name, profile in (("profile", True), ("plain", False)):
         text = json.dumps(manifest(f"standin_{name}", profile=profile, labels=args.labels))

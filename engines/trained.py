@@ -10,8 +10,11 @@
    Gaussian window with mirroring and the fold average, the scores back to the source grid,
    arg-max - all on the device, inside :meth:`TrainedEngine.device_scope`;
 3. the uint8 labels come back to the host (:meth:`TrainedEngine.to_host`);
-4. a composite's parts are merged on the source grid: wherever a part's label maps to a
-   merged value it is written, later parts overwriting earlier ones (as TotalSegmentator).
+4. a composite's parts are merged: wherever a part's label maps to a merged value it is
+   written, later parts overwriting earlier ones (as TotalSegmentator). Parts that share
+   one model grid (:func:`~segnode.engines.preprocess.pipeline.grid_key`: TotalSegmentator's
+   five ``total`` parts) are resampled once, merged on that grid on the device and taken
+   back to the source grid once; other composites are merged on the source grid.
 """
 
 from __future__ import annotations
@@ -20,12 +23,20 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from array_api_compat import array_namespace
+from array_api_compat import device as array_device
 
 from segnode.engines.base import EngineError, PatchPredictor, TrainedEngine
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.nnunet_window import predict_for_manifest
 from segnode.engines.preprocess.orientation import Geometry
-from segnode.engines.preprocess.pipeline import run_model
+from segnode.engines.preprocess.pipeline import (
+    grid_key,
+    grid_to_source,
+    labels_on_grid,
+    model_grid,
+    run_model,
+)
 
 
 def segment_trained(
@@ -87,6 +98,10 @@ def segment_trained(
         if not manifest.parts:
             labels = _run(manifest, image, geometry, predictors, batch, precise)
             return engine.to_host(labels)
+        if _shared_grid(manifest) is not None:
+            return engine.to_host(
+                _run_on_grid(manifest, image, geometry, predictors, batch, precise)
+            )
         merged = np.zeros(volume.shape, dtype=np.uint8)
         first = 0
         for part in manifest.parts:
@@ -98,6 +113,54 @@ def segment_trained(
             mapped = part.lookup_table()[engine.to_host(found)]
             np.copyto(merged, mapped, where=mapped > 0)
         return merged
+
+
+def _shared_grid(manifest: ModelManifest) -> tuple[Any, ...] | None:
+    """The grid key (:func:`~segnode.engines.preprocess.pipeline.grid_key`) all of a
+    composite's parts share, or ``None`` when they don't (then each part runs on its own)."""
+    keys = {grid_key(part.manifest.model_contract()) for part in manifest.parts}
+    if len(keys) != 1:
+        return None
+    return next(iter(keys))
+
+
+def _run_on_grid(
+    manifest: ModelManifest,
+    image: Any,
+    geometry: Geometry,
+    predictors: list[PatchPredictor],
+    batch: int,
+    precise: bool,
+) -> Any:
+    """A composite whose parts share one model grid (TotalSegmentator's ``total``: five
+    parts at 1.5 mm): the image is reoriented, resampled and cropped once, each part predicts
+    on it, the parts are merged there (later parts overwriting, as TotalSegmentator merges
+    them on its resampled image), and the merged labels go back to the source grid once.
+    Nearest-neighbour resampling picks voxels, so merging before it gives the same labels
+    as merging after it."""
+    xp = array_namespace(image)
+    contract = manifest.parts[0].manifest.model_contract()
+    try:
+        grid, reorient = model_grid(image, geometry, contract, precise=precise)
+        merged = None
+        first = 0
+        for part in manifest.parts:
+            count = len(part.manifest.model_files())
+            predict = predict_for_manifest(
+                part.manifest, predictors[first : first + count], batch_size=batch
+            )
+            first += count
+            found = labels_on_grid(grid, part.manifest, predict, precise=precise)
+            table = xp.asarray(part.lookup_table(), device=array_device(found))
+            mapped = xp.reshape(
+                xp.take(table, xp.reshape(xp.astype(found, xp.int64), (-1,))), found.shape
+            )
+            del found
+            merged = mapped if merged is None else xp.where(mapped > 0, mapped, merged)
+        assert merged is not None
+        return grid_to_source(merged, grid, reorient, contract)
+    except ValueError as exc:
+        raise EngineError(f"model {manifest.name}: {exc}") from exc
 
 
 def _run(

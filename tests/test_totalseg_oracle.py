@@ -209,3 +209,44 @@ def test_segnode_agrees_with_totalsegmentator(
     last = summary["parts"][str(oracle.datasets[-1])]["structures"]
     assert sorted(scores) == sorted(last), scores
     assert min(scores.values()) >= oracle.min_dice, scores
+
+
+def test_parts_share_one_grid_and_merge_there(
+    tmp_path: Path,
+    oracle: Oracle,
+    manifest: ModelManifest,
+    engine: OrtEngine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A composite whose parts share one model grid (all five ``total`` parts) is resampled
+    once, merged on that grid and taken back once, and gives exactly the labels of running
+    each part on its own and merging them on the source grid (nearest neighbours pick
+    voxels, so the merge commutes with them)."""
+    from segnode.engines import trained
+    from segnode.engines.nnunet_window import predict_for_manifest
+    from segnode.engines.preprocess.pipeline import run_model
+    from segnode.node.ingest.volume import assemble_volume
+
+    name = "native_ffs"  # feet-first: the reorientation is undone after the merge
+    volume = assemble_volume(write_dicom_case(CASES[name], tmp_path / name, seed=5))
+    geometry = Geometry.from_volume(volume)
+    grids = []
+    real_grid = trained.model_grid
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        grids.append(1)
+        return real_grid(*args, **kwargs)
+
+    monkeypatch.setattr(trained, "model_grid", counting)
+    labels = segment_trained(engine, manifest, volume.hu, geometry)
+    assert len(grids) == 1  # one resampling for every part
+
+    merged = np.zeros(volume.hu.shape, dtype=np.uint8)
+    predictors = engine.fold_predictors()
+    for i, part in enumerate(manifest.parts):
+        predict = predict_for_manifest(part.manifest, [predictors[i]], batch_size=1)
+        found = run_model(volume.hu, geometry, part.manifest, predict)
+        mapped = part.lookup_table()[found]
+        np.copyto(merged, mapped, where=mapped > 0)
+    np.testing.assert_array_equal(labels, merged)
+    assert len(np.unique(labels)) == 4  # the last part's three structures overwrite the rest

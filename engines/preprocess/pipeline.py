@@ -30,6 +30,7 @@ corner-aligned grids; undo the transpose and the reorientation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from array_api_compat import array_namespace
@@ -92,6 +93,10 @@ def run_model(
     if hu.ndim != 3:
         raise ValueError(f"hu must be (z, y, x), got shape {tuple(hu.shape)}")
     contract = manifest.model_contract()
+    if contract.scheme == "totalsegmentator":
+        grid, reorient = model_grid(hu, geometry, contract, precise=precise)
+        labels = labels_on_grid(grid, manifest, predict, precise=precise)
+        return grid_to_source(labels, grid, reorient, contract)
     reorient = plan_reorientation(
         geometry, contract.orientation, tilt_allowed=contract.gantry_tilt_allowed
     )
@@ -99,9 +104,6 @@ def run_model(
     image = xp.permute_dims(reorient.to_model(hu, xp), forward)
     spacing_model = reorient.spacing_to_model(geometry.spacing)
     spacing = tuple(spacing_model[i] for i in forward)
-    if contract.scheme == "totalsegmentator":
-        labels = _resample_first(image, spacing, manifest, contract, predict, precise, xp)
-        return reorient.to_source(xp.permute_dims(labels, contract.transpose_backward), xp)
     full_shape = tuple(int(n) for n in image.shape)
 
     box = (
@@ -139,40 +141,106 @@ def run_model(
     return reorient.to_source(full, xp)
 
 
-def _resample_first(
-    image: Any,
-    spacing: tuple[float, ...],
-    manifest: ModelManifest,
-    contract: ModelContract,
-    predict: Predict,
-    precise: bool,
-    xp: Any,
-) -> Any:
-    """The ``"totalsegmentator"`` scheme on the reoriented, transposed image: uint8 labels
-    of the image's shape (see the module docstring)."""
+@dataclass(frozen=True)
+class ModelGrid:
+    """The ``"totalsegmentator"`` scheme's input on the model grid, made once and shared by
+    every model whose :func:`grid_key` is the same (the parts of a composite).
+
+    Attributes
+    ----------
+    cropped
+        Resampled, integer-truncated HU, cropped to ``box`` (not yet normalised: each model
+        normalises with its own intensity properties).
+    box
+        The non-zero bounding box in the resampled image (the whole grid without
+        ``crop_to_nonzero``).
+    model_shape, source_shape
+        Shapes of the resampled grid and of the reoriented, transposed source image.
+    target
+        The model's spacing.
+    """
+
+    cropped: Any
+    box: tuple[slice, ...]
+    model_shape: tuple[int, ...]
+    source_shape: tuple[int, ...]
+    target: tuple[float, ...]
+
+
+def grid_key(contract: ModelContract) -> tuple[Any, ...] | None:
+    """What the ``"totalsegmentator"`` scheme's model grid depends on (``None`` for the
+    other schemes): models with equal keys share one :class:`ModelGrid`."""
+    if contract.scheme != "totalsegmentator":
+        return None
+    return (
+        contract.orientation,
+        contract.gantry_tilt_allowed,
+        tuple(contract.transpose_forward),
+        tuple(contract.transpose_backward),
+        contract.spacing,
+        contract.data_order,
+        contract.crop_to_nonzero,
+    )
+
+
+def model_grid(
+    hu: Any, geometry: Geometry, contract: ModelContract, *, precise: bool = True
+) -> tuple[ModelGrid, Any]:
+    """Reorient, transpose, resample (corner-aligned, ``data_order``), truncate and crop
+    ``hu`` for a ``"totalsegmentator"`` model: the grid, and the reorientation to undo."""
+    xp = array_namespace(hu)
+    reorient = plan_reorientation(
+        geometry, contract.orientation, tilt_allowed=contract.gantry_tilt_allowed
+    )
+    forward = contract.transpose_forward
+    image = xp.permute_dims(reorient.to_model(hu, xp), forward)
+    spacing_model = reorient.spacing_to_model(geometry.spacing)
+    spacing = tuple(spacing_model[i] for i in forward)
     source_shape = tuple(int(n) for n in image.shape)
     target = contract.spacing if contract.spacing is not None else spacing
     model_shape = compute_new_shape(source_shape, spacing, target)
     resampled = resample(
         image[None, ...], model_shape, order=contract.data_order, precise=precise, grid="corners"
     )[0, ...]
+    del image
     resampled = xp.astype(xp.trunc(resampled), xp.float32)  # change_spacing(dtype=np.int32)
     box = (
         nonzero_bbox(resampled)
         if contract.crop_to_nonzero
         else tuple(slice(0, n) for n in model_shape)
     )
-    cropped = contract.normalization(resampled[box])
-    del resampled
-    cropped_shape = tuple(int(n) for n in cropped.shape)
-    # on the model grid: nnU-Net's export resampling is the identity there
-    labels = _labels_on_source(
-        predict, cropped, manifest, contract, cropped_shape, cropped_shape, target, target, precise
+    grid = ModelGrid(resampled[box], box, tuple(model_shape), source_shape, tuple(target))
+    return grid, reorient
+
+
+def labels_on_grid(
+    grid: ModelGrid,
+    manifest: ModelManifest,
+    predict: Predict,
+    *,
+    precise: bool = True,
+) -> Any:
+    """One ``"totalsegmentator"`` model's uint8 labels on the cropped model grid
+    (``grid.cropped``'s shape): normalised with the model's intensity properties, predicted,
+    arg-max there (nnU-Net's export resampling is the identity on its own grid)."""
+    contract = manifest.model_contract()
+    cropped = contract.normalization(grid.cropped)
+    shape = tuple(int(n) for n in cropped.shape)
+    return _labels_on_source(
+        predict, cropped, manifest, contract, shape, shape, grid.target, grid.target, precise
     )
-    del cropped
-    full = xp.zeros(model_shape, dtype=xp.uint8, device=array_device(image))
-    full[box] = labels
-    return resample_labels(full, source_shape, grid="corners")
+
+
+def grid_to_source(labels: Any, grid: ModelGrid, reorient: Any, contract: ModelContract) -> Any:
+    """uint8 labels on the cropped model grid back to the source volume: pasted into the
+    resampled shape, nearest neighbours on the corner-aligned grids, the transpose and the
+    reorientation undone."""
+    xp = array_namespace(labels)
+    full = xp.zeros(grid.model_shape, dtype=xp.uint8, device=array_device(labels))
+    full[grid.box] = labels
+    back = resample_labels(full, grid.source_shape, grid="corners")
+    del full
+    return reorient.to_source(xp.permute_dims(back, contract.transpose_backward), xp)
 
 
 def _labels_on_source(
