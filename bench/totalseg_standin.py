@@ -1,7 +1,7 @@
 """A stand-in for TotalSegmentator's ``--fast`` model of the ``total`` task (issue 37).
 
 nnU-Net's default ``3d_fullres`` plans for CT at 3 mm give a ``PlainConvUNet`` with patch
-112 x 128 x 112, 5 stages of 32, 64, 128, 256 and 320 features (two 3x3x3 convolutions per
+128 x 112 x 112 (z, y, x), 5 stages of 32, 64, 128, 256 and 320 features (two 3x3x3 convolutions per
 stage, instance norm, leaky ReLU, strides 1, 2, 2, 2, 2; transposed convolutions up) and
 about 16.6 M parameters; TotalSegmentator's Dataset297 has 117 labels and background. The
 graph is written with ``onnx.helper`` (no torch needed), with random He-initialised weights
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-PATCH = (112, 128, 112)
+PATCH = (128, 112, 112)  # nnU-Net's planner, (z, y, x): bench/totalseg_plans/plans_297.json
 FEATURES = (32, 64, 128, 256, 320)
 LABELS = 117
 SPACING = (3.0, 3.0, 3.0)
