@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test lint typecheck venv tools model bench bench-gpu bench-gpu-e2e bench-torch-warm clean
+.PHONY: bench-total-gpu run test lint typecheck venv tools readers model bench bench-gpu bench-gpu-e2e bench-torch-warm clean
 
 $(BIN)/segnode: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,14 +19,15 @@ run: venv
 	$(BIN)/segnode serve --config config.toml
 
 # Debian tools the tests use, the same list as .ci/run: DCMTK, Orthanc, dicom3tools, PostgreSQL,
-# openssl, systemd (systemd-analyze), Chromium (the browser test) and FUSE 3 (the power-cut
-# tests' lazy file system); installed when missing and we are root, otherwise those tests say
-# what is missing.
+# openssl, systemd (systemd-analyze), Chromium (the browser test), FUSE 3 (the power-cut
+# tests' lazy file system) and Node.js with npm (the web viewers' SEG readers, `readers`);
+# installed when missing and we are root, otherwise those tests say what is missing.
 DEBIAN_TOOLS := dcmtk orthanc orthanc-dicomweb dicom3tools openssl systemd postgresql \
-	chromium chromium-driver fuse3
+	chromium chromium-driver fuse3 nodejs npm
 tools:
 	@command -v storescu >/dev/null && command -v Orthanc >/dev/null && command -v dciodvfy >/dev/null && [ -e /usr/share/orthanc/plugins/libOrthancDicomWeb.so ] && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  && command -v openssl >/dev/null && command -v systemd-analyze >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v fusermount3 >/dev/null \
+	  && command -v node >/dev/null && command -v npm >/dev/null \
 	  || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	       apt-get install -y -qq $(DEBIAN_TOOLS) >/dev/null; \
 	     else echo "note: install $(DEBIAN_TOOLS) for the interop tests"; fi; }
@@ -43,7 +44,14 @@ $(VENV)/.test-deps: pyproject.toml $(BIN)/segnode
 	$(BIN)/pip install -q -e '.[test,trt]'
 	@touch $@
 
-test: venv $(VENV)/.test-deps tools lint typecheck
+# The web viewers' SEG readers (dcmjs, @cornerstonejs/adapters; tests/test_seg_dcmjs.py,
+# bench/seg_size.py): `npm ci` of tests/node's lock file into the tool cache
+# (SEGNODE_TOOL_CACHE, default ~/.cache/segnode), once; the tests install them themselves
+# when this could not (and skip without node, npm or the registry, unless SEGNODE_REQUIRE_TOOLS).
+readers: venv tools
+	@$(BIN)/python -m tests.node.harness >/dev/null || true
+
+test: venv $(VENV)/.test-deps tools readers lint typecheck
 	$(BIN)/pytest -q
 
 # Results encoding (label map -> SEG and SR as checked bytes, bench/out/encode.json), then the
@@ -70,6 +78,20 @@ bench-gpu: venv
 bench-gpu-e2e: venv
 	$(BIN)/pip install -q -e '.[bench,gpu]'
 	$(BIN)/python -m bench.gpu_e2e --out bench/out
+
+# TotalSegmentator's total task on a CUDA GPU (issue 34; docs/performance.md): the engine alone
+# on the five 1.5 mm parts of the real shape (random weights), then TotalSegmentator itself
+# (installed, with the stand-in weights of scripts.make_totalseg_standins in TOTALSEG_HOME)
+# and segnode end to end on the same weights.
+TOTALSEG_HOME ?= /tmp/tshome
+bench-total-gpu: venv
+	$(BIN)/pip install -q -e '.[bench,gpu]'
+	$(BIN)/python -m bench.total_gpu --out bench/out --variants eager compile
+	$(BIN)/python -m scripts.make_totalseg_standins --out $(TOTALSEG_HOME) --task all
+	$(BIN)/python -m bench.totalseg_gpu --home $(TOTALSEG_HOME) --out bench/out --slices 300
+	$(BIN)/segnode model import totalsegmentator $(TOTALSEG_HOME)/nnunet/results --task total \
+		--labels totalsegmentator --out bench/out/total-model
+	$(BIN)/python -m bench.gpu_e2e --out bench/out --models bench/out/total-model/total.json --slices 300
 
 # Restart-to-ready of the torch engine, cold against warm compiled-model cache, fresh processes.
 bench-torch-warm: venv
