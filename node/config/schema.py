@@ -254,6 +254,11 @@ def is_loopback(host: str) -> bool:
         return False  # a host name other than localhost may resolve anywhere
 
 
+#: ``[results] seg_transfer_syntax`` values: Deflated Explicit VR Little Endian, Explicit VR
+#: Little Endian (PS3.5 A.5, A.2).
+SEG_TRANSFER_SYNTAXES = {"deflated": "1.2.840.10008.1.2.1.99", "explicit": "1.2.840.10008.1.2.1"}
+
+
 @dataclass(frozen=True)
 class ResultsConfig:
     """``[results]``: how the results are encoded."""
@@ -262,11 +267,22 @@ class ResultsConfig:
     #: viewer that reads DICOM SEG) or "LABELMAP" (Label Map Segmentation Storage: one 8-bit
     #: frame per non-empty slice holding every segment; read only by recent viewers).
     segmentation_type: str = setting("BINARY", choices=("BINARY", "LABELMAP"))
+    #: The SEG's transfer syntax: "deflated" (Deflated Explicit VR Little Endian, PS3.5 A.5:
+    #: a 117-segment BINARY SEG of 300 slices is a few MB instead of hundreds) or "explicit"
+    #: (Explicit VR Little Endian, uncompressed). A destination that does not accept the
+    #: deflated one gets the SEG inflated, in Explicit VR Little Endian; with "explicit" the
+    #: outbox does not propose it (docs/integration.md, "SEG encoding").
+    seg_transfer_syntax: str = setting("deflated", choices=tuple(SEG_TRANSFER_SYNTAXES))
     #: When the SEG and SR are prepared (everything but what the label map decides):
     #: "concurrent" (on a helper thread while the engine runs) or "before" (in the worker
     #: thread, before the engine runs: the engine's Python then has the GIL to itself, which
     #: a GPU engine launching kernels from Python needs; docs/performance.md).
     prepare: str = setting("concurrent", choices=("concurrent", "before"))
+
+    @property
+    def seg_transfer_syntax_uid(self) -> str:
+        """The Transfer Syntax UID of :attr:`seg_transfer_syntax`."""
+        return SEG_TRANSFER_SYNTAXES[self.seg_transfer_syntax]
 
 
 ENGINE_LOAD_MODES = ("background", "before")

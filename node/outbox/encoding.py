@@ -3,9 +3,14 @@ proposes and a result file's data set, as stored or encoded again in another tra
 
 Each storage SOP class the outbox sends is proposed with Explicit VR Little Endian (the result
 files' own transfer syntax) and with Implicit VR Little Endian (the fallback), then
-Verification (:func:`proposed_contexts`). :func:`dataset_offset` finds where a PS3.10 file's
-data set starts, so that it is sent as the bytes the worker wrote; :func:`encode_dataset`
-decodes and encodes it again only for a destination that accepted the other transfer syntax.
+Verification (:func:`proposed_contexts`); the Segmentation classes first also with Deflated
+Explicit VR Little Endian, the SEG's transfer syntax by default (``[results]
+seg_transfer_syntax``). :func:`dataset_offset` finds where a PS3.10 file's data set starts, so
+that it is sent as the bytes the worker wrote; :func:`encode_dataset` encodes it again only for
+a destination that accepted another transfer syntax: a deflated SEG is inflated for a
+destination that takes Explicit VR Little Endian only (the inflated bytes are that data set,
+nothing is decoded), decoded and encoded for one that takes Implicit VR Little Endian only;
+:func:`explicit_file` is the inflated file for a STOW-RS server that refuses the deflated one.
 
 Must not touch: the ledger, associations and what is sent where and when, which are
 :mod:`segnode.node.outbox.scu`'s; the result objects' content, which is
@@ -15,15 +20,18 @@ Must not touch: the ledger, associations and what is sent where and when, which 
 from __future__ import annotations
 
 import struct
+import zlib
 from pathlib import Path
 from typing import BinaryIO
 
 from pydicom import dcmread
 from pydicom.errors import InvalidDicomError
 from pydicom.filebase import DicomBytesIO
-from pydicom.filewriter import write_dataset
+from pydicom.filereader import read_file_meta_info
+from pydicom.filewriter import write_dataset, write_file_meta_info
 from pydicom.uid import (
     Comprehensive3DSRStorage,
+    DeflatedExplicitVRLittleEndian,
     ExplicitVRLittleEndian,
     ImplicitVRLittleEndian,
     KeyObjectSelectionDocumentStorage,
@@ -32,6 +40,7 @@ from pydicom.uid import (
 
 from segnode.node.dicom.ul_pdu import VERIFICATION
 from segnode.node.results.build import LABEL_MAP_SEGMENTATION_STORAGE
+from segnode.node.results.seg_deflate import deflate, inflate
 
 #: The storage SOP classes the outbox sends.
 STORAGE_CLASSES = (
@@ -42,16 +51,25 @@ STORAGE_CLASSES = (
 )
 
 
-def proposed_contexts() -> list[tuple[str, tuple[str, ...]]]:
+#: The Segmentation SOP classes, whose files may be deflated.
+SEGMENTATION_CLASSES = (SegmentationStorage, LABEL_MAP_SEGMENTATION_STORAGE)
+
+
+def proposed_contexts(*, deflated_seg: bool = True) -> list[tuple[str, tuple[str, ...]]]:
     """The presentation contexts the outbox proposes (abstract syntax, transfer syntaxes).
 
-    Each storage SOP class is proposed in two presentation contexts, Explicit VR Little Endian
-    (the result files' own transfer syntax, sent as they are) and Implicit VR Little Endian
-    (the fallback, re-encoded), so that a destination supporting both accepts the first rather
-    than choosing Implicit from a single context (PS3.8 §9.3.2.2); then Verification.
+    Each storage SOP class is proposed in presentation contexts of one transfer syntax each,
+    so that a destination supporting several accepts each rather than choosing one from a
+    single context (PS3.8 §9.3.2.2): with ``deflated_seg`` the Segmentation classes first in
+    Deflated Explicit VR Little Endian (the SEG files' own, sent as they are); then every class
+    in Explicit VR Little Endian (the other result files', sent as they are, and the deflated
+    SEG's fallback, inflated) and Implicit VR Little Endian (the last fallback, re-encoded);
+    then Verification.
     """
     contexts: list[tuple[str, tuple[str, ...]]] = []
     for cls in STORAGE_CLASSES:
+        if deflated_seg and cls in SEGMENTATION_CLASSES:
+            contexts.append((cls, (DeflatedExplicitVRLittleEndian,)))
         contexts.append((cls, (ExplicitVRLittleEndian,)))
         contexts.append((cls, (ImplicitVRLittleEndian,)))
     contexts.append((VERIFICATION, (ImplicitVRLittleEndian, ExplicitVRLittleEndian)))
@@ -94,14 +112,69 @@ def dataset_offset(f: BinaryIO) -> int:
 
 
 def encode_dataset(path: str | Path, syntax: str) -> bytes:
-    """The data set of the file at ``path`` encoded again in ``syntax`` (Implicit or Explicit
-    VR Little Endian), without its File Meta Information."""
+    """The data set of the file at ``path`` encoded again in ``syntax`` (Implicit, Explicit
+    or Deflated Explicit VR Little Endian), without its File Meta Information.
+
+    Between Explicit VR Little Endian and its deflated form the data set's bytes are inflated
+    or deflated as they are; Implicit VR Little Endian is decoded and encoded by pydicom.
+
+    Raises
+    ------
+    InvalidDicomError
+        The file is not PS3.10, or its deflated data set does not inflate.
+    """
+    with open(path, "rb") as f:
+        offset = dataset_offset(f)
+        meta = read_file_meta_info(path)
+        stored = str(meta.get("TransferSyntaxUID", ""))
+        pair = {stored, syntax}
+        if pair == {ExplicitVRLittleEndian, DeflatedExplicitVRLittleEndian}:
+            f.seek(offset)
+            data = f.read()
+            if syntax == ExplicitVRLittleEndian:
+                try:
+                    return inflate(data)
+                except zlib.error as exc:
+                    raise InvalidDicomError(
+                        f"the deflated data set does not inflate: {exc}"
+                    ) from exc
+            return deflate(data).stream
     ds = dcmread(path)
     fp = DicomBytesIO()
     fp.is_little_endian = True
     fp.is_implicit_VR = syntax == ImplicitVRLittleEndian
     write_dataset(fp, ds)
-    return bytes(fp.getvalue())
+    data = bytes(fp.getvalue())
+    return deflate(data).stream if syntax == DeflatedExplicitVRLittleEndian else data
 
 
-__all__ = ["dataset_offset", "encode_dataset", "proposed_contexts"]
+def explicit_file(path: str | Path) -> bytes | None:
+    """The PS3.10 file at ``path`` in Explicit VR Little Endian if it is deflated (its data
+    set inflated, its File Meta Information naming Explicit VR Little Endian), else None:
+    for a STOW-RS server that refuses the deflated SEG.
+
+    Raises
+    ------
+    InvalidDicomError
+        The file is not PS3.10, or its deflated data set does not inflate.
+    """
+    meta = read_file_meta_info(path)
+    if str(meta.get("TransferSyntaxUID", "")) != DeflatedExplicitVRLittleEndian:
+        return None
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    fp = DicomBytesIO()
+    fp.is_little_endian, fp.is_implicit_VR = True, False
+    with open(path, "rb") as f:
+        fp.write(f.read(128))
+    fp.write(b"DICM")
+    write_file_meta_info(fp, meta, enforce_standard=True)
+    return bytes(fp.getvalue()) + encode_dataset(path, ExplicitVRLittleEndian)
+
+
+__all__ = [
+    "SEGMENTATION_CLASSES",
+    "dataset_offset",
+    "encode_dataset",
+    "explicit_file",
+    "proposed_contexts",
+]

@@ -46,9 +46,12 @@ operation of its pass is bounded by ``dispatch.timeout_s``, and so is :meth:`Dis
 
 Associations are the node's own requestor's (:mod:`segnode.node.dicom.requestor`: one
 thread, deadlines on every read and write, limits on every PDU). A C-STORE sends the result
-file's dataset bytes as the worker wrote them (PS3.10, Explicit VR Little Endian): nothing is
-decoded or encoded again, unless the destination accepted only another transfer syntax for
-the SOP class (:meth:`Dispatcher._store`). The association to a destination stays open
+file's dataset bytes as the worker wrote them (PS3.10; Explicit VR Little Endian, the SEG by
+default deflated): nothing is decoded or encoded again, unless the destination accepted only
+another transfer syntax for the SOP class (:meth:`Dispatcher._store`; a deflated SEG is then
+inflated to Explicit VR Little Endian). STOW-RS negotiates nothing: the file goes as stored,
+and a server that refuses a deflated SEG gets it inflated at once
+(:meth:`Dispatcher._stow_one`). The association to a destination stays open
 ``dispatch.keep_open_s`` after a batch for the next job's objects
 (:class:`~segnode.node.outbox.policy.KeptAssociations`); one the peer closed meanwhile, or on
 which it sent anything unasked, is replaced without using an attempt.
@@ -84,7 +87,12 @@ from segnode.node.dicom.requestor_outcome import (
 from segnode.node.dicom.tls import tls_args
 from segnode.node.dicom.ul_pdu import VERIFICATION
 from segnode.node.errors import ConfigError, log_failure
-from segnode.node.outbox.encoding import dataset_offset, encode_dataset, proposed_contexts
+from segnode.node.outbox.encoding import (
+    dataset_offset,
+    encode_dataset,
+    explicit_file,
+    proposed_contexts,
+)
 from segnode.node.outbox.policy import Backoff, CircuitBreakers, InOrder, KeptAssociations
 from segnode.node.outbox.stow import StowFailed, StowTarget, StowUnreachable
 from segnode.node.outbox.stow import store as stow_store
@@ -134,7 +142,7 @@ class Dispatcher:
         self.kept = KeptAssociations(dc.keep_open_s)
         self.requestor = Requestor(
             dc.calling_ae,
-            proposed_contexts(),
+            proposed_contexts(deflated_seg=config.results.seg_transfer_syntax == "deflated"),
             dc.timeout_s,
             max_pdu=config.node.max_pdu,
             max_send_pdu=SEND_PDU_BYTES,
@@ -452,8 +460,10 @@ class Dispatcher:
         File Meta Information (PS3.10 §7.1), checked against the ledger's row; the dataset is
         sent as the bytes that follow it, read from the file as the PDUs go out, over a
         context of that transfer syntax. Only when the destination accepted another transfer
-        syntax for the SOP class (Implicit VR Little Endian) is the file decoded and encoded
-        again.
+        syntax for the SOP class is the data set encoded again
+        (:func:`~segnode.node.outbox.encoding.encode_dataset`): a deflated SEG inflated for a
+        destination that did not accept Deflated Explicit VR Little Endian, or a file decoded
+        and encoded for one that accepted only Implicit VR Little Endian.
         """
         try:
             meta = read_file_meta_info(d.path)
@@ -478,11 +488,12 @@ class Dispatcher:
                     f.seek(dataset_offset(f))
                     return assoc.store(as_is[0], sop_class, sop_instance, f)
             cx = contexts[0]
-            log.debug(
-                "%s accepted %s for %s only: re-encoding job %d %s",
+            log.info(
+                "%s accepted %s for %s, not %s: re-encoding job %d %s",
                 d.destination,
                 UID(cx.transfer_syntax).name,
                 UID(sop_class).name,
+                UID(syntax).name,
                 d.job_id,
                 d.kind,
             )
@@ -520,9 +531,24 @@ class Dispatcher:
             return False
         if not self._claimed(d):
             return False
+        timeout = self.config.dispatch.timeout_s
         try:
-            timeout = self.config.dispatch.timeout_s
-            result = stow_store(target, data, d.sop_instance_uid, timeout)
+            try:
+                result = stow_store(target, data, d.sop_instance_uid, timeout)
+            except StowFailed as exc:
+                # a server that answered but refused the object: if it is the deflated SEG,
+                # the same object inflated, at once (STOW-RS negotiates no transfer syntax)
+                explicit = None if exc.status is None else self._explicit_copy(d)
+                if explicit is None:
+                    raise
+                log.info(
+                    "%s refused job %d's deflated %s (%s): sending it inflated",
+                    dest,
+                    d.job_id,
+                    d.kind,
+                    exc,
+                )
+                result = stow_store(target, explicit, d.sop_instance_uid, timeout)
         except StowUnreachable as exc:
             self._unreachable(dest, str(exc))
             return None
@@ -538,6 +564,15 @@ class Dispatcher:
         self.ledger.delivery_done(d.id, f"HTTP {result.http_status}", result.warning)
         log.info("job %d %s delivered to %s", d.job_id, d.kind, dest)
         return True
+
+    @staticmethod
+    def _explicit_copy(d: DueDelivery) -> bytes | None:
+        """The result file of ``d`` inflated if it is deflated, else None (also when it
+        cannot be read: the refusal then stands)."""
+        try:
+            return explicit_file(d.path)
+        except (OSError, InvalidDicomError):
+            return None
 
 
 def echo(peer: Peer, calling_ae: str = "SEGNODE", timeout: float = 10.0) -> int:

@@ -190,6 +190,7 @@ class Worker:
         #: The peak resident set of the last job that encoded (bytes; metrics).
         self.last_peak_rss = 0
         self.segmentation_type = config.results.segmentation_type
+        self.seg_transfer_syntax = config.results.seg_transfer_syntax_uid
         self.prepare_mode = config.results.prepare
         # Prepares the SEG and SR of a job while its inference runs.
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="segnode-prepare")
@@ -502,6 +503,7 @@ class Worker:
             manifest,
             uids,
             segmentation_type=self.segmentation_type,
+            transfer_syntax=self.seg_transfer_syntax,
             equipment=Equipment.for_seg(__version__),
             created=created,
         )

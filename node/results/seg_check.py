@@ -20,12 +20,19 @@ walker (PS3.5 7.1, 7.5) and checks what the fast path could get wrong:
 The Segment Sequence items, Derivation Image and Plane Position items are compared with the
 plan's prepared bytes; the prepared Plane Positions and source references of the slices in
 use are decoded and compared with the volume's geometry and sources.
+
+A deflated SEG (Deflated Explicit VR Little Endian, PS3.5 A.5) is checked on the data set the
+encoder deflated (:attr:`~segnode.node.results.seg_encode.EncodedSeg.plain`), and its
+deflate stream against it without a full inflate
+(:func:`segnode.node.results.seg_deflate.check_blocks`: the joins of the parallel blocks, the
+start of every block and the end of the stream); without that data set the stream is inflated
+whole first.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Any
+import zlib
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +40,7 @@ from pydicom.datadict import keyword_for_tag
 
 from segnode.node.pipeline.parallel import map_blocks
 from segnode.node.results.build import POSITION_TOLERANCE_MM, ResultError
+from segnode.node.results.seg_deflate import check_blocks, inflate
 from segnode.node.results.seg_encode import EncodedSeg, SegPlan
 from segnode.node.results.seg_header import (
     Tag,
@@ -58,7 +66,6 @@ _VARIABLE = frozenset(
 )
 
 Element = tuple[int, int, int, int]
-_SLICES_AT_ONCE = 2
 
 
 class _Malformed(Exception):
@@ -186,15 +193,35 @@ def _fail(message: str) -> ResultError:
     return ResultError(f"SEG check: {message}")
 
 
+def _dataset(plan: SegPlan, encoded: EncodedSeg) -> tuple[memoryview, int]:
+    """The buffer that holds the Explicit VR Little Endian data set and where it starts
+    there, after the checks of the file meta and (deflated) of the deflate stream."""
+    data = memoryview(encoded.data)
+    if data[: len(plan.file_meta)] != plan.file_meta:
+        raise _fail("preamble or file meta differ from the prepared ones")
+    if encoded.deflated != plan.deflated:
+        raise _fail(f"the SEG is in {encoded.transfer_syntax}, the plan's is another")
+    if not plan.deflated:
+        return data, len(plan.file_meta)
+    stream = data[len(plan.file_meta) :]
+    if encoded.plain is None:
+        try:
+            return memoryview(inflate(stream)), 0
+        except zlib.error as exc:
+            raise _fail(f"the deflated data set does not inflate: {exc}") from exc
+    why = check_blocks(encoded.plain, stream, encoded.deflate_blocks)
+    if why is not None:
+        raise _fail(why)
+    return memoryview(encoded.plain), 0
+
+
 def _check(plan: SegPlan, encoded: EncodedSeg, labels: npt.NDArray[np.integer]) -> None:
-    buf = memoryview(encoded.data)
     if labels.shape != plan.shape or not np.issubdtype(labels.dtype, np.integer):
         raise _fail(f"label map of {labels.dtype} {labels.shape} does not fit {plan.shape}")
-    if buf[: len(plan.file_meta)] != plan.file_meta:
-        raise _fail("preamble or file meta differ from the prepared ones")
+    buf, start = _dataset(plan, encoded)
     top: dict[int, Element] = {}
     previous = -1
-    for element in elements(buf, len(plan.file_meta), len(buf)):
+    for element in elements(buf, start, len(buf)):
         if element[0] <= previous:
             raise _fail(f"{_name(element[0])} follows {_name(previous)}: tags not ascending")
         previous = element[0]
@@ -416,53 +443,91 @@ def _check_bit_planes(
     """BINARY frames of whole bytes, checked against bit planes of the label map.
 
     Bit j of every label is packed, slice by slice, into a 1-bit plane (as many planes as
-    the largest value has bits). The frame of label value v must equal the AND over j of
-    plane j where bit j of v is 1 and of its complement where it is 0; for a described value
-    with no frame on a slice that AND must be empty, and the OR of the planes (the labelled
-    voxels) must equal the OR of the described values' ANDs. So every frame is exact, no
-    frame is missing and no voxel has a value the SEG does not describe. (A different
-    computation from the encoder's comparisons, on the packed data.)
+    the largest value has bits), and their OR is the slice's labelled voxels. On every slice
+    the frames must be disjoint (their bit counts add up to their OR's), their OR must be
+    the labelled voxels, and for every j the OR of the frames whose label value has bit j set
+    must be plane j. Then each labelled voxel lies in exactly one frame, whose value has the
+    voxel's bits: every frame holds exactly its value's voxels, no frame is missing and no
+    voxel has a value the SEG does not describe. (A different computation from the encoder's
+    comparisons, on the packed data; where it fails, each frame is compared with the AND of
+    the planes for its value, to name the first frame that differs.)
     """
     if np.issubdtype(flat.dtype, np.signedinteger) and int(flat.min()) < 0:
         raise _fail("the label map holds negative values")
     numbers = sorted(segments)
     values = np.array([segments[n] for n in numbers], dtype=np.int64)
     width = max(int(flat.max()), int(values.max())).bit_length()
-    set_bits = (values[:, None] >> np.arange(width)[None, :]) & 1
-    masks = np.where(set_bits == 1, 0, 0xFF).astype(np.uint8)  # XOR: complement where bit is 0
+    set_bits = ((values[:, None] >> np.arange(width)[None, :]) & 1).astype(np.bool_)
+    described = set(values.tolist())
     slices, pixels = flat.shape
-    index = np.full((len(values), slices), -1, dtype=np.intp)
-    index[frame_segments - 1, frame_slices] = np.arange(len(frame_slices))
+    # the frames of each slice, in frame order (frames are in segment order, then slice)
+    by_slice = np.argsort(frame_slices, kind="stable")
+    bounds = np.searchsorted(frame_slices[by_slice], np.arange(slices + 1))
 
     def block(start: int, stop: int) -> None:
-        scratch = np.empty((_SLICES_AT_ONCE, pixels), dtype=flat.dtype)
-        for z in range(start, stop, _SLICES_AT_ONCE):
-            _check_slices(z, flat[z : min(stop, z + _SLICES_AT_ONCE)], scratch)
-
-    def _check_slices(z: int, part: npt.NDArray[np.integer], scratch: npt.NDArray[Any]) -> None:
-        n = len(part)
-        planes = np.empty((width, n, pixels // 8), dtype=np.uint8)
-        for j in range(width):
-            np.bitwise_and(part, 1 << j, out=scratch[:n])
-            planes[j] = np.packbits(scratch[:n], axis=1, bitorder="little")
-        expected = np.bitwise_and.reduce(planes[None] ^ masks[:, :, None, None], axis=1)
-        rows = index[:, z : z + n]
-        framed = rows >= 0
-        if not np.array_equal(expected[framed], frames[rows[framed]]):
-            for v, i in zip(*np.nonzero(framed), strict=True):
-                got = np.unpackbits(frames[rows[v, i]], bitorder="little").astype(np.bool_)
-                want = np.unpackbits(expected[v, i], bitorder="little").astype(np.bool_)
-                if not np.array_equal(got, want):
-                    _mismatch(got, want, int(rows[v, i]), z + int(i), plan)
-        if expected[~framed].any():
-            v, i = (int(a[0]) for a in np.nonzero(expected.any(axis=2) & ~framed))
-            raise _fail(f"label {values[v]} has voxels on slice {z + i} but no frame there")
-        labelled = np.bitwise_or.reduce(planes, axis=0)
-        if not np.array_equal(np.bitwise_or.reduce(expected, axis=0), labelled):
-            raise _fail(f"slices {z}..{z + n - 1} hold label values the SEG does not describe")
+        scratch = np.empty(pixels, dtype=flat.dtype)
+        planes = np.empty((width, pixels // 8), dtype=np.uint8)
+        for z in range(start, stop):
+            for j in range(width):
+                np.bitwise_and(flat[z], 1 << j, out=scratch)
+                planes[j] = np.packbits(scratch, bitorder="little")
+            labelled = np.bitwise_or.reduce(planes, axis=0)
+            mine = by_slice[bounds[z] : bounds[z + 1]]
+            got = frames[mine]
+            union = np.bitwise_or.reduce(got, axis=0) if len(mine) else np.zeros_like(labelled)
+            bits = set_bits[frame_segments[mine] - 1]  # (frames, width)
+            exact = _popcount(got.ravel()) == _popcount(union) and np.array_equal(union, labelled)
+            for j in range(width):
+                if not exact:
+                    break
+                exact = np.array_equal(np.bitwise_or.reduce(got[bits[:, j]], axis=0), planes[j])
+            if not exact:
+                framed = values[frame_segments[mine] - 1]
+                _diagnose(plan, z, flat[z], planes, got, mine, framed, described)
+                raise _fail(f"the frames of slice {z} do not reproduce its labels")
 
     # blocks of slices on several threads; the first failing block's error is raised
-    map_blocks(block, slices, _SLICES_AT_ONCE)
+    map_blocks(block, slices, 1)
+
+
+def _diagnose(
+    plan: SegPlan,
+    z: int,
+    row: npt.NDArray[np.integer],
+    planes: npt.NDArray[np.uint8],
+    got: npt.NDArray[np.uint8],
+    mine: npt.NDArray[np.intp],
+    framed: npt.NDArray[np.int64],
+    described: set[int],
+) -> None:
+    """Fail naming what is wrong with the frames ``got`` (frame indices ``mine``, label
+    values ``framed``) of slice ``z``: the first frame that is not the AND of the planes
+    for its value, else what they leave out."""
+    bits = (framed[:, None] >> np.arange(len(planes))[None, :]) & 1
+    masks = np.where(bits == 1, 0, 0xFF).astype(np.uint8)  # XOR: complement where bit is 0
+    for i, f in enumerate(mine.tolist()):
+        expected = np.bitwise_and.reduce(planes ^ masks[i][:, None], axis=0)
+        if not np.array_equal(expected, got[i]):
+            a = np.unpackbits(got[i], bitorder="little").astype(np.bool_)
+            b = np.unpackbits(expected, bitorder="little").astype(np.bool_)
+            _mismatch(a, b, f, z, plan)
+    _uncovered(z, row, framed.tolist(), described)
+
+
+def _uncovered(
+    z: int, row: npt.NDArray[np.integer], framed: list[int], described: set[int]
+) -> None:
+    """Fail naming what the frames of slice ``z`` (of label values ``framed``) leave out: a
+    value the SEG describes without a frame there, or values it does not describe."""
+    present = np.unique(row[row != 0]).tolist()
+    for value in present:
+        if value in described and value not in framed:
+            raise _fail(f"label {value} has voxels on slice {z} but no frame there")
+    others = [v for v in present if v not in described]
+    if others:
+        raise _fail(
+            f"slice {z}: its voxels of {others} hold label values the SEG does not describe"
+        )
 
 
 def _popcount(data: npt.NDArray[np.uint8]) -> int:

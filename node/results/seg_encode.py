@@ -20,12 +20,19 @@ segment 0), except four values highdicom draws at build time, which the plan fix
 Instance Creation, Content and Contribution Date/Time (``created``) and the Dimension
 Organization UID (derived from the SOP Instance UID).
 :func:`segnode.node.results.seg_check.check_encoded` checks the bytes before they leave.
+
+In Deflated Explicit VR Little Endian (``transfer_syntax``; PS3.5 A.5, the node's default,
+``[results] seg_transfer_syntax``) the same data set is deflated in parallel blocks
+(:mod:`segnode.node.results.seg_deflate`) after the file meta that names that transfer syntax;
+the encoded SEG keeps the data set as it was before deflating, for the check.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from io import BytesIO
@@ -36,8 +43,11 @@ import numpy.typing as npt
 import pydicom
 from highdicom.spatial import get_volume_positions
 from pydicom.charset import default_encoding
-from pydicom.dataset import Dataset
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.filebase import DicomBytesIO
+from pydicom.filewriter import write_file_meta_info
 from pydicom.sr.codedict import codes
+from pydicom.uid import UID, DeflatedExplicitVRLittleEndian, ExplicitVRLittleEndian
 
 from segnode.engines.manifest import ModelManifest
 from segnode.node.ingest.volume import Volume
@@ -51,6 +61,7 @@ from segnode.node.results.build import (
     _source_headers,
     derived_uid,
 )
+from segnode.node.results.seg_deflate import deflate
 from segnode.node.results.seg_header import (
     Geometry,
     SegmentItem,
@@ -67,11 +78,10 @@ from segnode.node.results.seg_header import (
     text_value,
 )
 
-Chunk = bytes | memoryview  # a piece of the file, joined once at the end
+Chunk = bytes | memoryview  # a piece of the file, copied once into its buffer
 
-# Comparisons are made on this many label bytes at a time, so that the boolean temporaries
-# stay in the CPU cache instead of streaming through memory.
-_CHUNK_BYTES = 1 << 19
+#: The transfer syntaxes a SEG is encoded in (PS3.5 A.2, A.5).
+TRANSFER_SYNTAXES = (ExplicitVRLittleEndian, DeflatedExplicitVRLittleEndian)
 
 
 # ------------------------------------------------------------------------------ result
@@ -84,13 +94,22 @@ class EncodedSeg:
     Attributes
     ----------
     data
-        The PS3.10 file: preamble, file meta, dataset.
+        The PS3.10 file: preamble, file meta, dataset (deflated in Deflated Explicit VR
+        Little Endian).
     segment_numbers
         ``{label value: segment number}`` of the labels present.
     frame_segments
         Segment number of each frame (for LABELMAP: 0, a frame holds every segment).
     frame_slices
         Volume slice index (``volume.hu[k]``) of each frame.
+    transfer_syntax
+        The file's transfer syntax (one of :data:`TRANSFER_SYNTAXES`).
+    plain
+        Deflated only: the data set before it was deflated (Explicit VR Little Endian), which
+        :func:`segnode.node.results.seg_check.check_encoded` reads instead of inflating.
+    deflate_blocks
+        Deflated only: where each independently deflated block starts, (offset in the data
+        set, offset in the deflated data set) (:func:`segnode.node.results.seg_deflate.deflate`).
     """
 
     data: bytes
@@ -100,6 +119,14 @@ class EncodedSeg:
     sop_class_uid: str
     sop_instance_uid: str
     series_instance_uid: str
+    transfer_syntax: str = ExplicitVRLittleEndian
+    plain: bytes | bytearray | None = None
+    deflate_blocks: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def deflated(self) -> bool:
+        """Whether the data set is deflated (Deflated Explicit VR Little Endian)."""
+        return self.transfer_syntax == DeflatedExplicitVRLittleEndian
 
     @property
     def number_of_frames(self) -> int:
@@ -121,6 +148,8 @@ class SegPlan:
     ----------
     labelmap
         Label Map Segmentation Storage (LABELMAP) instead of a BINARY Segmentation.
+    transfer_syntax
+        Explicit VR Little Endian, or Deflated Explicit VR Little Endian.
     shape
         ``(slices, rows, columns)`` of the volume and of the label maps it encodes.
     created
@@ -141,6 +170,7 @@ class SegPlan:
     """
 
     labelmap: bool
+    transfer_syntax: str
     shape: tuple[int, int, int]
     created: datetime.datetime
     dimension_organization_uid: str
@@ -154,6 +184,7 @@ class SegPlan:
     source_frames: tuple[int, ...]
     plane_order: npt.NDArray[np.intp]
     file_meta: bytes
+    explicit_meta: bytes
     fixed: dict[int, bytes]
     shared: bytes
     shared_single_segment: bytes
@@ -172,6 +203,7 @@ class SegPlan:
         uids: ResultUIDs,
         *,
         segmentation_type: str = "BINARY",
+        transfer_syntax: str = ExplicitVRLittleEndian,
         equipment: Equipment,
         created: datetime.datetime | None = None,
     ) -> SegPlan:
@@ -185,6 +217,9 @@ class SegPlan:
         segmentation_type
             ``"BINARY"`` (Segmentation Storage, one 1-bit frame per segment and slice) or
             ``"LABELMAP"`` (Label Map Segmentation Storage, one 8-bit frame per slice).
+        transfer_syntax
+            Explicit VR Little Endian (highdicom's bytes) or Deflated Explicit VR Little
+            Endian (the same data set, deflated).
         created
             Instance Creation / Content / Contribution Date and Time; default now.
 
@@ -194,8 +229,10 @@ class SegPlan:
             The sources cannot be described as highdicom would (a slice matching no source
             plane, a source lacking Slice Thickness, more than 255 LABELMAP labels).
         ValueError
-            Unknown ``segmentation_type``.
+            Unknown ``segmentation_type`` or ``transfer_syntax``.
         """
+        if transfer_syntax not in TRANSFER_SYNTAXES:
+            raise ValueError(f"a SEG is not encoded in transfer syntax {transfer_syntax}")
         kind = hd.seg.SegmentationTypeValues(segmentation_type)
         if kind == hd.seg.SegmentationTypeValues.FRACTIONAL:
             raise ValueError("FRACTIONAL segmentations are not encoded by segnode")
@@ -220,10 +257,6 @@ class SegPlan:
                 equipment=equipment,
             )
             geometry = Geometry.of(volume, sources)
-            meta = Dataset()
-            meta.file_meta, meta.preamble = header.file_meta, header.preamble
-            buffer = BytesIO()
-            pydicom.dcmwrite(buffer, meta, enforce_file_format=True)
             fixed = encode_elements(header, header.get("SpecificCharacterSet", encoding))
 
             algorithm = hd.AlgorithmIdentificationSequence(
@@ -240,6 +273,7 @@ class SegPlan:
         first = sorted(manifest.labels, key=lambda s: s.value)[0]
         return cls(
             labelmap=labelmap,
+            transfer_syntax=transfer_syntax,
             shape=volume.shape,
             created=created,
             dimension_organization_uid=dim_uid,
@@ -252,7 +286,8 @@ class SegPlan:
             source_uids=geometry.source_uids,
             source_frames=geometry.source_frames,
             plane_order=geometry.plane_order,
-            file_meta=buffer.getvalue(),
+            file_meta=_file_meta(header, transfer_syntax),
+            explicit_meta=_file_meta(header, ExplicitVRLittleEndian),
             fixed=fixed,
             shared=encode_element(geometry.shared(single_segment=False), encoding),
             shared_single_segment=encode_element(geometry.shared(single_segment=True), encoding),
@@ -266,7 +301,16 @@ class SegPlan:
 
     def __repr__(self) -> str:
         kind = "LABELMAP" if self.labelmap else "BINARY"
-        return f"SegPlan({kind}, shape={self.shape}, sop_instance_uid={self.uids.seg_sop_uid})"
+        deflated = ", deflated" if self.deflated else ""
+        return (
+            f"SegPlan({kind}{deflated}, shape={self.shape}, "
+            f"sop_instance_uid={self.uids.seg_sop_uid})"
+        )
+
+    @property
+    def deflated(self) -> bool:
+        """Whether the SEG is encoded in Deflated Explicit VR Little Endian."""
+        return self.transfer_syntax == DeflatedExplicitVRLittleEndian
 
     # ------------------------------------------------------------------------ encode
 
@@ -321,7 +365,7 @@ class SegPlan:
         """
         flat = self._checked(labels)
         values = [s.value for s in sorted(self.manifest.labels, key=lambda s: s.value)]
-        presence, rows = _scan(flat, values, pack=not self.labelmap)
+        presence = _presence(flat, values)
         hits: list[bool] = np.any(presence, axis=1).tolist()
         present = [v for v, hit in zip(values, hits, strict=True) if hit]
         if not present:
@@ -335,6 +379,7 @@ class SegPlan:
         rank = np.zeros(self.shape[0], dtype=np.intp)
         rank[planes] = np.arange(1, len(planes) + 1)
         index = {v: i for i, v in enumerate(values)}
+        frames: _Frames | None = None
         if self.labelmap:
             segments = np.zeros(len(planes), dtype=np.intp)
             slices = planes
@@ -343,12 +388,8 @@ class SegPlan:
             per_segment = [planes[presence[index[v], planes]] for v in present]
             segments = np.repeat(np.arange(1, len(present) + 1), [len(p) for p in per_segment])
             slices = np.concatenate(per_segment)
-            frames = [
-                rows[(index[v], k)]
-                for v, p in zip(present, per_segment, strict=True)
-                for k in p.tolist()
-            ]
-            pixels = _binary_frames(frames, flat.shape[1])
+            frames = _Frames(flat, np.array(present)[segments - 1], slices)
+            pixels = [long_header(Tag.PIXEL_DATA, b"OB", frames.length)]
         channels = 1 if self.labelmap else len(present)
         variable: dict[int, list[Chunk]] = {
             Tag.NUMBER_OF_FRAMES: [
@@ -359,27 +400,49 @@ class SegPlan:
                 self.shared_single_segment if channels == 1 and not self.labelmap else self.shared
             ],
             Tag.PER_FRAME_FUNCTIONAL_GROUPS: self._per_frame(segments, slices, rank, channels),
-            Tag.PIXEL_DATA: pixels,
+            Tag.PIXEL_DATA: pixels,  # the last element: BINARY frames are packed after it
         }
         nonempty_ascending = np.flatnonzero(nonempty)
         if self.is_3d(nonempty_ascending, channels):
             variable[Tag.DIMENSION_ORGANIZATION_TYPE] = [
                 short_element(Tag.DIMENSION_ORGANIZATION_TYPE, b"CS", b"3D")
             ]
-        parts: list[Chunk] = [self.file_meta]
+        parts: list[Chunk] = [] if self.deflated else [self.file_meta]
         for tag in sorted({*self.fixed, *variable}):
             if tag in variable:
                 parts.extend(variable[tag])
             else:
                 parts.append(self.fixed[tag])
+        # one buffer, the BINARY frames packed into their place on several threads
+        head = sum(len(p) for p in parts)
+        buffer = bytearray(head + (frames.length if frames is not None else 0))
+        position = 0
+        for part in parts:
+            buffer[position : position + len(part)] = part
+            position += len(part)
+        if frames is not None:
+            frames.pack(memoryview(buffer)[head:])
+        plain: bytearray | None = None
+        blocks: tuple[tuple[int, int], ...] = ()
+        if self.deflated:
+            # 8-bit label maps deflate smaller and faster as runs (docs/performance.md)
+            strategy = zlib.Z_RLE if self.labelmap else zlib.Z_DEFAULT_STRATEGY
+            deflated = deflate(buffer, strategy=strategy)
+            plain, blocks = buffer, deflated.blocks
+            data = self.file_meta + deflated.stream
+        else:
+            data = bytes(buffer)
         return EncodedSeg(
-            data=b"".join(parts),
+            data=data,
             segment_numbers=numbers,
             frame_segments=segments,
             frame_slices=np.asarray(slices, dtype=np.intp),
             sop_class_uid=self.sop_class_uid,
             sop_instance_uid=self.uids.seg_sop_uid,
             series_instance_uid=self.uids.seg_series_uid,
+            transfer_syntax=self.transfer_syntax,
+            plain=plain,
+            deflate_blocks=blocks,
         )
 
     def reference(self, encoded: EncodedSeg) -> Dataset:
@@ -394,7 +457,7 @@ class SegPlan:
             ),
             Tag.SEGMENT_SEQUENCE: self._segment_sequence(numbers),
         }
-        data = self.file_meta + b"".join(elements[t] for t in sorted(elements))
+        data = self.explicit_meta + b"".join(elements[t] for t in sorted(elements))
         return pydicom.dcmread(BytesIO(data))
 
     def _checked(self, labels: npt.NDArray[np.integer]) -> npt.NDArray[np.integer]:
@@ -469,63 +532,80 @@ class SegPlan:
         return [long_header(Tag.PER_FRAME_FUNCTIONAL_GROUPS, b"SQ", total), *parts]
 
 
+def _file_meta(header: Dataset, transfer_syntax: str) -> bytes:
+    """Preamble, ``DICM`` and File Meta Information (PS3.10 7.1) of ``header`` naming
+    ``transfer_syntax``, as ``pydicom.dcmwrite`` writes them."""
+    meta = FileMetaDataset(copy.deepcopy(header.file_meta))
+    meta.TransferSyntaxUID = UID(transfer_syntax)
+    fp = DicomBytesIO()
+    fp.is_little_endian, fp.is_implicit_VR = True, False
+    fp.write(header.preamble or b"\x00" * 128)
+    fp.write(b"DICM")
+    write_file_meta_info(fp, meta, enforce_standard=True)
+    return bytes(fp.getvalue())
+
+
 # ------------------------------------------------------------------------------ frames
 
 
-def _scan(
-    flat: npt.NDArray[np.integer], values: Sequence[int], *, pack: bool
-) -> tuple[npt.NDArray[np.bool_], dict[tuple[int, int], npt.NDArray[np.generic]]]:
-    """Compare ``flat`` (slices x pixels) with each value, a few slices at a time, in blocks
-    of slices on several threads (:func:`segnode.node.pipeline.parallel.map_blocks`).
-
-    Returns the presence of every value on every slice and, with ``pack``, the frame of
-    every present (value index, slice): 1-bit packed when a frame is a whole number of bytes,
-    else the boolean mask (packed later across frame boundaries, as PS3.5 8.1.1 requires).
-    """
-    slices, pixels = flat.shape
-    step = max(1, _CHUNK_BYTES // max(1, pixels * flat.itemsize))
+def _presence(flat: npt.NDArray[np.integer], values: Sequence[int]) -> npt.NDArray[np.bool_]:
+    """Which of ``values`` each slice of ``flat`` (slices x pixels; values from 0 to
+    ``max(values)``, as :meth:`SegPlan._checked` ensures) holds, found in blocks of slices on
+    several threads (:func:`segnode.node.pipeline.parallel.map_blocks`)."""
+    slices = flat.shape[0]
     presence = np.zeros((len(values), slices), dtype=np.bool_)
-    limit = np.iinfo(flat.dtype).max
-    aligned = pixels % 8 == 0
+    wanted = np.asarray(values, dtype=np.intp)
 
-    def block(start: int, stop: int) -> dict[tuple[int, int], npt.NDArray[np.generic]]:
-        buffer = np.empty((step, pixels), dtype=np.bool_)
-        rows: dict[tuple[int, int], npt.NDArray[np.generic]] = {}
-        for z in range(start, stop, step):
-            part = flat[z : min(stop, z + step)]
-            mask = buffer[: len(part)]
-            for i, value in enumerate(values):
-                if value > limit:
-                    continue
-                np.equal(part, value, out=mask)
-                if not pack:
-                    presence[i, z : z + len(part)] = mask.any(axis=1)
-                    continue
-                packed = np.packbits(mask, axis=1, bitorder="little")
-                hit = packed.any(axis=1)
-                presence[i, z : z + len(part)] = hit
-                for j in np.flatnonzero(hit).tolist():
-                    rows[(i, z + j)] = packed[j] if aligned else mask[j].copy()
-        return rows
+    def block(start: int, stop: int) -> None:
+        seen = np.zeros(int(wanted.max()) + 1, dtype=np.bool_)
+        for z in range(start, stop):
+            seen[:] = False
+            seen[flat[z]] = True
+            presence[:, z] = seen[wanted]  # each block writes its own columns
 
-    rows: dict[tuple[int, int], npt.NDArray[np.generic]] = {}
-    for found in map_blocks(block, slices, step):  # each block writes its own presence columns
-        rows.update(found)
-    return presence, rows
+    map_blocks(block, slices, 1)
+    return presence
 
 
-def _binary_frames(frames: list[npt.NDArray[np.generic]], pixels: int) -> list[Chunk]:
-    """The Pixel Data element of 1-bit frames, padded to even length as highdicom pads it."""
-    if pixels % 8 == 0:
-        body: list[Chunk] = [f.data for f in frames]
-        length = len(frames) * pixels // 8
-    else:
-        packed = np.packbits(np.concatenate(frames), bitorder="little")
-        body, length = [packed.data], len(packed)
-    if length % 2:
-        body.append(b"0")  # highdicom appends the character "0", not a null byte
-        length += 1
-    return [long_header(Tag.PIXEL_DATA, b"OB", length), *body]
+@dataclass(frozen=True, eq=False)
+class _Frames:
+    """The BINARY frames: per frame the label value and volume slice it shows."""
+
+    flat: npt.NDArray[np.integer]
+    values: npt.NDArray[np.intp]
+    slices: npt.NDArray[np.intp]
+
+    @property
+    def length(self) -> int:
+        """Bytes of the Pixel Data value: the frames' bits packed without padding between
+        frames (PS3.5 8.1.1), padded to even length as highdicom pads it."""
+        size = (len(self.slices) * int(self.flat.shape[1]) + 7) // 8
+        return size + size % 2
+
+    def pack(self, out: memoryview) -> None:
+        """Pack the frames into ``out`` (:attr:`length` bytes): each frame compares its
+        slice with its value, first pixel in the least significant bit (PS3.5 8.1.1), on
+        several threads when a frame is a whole number of bytes."""
+        target = np.frombuffer(out, dtype=np.uint8)
+        pixels = self.flat.shape[1]
+        values, slices = self.values.tolist(), self.slices.tolist()
+        size = (len(values) * pixels + 7) // 8
+        if size % 2:
+            target[size] = ord("0")  # highdicom pads with the character "0", not a null byte
+        if pixels % 8:  # frames share bytes: pack them all at once
+            masks = np.concatenate([self.flat[k] == v for v, k in zip(values, slices, strict=True)])
+            packed = np.packbits(masks, bitorder="little")
+            target[: len(packed)] = packed
+            return
+        step = pixels // 8  # bytes per frame
+
+        def block(start: int, stop: int) -> None:
+            mask = np.empty(pixels, dtype=np.bool_)
+            for f in range(start, stop):
+                np.equal(self.flat[slices[f]], values[f], out=mask)
+                target[f * step : (f + 1) * step] = np.packbits(mask, bitorder="little")
+
+        map_blocks(block, len(values), 1)
 
 
 def _labelmap_frames(
