@@ -14,8 +14,8 @@ in the wrong order or mapped to the wrong names shows:
   three labels carry the names of values 1-3 (spleen, kidney_right, kidney_left).
 
 Then, for each oracle series (:func:`oracle_series`: the phantom's oracle cases, head-first,
-feet-first and coronal, and ``wide_hfs``, on which step 0.8 and 0.5 tile differently at
-3 and 6 mm):
+feet-first and coronal, ``wide_hfs``, on which step 0.8 and 0.5 tile differently at 3 and
+6 mm, and ``long_ffs``, 800 slices feet-first, tiled along z at 3 and 6 mm):
 
 * ``totalsegmentator.python_api.totalsegmentator(..., task="total", ml=True)`` (with
   ``fast=True`` or ``fastest=True`` for the one-dataset tasks) - its own pipeline (canonical
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -60,6 +61,7 @@ import numpy.typing as npt
 
 from scripts.make_nnunet_trained import trained_model_folder
 from scripts.nnunet_phantom import (
+    AXIAL_FFS,
     Grid,
     OracleCase,
     dice,
@@ -91,12 +93,30 @@ WIDE_FOV = (480.0, 126.0, 100.0)
 so that the fast tasks' step size shows; the oracle cases fit one or two tiles there."""
 
 
+LONG_FOV = (180.0, 150.0, 800.0)
+"""A long axial series (mm along row, column, normal): 72 x 60 pixels of 2.5 mm (the
+phantom's body, at most 114 x 94 mm across, with a margin; rows and columns differ so that a
+transposition shows) and 800 slices of 1 mm, which TotalSegmentator's 3 mm (6 mm) grid tiles
+in seven (four) 48-voxel tiles along z and two (one) across."""
+
+LONG_BODY_Z = (-350.0, 300.0)
+"""The long series' body (mm, before the anatomy's shift): most of its 800 mm, so that every
+tile along z holds anatomy, and not centred, so that a z flip moves it."""
+
+
 def oracle_series() -> tuple[OracleCase, ...]:
-    """:func:`scripts.nnunet_phantom.oracle_cases` and ``wide_hfs``, the same anatomy on a
-    2 mm x 5 mm axial grid of :data:`WIDE_FOV`."""
+    """:func:`scripts.nnunet_phantom.oracle_cases`, ``wide_hfs``, the same anatomy on a
+    2 mm x 5 mm axial grid of :data:`WIDE_FOV`, and ``long_ffs``, a feet-first series of 800
+    slices (:data:`LONG_FOV`) whose body spans :data:`LONG_BODY_Z`."""
     cases = oracle_cases()
-    wide = OracleCase("wide_hfs", Grid.covering(WIDE_FOV, 2.0, 5.0), cases[0].anatomy)
-    return (*cases, wide)
+    anatomy = cases[0].anatomy
+    wide = OracleCase("wide_hfs", Grid.covering(WIDE_FOV, 2.0, 5.0), anatomy)
+    long = OracleCase(
+        "long_ffs",
+        Grid.covering(LONG_FOV, 2.5, 1.0, AXIAL_FFS),
+        dataclasses.replace(anatomy, body_z=LONG_BODY_Z),
+    )
+    return (*cases, wide, long)
 
 
 PHANTOM = Path(__file__).resolve().parent.parent / "tests" / "data" / "nnunet_phantom"
