@@ -82,7 +82,8 @@ bench-gpu-e2e: venv
 # TotalSegmentator's total task on a CUDA GPU (issue 34; docs/performance.md): the engine alone
 # on the five 1.5 mm parts of the real shape (random weights), then TotalSegmentator itself
 # (installed, with the stand-in weights of scripts.make_totalseg_standins in TOTALSEG_HOME)
-# and segnode end to end on the same weights.
+# and segnode end to end on the same weights (their label map is noise: the SEG's worst case),
+# then end to end with the anatomy head (a label map of realistic size).
 TOTALSEG_HOME ?= /tmp/tshome
 bench-total-gpu: venv
 	$(BIN)/pip install -q -e '.[bench,gpu]'
@@ -92,6 +93,9 @@ bench-total-gpu: venv
 	$(BIN)/segnode model import totalsegmentator $(TOTALSEG_HOME)/nnunet/results --task total \
 		--labels totalsegmentator --out bench/out/total-model
 	$(BIN)/python -m bench.gpu_e2e --out bench/out --models bench/out/total-model/total.json --slices 300
+	$(BIN)/python -m bench.totalseg_standin --task total --anatomy --out bench/out/total-anatomy
+	$(BIN)/python -m bench.gpu_e2e --out bench/out/anatomy --models bench/out/total-anatomy/total.json \
+		--slices 300 --phantom anatomy
 
 # Restart-to-ready of the torch engine, cold against warm compiled-model cache, fresh processes.
 bench-torch-warm: venv

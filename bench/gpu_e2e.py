@@ -193,11 +193,24 @@ def wait_log(path: Path, offset: int, text: str, timeout: float, *others: str) -
 # -- one series -------------------------------------------------------------------------------
 
 
-def make_series(slices: int, seed: int) -> list[Any]:
-    """A synthetic CT series in memory (UIDs derived from ``seed``: new for every seed)."""
+_ANATOMY: dict[int, Any] = {}
+
+
+def make_series(slices: int, seed: int, phantom: str = "synthetic") -> list[Any]:
+    """A synthetic CT series in memory (UIDs derived from ``seed``: new for every seed);
+    ``phantom="anatomy"``: :func:`bench.totalseg_standin.anatomy_hu`'s 117 structures (for
+    the stand-ins built with ``--anatomy``, whose label map is then those structures)."""
     from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets
 
-    return synthetic_datasets(PhantomGeometry(rows=512, columns=512, slices=slices), seed=seed)
+    geometry = PhantomGeometry(rows=512, columns=512, slices=slices)
+    hu = None
+    if phantom == "anatomy":
+        from bench.totalseg_standin import anatomy_hu
+
+        if slices not in _ANATOMY:  # the same anatomy in every series (new UIDs each)
+            _ANATOMY[slices] = anatomy_hu(geometry.shape, seed=34)[0]
+        hu = _ANATOMY[slices]
+    return synthetic_datasets(geometry, seed=seed, hu=hu)
 
 
 def send(port: int, datasets: list[Any]) -> float:
@@ -310,14 +323,14 @@ def run_variant(
     """Serve with ``[results] prepare = prepare`` and send the warm-up and measured series."""
     print(f"[gpu-e2e] {name} ({prepare}): generating {args.runs + 1} series ...", flush=True)
     seed = args.seed + 1000 * index
-    series = [make_series(args.slices, seed + k) for k in range(args.runs + 1)]
+    series = [make_series(args.slices, seed + k, args.phantom) for k in range(args.runs + 1)]
     result: dict[str, Any] = {"model": name, "manifest": str(manifest), "prepare": prepare}
     port, data, cfg = free_port(), work / "data", work / "config.toml"
     cfg.write_text(config_text(data, port, scp.port, manifest, args, prepare))
     node_log = work / "node.log"
     log_start = node_log.stat().st_size if node_log.exists() else 0
     stem = Path(name).stem
-    first_series = make_series(args.slices, seed + 999)
+    first_series = make_series(args.slices, seed + 999, args.phantom)
     with serve(work, cfg, port) as (_proc, ready_s):
         spawned = time.time() - ready_s
         result["serve_ready_s"] = round(ready_s, 2)
@@ -520,6 +533,12 @@ def main(argv: list[str] | None = None) -> int:
         help="[results] prepare of the node; several: one node start per value",
     )
     p.add_argument("--seed", type=int, default=4200)
+    p.add_argument(
+        "--phantom",
+        choices=("synthetic", "anatomy"),
+        default="synthetic",
+        help="anatomy: 117 structures of their own HU (bench.totalseg_standin.anatomy_hu)",
+    )
     p.add_argument("--timeout", type=float, default=300, help="per series, seconds")
     p.add_argument("--work", type=Path, default=None)
     p.add_argument(

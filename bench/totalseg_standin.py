@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 PATCH = (128, 112, 112)  # nnU-Net's planner, (z, y, x): bench/totalseg_plans/plans_297.json
 FEATURES = (32, 64, 128, 256, 320)
@@ -55,8 +56,14 @@ def build_onnx(
     seed: int = 297,
     features: tuple[int, ...] = FEATURES,
     patch: tuple[int, int, int] = PATCH,
+    anatomy: tuple[int, ...] | None = None,
 ) -> int:
-    """Write the U-Net to ``path``; return its parameter count."""
+    """Write the U-Net to ``path``; return its parameter count.
+
+    With ``anatomy`` (the structure of each output channel 1..``labels``, 1-117), the head's
+    random logits are scaled down by :data:`ANATOMY_EPSILON` and an intensity classifier is
+    added (:func:`anatomy_head`): the label map is :func:`anatomy_hu`'s structures, not noise.
+    """
     import onnx  # noqa: PLC0415
     from onnx import TensorProto, helper, numpy_helper  # noqa: PLC0415
 
@@ -125,9 +132,12 @@ def build_onnx(
     head = rng.normal(0.0, np.sqrt(2.0 / cin), (labels + 1, cin, 1, 1, 1))
     bias = np.full(labels + 1, -1.0)
     bias[0] = 2.0  # background favoured
-    nodes.append(
-        helper.make_node("Conv", [x, param("head.w", head), param("head.b", bias)], ["logits"])
-    )
+    out = "logits" if anatomy is None else "head.o"
+    nodes.append(helper.make_node("Conv", [x, param("head.w", head), param("head.b", bias)], [out]))
+    if anatomy is not None:
+        if len(anatomy) != labels:
+            raise ValueError(f"anatomy names {len(anatomy)} structures for {labels} labels")
+        anatomy_head(nodes, param, "head.o", "logits", anatomy)
     graph = helper.make_graph(
         nodes,
         f"standin{seed}",
@@ -140,6 +150,99 @@ def build_onnx(
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return count
+
+
+ANATOMY_EPSILON = 1e-3
+"""Scale of the random head's logits beside the intensity classifier (whose margin is
+:data:`ANATOMY_RADIUS_HU` squared, in units of 10 HU: 0.16)."""
+ANATOMY_RADIUS_HU = 4.0
+"""A voxel within this many HU of a structure's value is that structure."""
+ANATOMY_EDGE_HU = 4.0
+"""A voxel whose HU changes by more than this per voxel (central differences) is an edge:
+background, so that a blend of two values at a boundary is no third structure."""
+ANATOMY_NOISE_HU = 1.0
+
+
+def structure_hu(index: int) -> float:
+    """The HU of structure ``index`` (1-117) in :func:`anatomy_hu`: 11 HU apart, -689..587."""
+    return -700.0 + 11.0 * index
+
+
+def anatomy_head(
+    nodes: list[Any], param: Any, head: str, out: str, anatomy: tuple[int, ...]
+) -> None:
+    """Logits ``out`` = ``ANATOMY_EPSILON * head`` + an intensity classifier on the
+    network's input (CT-normalised with :data:`INTENSITY`): channel ``j`` (structure
+    ``anatomy[j-1]``) scores ``r^2 - d^2 - g^2``, background 0, with ``d`` the distance of
+    the voxel's HU from the structure's (:func:`structure_hu`) and ``g`` the HU gradient's
+    size beyond :data:`ANATOMY_EDGE_HU`, all in units of 10 HU (FP16 keeps them exact
+    enough). A few elementwise operations and two small convolutions per tile: the U-Net's
+    cost is unchanged. For benchmarks only: an output of realistic size (a trained
+    network's label map), the network's compute, random weights."""
+    from onnx import helper  # noqa: PLC0415
+
+    std, mean = INTENSITY["std"], INTENSITY["mean"]
+    channels = len(anatomy) + 1
+    # d: per channel, (HU - structure HU) / 10 = x * std / 10 + (mean - HU_j) / 10
+    w = np.full((channels, 1, 1, 1, 1), std / 10.0)
+    b = np.array([0.0] + [(mean - structure_hu(g)) / 10.0 for g in anatomy])
+    w[0] = 0.0
+    nodes.append(
+        helper.make_node("Conv", ["input", param("anat.dw", w), param("anat.db", b)], ["anat.d"])
+    )
+    nodes.append(helper.make_node("Mul", ["anat.d", "anat.d"], ["anat.d2"]))
+    # g^2: central differences along z, y and x, in 10 HU per voxel
+    k = np.zeros((3, 1, 3, 3, 3))
+    k[0, 0, 2, 1, 1], k[0, 0, 0, 1, 1] = 0.5, -0.5
+    k[1, 0, 1, 2, 1], k[1, 0, 1, 0, 1] = 0.5, -0.5
+    k[2, 0, 1, 1, 2], k[2, 0, 1, 1, 0] = 0.5, -0.5
+    nodes.append(
+        helper.make_node(
+            "Conv", ["input", param("anat.gw", k * std / 10.0)], ["anat.g"], pads=[1] * 6
+        )
+    )
+    nodes.append(helper.make_node("Mul", ["anat.g", "anat.g"], ["anat.g2c"]))
+    nodes.append(
+        helper.make_node(
+            "Conv", ["anat.g2c", param("anat.sum", np.ones((1, 3, 1, 1, 1)))], ["anat.g2"]
+        )
+    )
+    r2 = (ANATOMY_RADIUS_HU / 10.0) ** 2
+    gate = r2 / (ANATOMY_EDGE_HU / 10.0) ** 2
+    minus = np.full((1, channels, 1, 1, 1), -1.0)
+    minus[0, 0] = 0.0
+    radius = np.full((1, channels, 1, 1, 1), r2)
+    radius[0, 0] = 0.0
+    nodes.append(helper.make_node("Mul", ["anat.d2", param("anat.minus", minus)], ["anat.a"]))
+    nodes.append(helper.make_node("Mul", ["anat.g2", param("anat.gate", minus * gate)], ["anat.b"]))
+    nodes.append(helper.make_node("Add", ["anat.a", "anat.b"], ["anat.ab"]))
+    nodes.append(helper.make_node("Add", ["anat.ab", param("anat.r2", radius)], ["anat.cls"]))
+    eps = np.full((1, 1, 1, 1, 1), ANATOMY_EPSILON)
+    nodes.append(helper.make_node("Mul", [head, param("anat.eps", eps)], ["anat.h"]))
+    nodes.append(helper.make_node("Add", ["anat.cls", "anat.h"], [out]))
+
+
+def anatomy_hu(
+    shape: tuple[int, int, int], *, seed: int = 34
+) -> tuple[npt.NDArray[np.int16], npt.NDArray[np.uint8]]:
+    """A body CT of ``shape`` whose 117 structures (``bench.seg_size.blob_labels``: organs,
+    vertebrae, ribs, muscles, vessels, glands) each have their own HU
+    (:func:`structure_hu`), in a body of 800 HU and air; noise of
+    :data:`ANATOMY_NOISE_HU`. Returns the HU and the label map."""
+    from bench.seg_size import blob_labels  # noqa: PLC0415
+
+    labels = blob_labels(shape, seed=seed)
+    slices, rows, columns = shape
+    y, x = np.ogrid[:rows, :columns]
+    body = ((y - rows / 2) / (rows * 0.34 + 8)) ** 2 + (
+        (x - columns / 2) / (columns * 0.44 + 8)
+    ) ** 2 <= 1
+    lut = np.array([800.0] + [structure_hu(g) for g in range(1, 118)], dtype=np.float32)
+    hu = lut[labels]
+    hu[:, ~body] = np.where(labels[:, ~body] > 0, hu[:, ~body], -1000.0)
+    rng = np.random.default_rng(seed)
+    hu += rng.normal(0.0, ANATOMY_NOISE_HU, hu.shape).astype(np.float32)
+    return np.clip(np.rint(hu), -1024, 3071).astype(np.int16), labels
 
 
 def manifest(
@@ -197,7 +300,7 @@ def manifest(
     }
 
 
-def write_total(out: Path, *, spacing: float = 1.5) -> list[int]:
+def write_total(out: Path, *, spacing: float = 1.5, anatomy: bool = False) -> list[int]:
     """The ``total`` task's shape: five parts (datasets 291-295) of nnU-Net's default 1.5 mm
     network (6 stages, 32-320 features, patch 128^3), with the parts' true label counts, and
     the composite manifest ``total.json`` over them; return the parameter counts."""
@@ -215,6 +318,7 @@ def write_total(out: Path, *, spacing: float = 1.5) -> list[int]:
                 seed=task_id,
                 features=TOTAL_FEATURES,
                 patch=TOTAL_PATCH,
+                anatomy=tuple(range(first, first + labels)) if anatomy else None,
             )
         )
         part = manifest(
@@ -256,13 +360,19 @@ def main(argv: list[str] | None = None) -> int:
         default="total_fast",
         help="total: the five 1.5 mm parts and total.json",
     )
+    ap.add_argument(
+        "--anatomy",
+        action="store_true",
+        help="add the intensity classifier: the label map is anatomy_hu's structures",
+    )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.task == "total":
-        counts = write_total(args.out)
+        counts = write_total(args.out, anatomy=args.anatomy)
         print(f"{args.out}: total.json, parts of {[round(c / 1e6, 2) for c in counts]} M")
         return 0
-    params = build_onnx(args.out / "fold_0.onnx", labels=args.labels)
+    anatomy = tuple(range(1, args.labels + 1)) if args.anatomy else None
+    params = build_onnx(args.out / "fold_0.onnx", labels=args.labels, anatomy=anatomy)
     for name, profile in (("profile", True), ("plain", False)):
         text = json.dumps(manifest(f"standin_{name}", profile=profile, labels=args.labels))
         (args.out / f"{name}.json").write_text(text + "\n")

@@ -36,6 +36,7 @@ from segnode.engines.preprocess.pipeline import (
     labels_on_grid,
     model_grid,
     run_model,
+    split_in_thirds,
 )
 
 
@@ -137,12 +138,18 @@ def _run_on_grid(
     on it, the parts are merged there (later parts overwriting, as TotalSegmentator merges
     them on its resampled image), and the merged labels go back to the source grid once.
     Nearest-neighbour resampling picks voxels, so merging before it gives the same labels
-    as merging after it."""
+    as merging after it. A grid above TotalSegmentator's size limit is predicted in its
+    three overlapping thirds along the slice axis (:func:`split_in_thirds`), as it does."""
     xp = array_namespace(image)
     contract = manifest.parts[0].manifest.model_contract()
     try:
         grid, reorient = model_grid(image, geometry, contract, precise=precise)
-        merged = None
+        whole = slice(0, grid.model_shape[0])
+        regions = (
+            grid.thirds() if split_in_thirds(grid, len(manifest.parts)) else [(whole, whole, whole)]
+        )
+        dev = array_device(grid.image)
+        merged = xp.zeros(grid.model_shape, dtype=xp.uint8, device=dev)
         first = 0
         for part in manifest.parts:
             count = len(part.manifest.model_files())
@@ -150,14 +157,17 @@ def _run_on_grid(
                 part.manifest, predictors[first : first + count], batch_size=batch
             )
             first += count
-            found = labels_on_grid(grid, part.manifest, predict, precise=precise)
-            table = xp.asarray(part.lookup_table(), device=array_device(found))
-            mapped = xp.reshape(
-                xp.take(table, xp.reshape(xp.astype(found, xp.int64), (-1,))), found.shape
-            )
-            del found
-            merged = mapped if merged is None else xp.where(mapped > 0, mapped, merged)
-        assert merged is not None
+            table = xp.asarray(part.lookup_table(), device=dev)
+            for predicted, kept, written in regions:
+                found = labels_on_grid(
+                    grid, part.manifest, predict, precise=precise, region=predicted
+                )
+                found = found[kept]
+                mapped = xp.reshape(
+                    xp.take(table, xp.reshape(xp.astype(found, xp.int64), (-1,))), found.shape
+                )
+                del found
+                merged[written] = xp.where(mapped > 0, mapped, merged[written])
         return grid_to_source(merged, grid, reorient, contract)
     except ValueError as exc:
         raise EngineError(f"model {manifest.name}: {exc}") from exc

@@ -57,8 +57,10 @@ class Oracle:
     datasets: tuple[int, ...]
     spacing: float
     min_dice: float
-    wide: bool
-    """Whether its golden file must cover ``wide_hfs`` (several tiles at 3 and 6 mm)."""
+    extra: tuple[str, ...]
+    """The series its golden file must cover besides the phantom's oracle cases: ``wide_hfs``
+    (several tiles across at 3 and 6 mm) and ``long_ffs`` (800 slices feet-first, seven and
+    four tiles along z)."""
 
     @property
     def series(self) -> tuple[str, ...]:
@@ -67,12 +69,16 @@ class Oracle:
         return tuple(json.loads(path.read_text())["dice"]) if path.is_file() else ()
 
 
+FAST_EXTRA = ("wide_hfs", "long_ffs")
+"""The fast tasks' series beyond the phantom's oracle cases: a wide one and a long one
+(>= 800 slices, issue 34)."""
+
 ORACLES = {
     o.task: o
     for o in (
-        Oracle("total", DATA / "totalseg_phantom", (291, 292, 293, 294, 295), 1.5, 0.99, False),
-        Oracle("total_fast", DATA / "totalseg_phantom_fast", (297,), 3.0, 0.999, True),
-        Oracle("total_fastest", DATA / "totalseg_phantom_fastest", (298,), 6.0, 0.999, True),
+        Oracle("total", DATA / "totalseg_phantom", (291, 292, 293, 294, 295), 1.5, 0.99, ()),
+        Oracle("total_fast", DATA / "totalseg_phantom_fast", (297,), 3.0, 0.999, FAST_EXTRA),
+        Oracle("total_fastest", DATA / "totalseg_phantom_fastest", (298,), 6.0, 0.999, FAST_EXTRA),
     )
 }
 
@@ -154,12 +160,14 @@ def test_the_oracle_ran_totalsegmentators_mode(
     """The golden file of each task came from the matching call (``--fast``, ``--fastest``)
     with every oracle series, the non-axial and feet-first ones included (and, for the fast
     tasks, ``wide_hfs``, wide enough at 3 and 6 mm for step 0.8 and 0.5 to tile it
-    differently)."""
+    differently, and ``long_ffs``, 800 slices)."""
     flags = {"total": {}, "total_fast": {"fast": True}, "total_fastest": {"fastest": True}}
     call = summary.get("totalsegmentator_call", {"task": "total", "ml": True})
     assert call == {"task": "total", "ml": True, **flags[oracle.task]}
-    wanted = {case.name for case in oracle_cases()} | ({"wide_hfs"} if oracle.wide else set())
+    wanted = {case.name for case in oracle_cases()} | set(oracle.extra)
     assert wanted <= set(summary["dice"]) == set(golden[0]) <= set(CASES)
+    if "long_ffs" in oracle.extra:  # issue 34: a series of at least 800 slices
+        assert golden[0]["long_ffs"].shape[0] == CASES["long_ffs"].grid.slices >= 800
 
 
 def test_structures_are_coded_as_totalsegmentator_maps_them(
@@ -250,3 +258,62 @@ def test_parts_share_one_grid_and_merge_there(
         np.copyto(merged, mapped, where=mapped > 0)
     np.testing.assert_array_equal(labels, merged)
     assert len(np.unique(labels)) == 4  # the last part's three structures overwrite the rest
+
+
+SPLIT = DATA / "totalseg_phantom_split"
+
+
+@pytest.fixture(scope="module")
+def split_oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, OrtEngine, Golden]:
+    """``scripts/make_totalseg_split_oracle.py``: TotalSegmentator's ``total`` with
+    ``force_split=True`` on the phantom's parts, and the composite the import wrote."""
+    if not ((SPLIT / "golden.npz").is_file() and PHANTOM_FOLD.is_file()):
+        pytest.skip("the split oracle is missing (python -m scripts.make_totalseg_split_oracle)")
+    pytest.importorskip("onnx")
+    from scripts.make_totalseg_oracle import permuted_onnx
+
+    summary = json.loads((SPLIT / "oracle.json").read_text())
+    folder = tmp_path_factory.mktemp("split")
+    shutil.copy(SPLIT / summary["manifest"], folder / summary["manifest"])
+    for task_id, part in summary["parts"].items():
+        dst = folder / f"part_{task_id}"
+        dst.mkdir()
+        shutil.copy(SPLIT / f"part_{task_id}" / "model.json", dst / "model.json")
+        permuted_onnx(PHANTOM_FOLD, dst / "fold_0.onnx", list(part["permutation"]))
+    manifest = load_manifest(folder / summary["manifest"])
+    engine = OrtEngine()
+    engine.load(manifest)
+    with np.load(SPLIT / "golden.npz") as z:
+        names = {int(k): str(v) for k, v in json.loads(str(z["names"])).items()}
+        maps = {k.split("__")[0]: z[k] for k in z.files if k.endswith("__totalsegmentator")}
+    assert summary["totalsegmentator_call"] == {"task": "total", "ml": True, "force_split": True}
+    return manifest, engine, (maps, names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["native_hfs", "long_ffs"])
+def test_split_in_thirds_agrees_with_totalsegmentator(
+    name: str,
+    tmp_path: Path,
+    split_oracle: tuple[Any, OrtEngine, Golden],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TotalSegmentator predicts a large ``total`` volume in three overlapping thirds along
+    the slice axis (margin 20): with the size limits at 0 (its ``force_split=True``) segnode
+    splits the same way and agrees with it, the 800-slice feet-first series included; the
+    default limits (512 x 512 x 900 voxels, 200 slices) leave these series whole."""
+    from scripts.make_totalseg_oracle import compare
+    from segnode.engines.preprocess import pipeline
+    from segnode.node.ingest.volume import assemble_volume
+
+    manifest, engine, (maps, their_names) = split_oracle
+    volume = assemble_volume(write_dicom_case(CASES[name], tmp_path / name, seed=11))
+    geometry = Geometry.from_volume(volume)
+    our_names = {label.value: label.name for label in manifest.labels}
+    whole = segment_trained(engine, manifest, volume.hu, geometry)
+    monkeypatch.setattr(pipeline, "SPLIT_VOXELS", 0)
+    monkeypatch.setattr(pipeline, "SPLIT_MIN_Z", 0)
+    split = segment_trained(engine, manifest, volume.hu, geometry)
+    scores = compare(split, our_names, maps[name], their_names)
+    assert min(scores.values()) >= 0.999, scores
+    assert not np.array_equal(whole, split)  # the thirds are predicted on their own

@@ -141,6 +141,15 @@ def run_model(
     return reorient.to_source(full, xp)
 
 
+SPLIT_VOXELS = 512 * 512 * 900
+"""TotalSegmentator's ``nr_voxels_thr`` (``nnunet.py``): a multi-part task (``total``) whose
+resampled image has more voxels than this, and more than :data:`SPLIT_MIN_Z` slices, is
+predicted in three overlapping thirds along the slice axis."""
+SPLIT_MIN_Z = 200
+SPLIT_MARGIN = 20
+"""Slices each third reaches into its neighbours (TotalSegmentator's ``margin``)."""
+
+
 @dataclass(frozen=True)
 class ModelGrid:
     """The ``"totalsegmentator"`` scheme's input on the model grid, made once and shared by
@@ -148,23 +157,46 @@ class ModelGrid:
 
     Attributes
     ----------
-    cropped
-        Resampled, integer-truncated HU, cropped to ``box`` (not yet normalised: each model
-        normalises with its own intensity properties).
-    box
-        The non-zero bounding box in the resampled image (the whole grid without
-        ``crop_to_nonzero``).
+    image
+        Resampled, integer-truncated HU of shape ``model_shape`` (not yet normalised: each
+        model normalises with its own intensity properties).
+    crop
+        Whether the models crop to the non-zero bounding box (``crop_to_nonzero``).
     model_shape, source_shape
         Shapes of the resampled grid and of the reoriented, transposed source image.
     target
         The model's spacing.
     """
 
-    cropped: Any
-    box: tuple[slice, ...]
+    image: Any
+    crop: bool
     model_shape: tuple[int, ...]
     source_shape: tuple[int, ...]
     target: tuple[float, ...]
+
+    def thirds(self) -> list[tuple[slice, slice, slice]]:
+        """TotalSegmentator's split of the slice axis (axis 0, superior, on this grid; the
+        third axis of its RAS array): ``(predicted, kept from the prediction, written to)``
+        per third. ``s01 = [:t+m]``, ``s02 = [t+1-m : 2t+m]``, ``s03 = [2t+1-m:]``, combined
+        as ``[:t] = s01[:-m]``, ``[t:2t] = s02[m-1:-m]``, ``[2t:] = s03[m-1:]``."""
+        n, m = self.model_shape[0], SPLIT_MARGIN
+        t = n // 3
+        if t + 1 - m < 0 or t < m:
+            raise ValueError(f"{n} slices are too few to split in thirds with a margin of {m}")
+        return [
+            (slice(0, t + m), slice(0, t), slice(0, t)),
+            (slice(t + 1 - m, 2 * t + m), slice(m - 1, m - 1 + t), slice(t, 2 * t)),
+            (slice(2 * t + 1 - m, n), slice(m - 1, m - 1 + n - 2 * t), slice(2 * t, n)),
+        ]
+
+
+def split_in_thirds(grid: ModelGrid, parts: int) -> bool:
+    """TotalSegmentator's rule: a multi-part task on a grid of more than
+    :data:`SPLIT_VOXELS` voxels and :data:`SPLIT_MIN_Z` slices runs in thirds."""
+    voxels = 1
+    for n in grid.model_shape:
+        voxels *= n
+    return parts > 1 and voxels > SPLIT_VOXELS and grid.model_shape[0] > SPLIT_MIN_Z
 
 
 def grid_key(contract: ModelContract) -> tuple[Any, ...] | None:
@@ -186,8 +218,8 @@ def grid_key(contract: ModelContract) -> tuple[Any, ...] | None:
 def model_grid(
     hu: Any, geometry: Geometry, contract: ModelContract, *, precise: bool = True
 ) -> tuple[ModelGrid, Any]:
-    """Reorient, transpose, resample (corner-aligned, ``data_order``), truncate and crop
-    ``hu`` for a ``"totalsegmentator"`` model: the grid, and the reorientation to undo."""
+    """Reorient, transpose, resample (corner-aligned, ``data_order``) and truncate ``hu``
+    for a ``"totalsegmentator"`` model: the grid, and the reorientation to undo."""
     xp = array_namespace(hu)
     reorient = plan_reorientation(
         geometry, contract.orientation, tilt_allowed=contract.gantry_tilt_allowed
@@ -204,12 +236,9 @@ def model_grid(
     )[0, ...]
     del image
     resampled = xp.astype(xp.trunc(resampled), xp.float32)  # change_spacing(dtype=np.int32)
-    box = (
-        nonzero_bbox(resampled)
-        if contract.crop_to_nonzero
-        else tuple(slice(0, n) for n in model_shape)
+    grid = ModelGrid(
+        resampled, contract.crop_to_nonzero, tuple(model_shape), source_shape, tuple(target)
     )
-    grid = ModelGrid(resampled[box], box, tuple(model_shape), source_shape, tuple(target))
     return grid, reorient
 
 
@@ -219,27 +248,42 @@ def labels_on_grid(
     predict: Predict,
     *,
     precise: bool = True,
+    region: slice | None = None,
 ) -> Any:
-    """One ``"totalsegmentator"`` model's uint8 labels on the cropped model grid
-    (``grid.cropped``'s shape): normalised with the model's intensity properties, predicted,
-    arg-max there (nnU-Net's export resampling is the identity on its own grid)."""
+    """One ``"totalsegmentator"`` model's uint8 labels on the model grid (of ``region``
+    along the slice axis: one of :meth:`ModelGrid.thirds`), as nnU-Net predicts the image
+    TotalSegmentator saved: cropped to its non-zero box, normalised with the model's
+    intensity properties, arg-max on that grid (nnU-Net's export resampling is the identity
+    on its own grid), background outside the box."""
     contract = manifest.model_contract()
-    cropped = contract.normalization(grid.cropped)
-    shape = tuple(int(n) for n in cropped.shape)
-    return _labels_on_source(
-        predict, cropped, manifest, contract, shape, shape, grid.target, grid.target, precise
+    image = grid.image if region is None else grid.image[region]
+    shape = tuple(int(n) for n in image.shape)
+    box = nonzero_bbox(image) if grid.crop else tuple(slice(0, n) for n in shape)
+    cropped = contract.normalization(image[box])
+    cropped_shape = tuple(int(n) for n in cropped.shape)
+    labels = _labels_on_source(
+        predict,
+        cropped,
+        manifest,
+        contract,
+        cropped_shape,
+        cropped_shape,
+        grid.target,
+        grid.target,
+        precise,
     )
+    del cropped
+    xp = array_namespace(labels)
+    full = xp.zeros(shape, dtype=xp.uint8, device=array_device(labels))
+    full[box] = labels
+    return full
 
 
 def grid_to_source(labels: Any, grid: ModelGrid, reorient: Any, contract: ModelContract) -> Any:
-    """uint8 labels on the cropped model grid back to the source volume: pasted into the
-    resampled shape, nearest neighbours on the corner-aligned grids, the transpose and the
-    reorientation undone."""
+    """uint8 labels on the model grid back to the source volume: nearest neighbours on the
+    corner-aligned grids, the transpose and the reorientation undone."""
     xp = array_namespace(labels)
-    full = xp.zeros(grid.model_shape, dtype=xp.uint8, device=array_device(labels))
-    full[grid.box] = labels
-    back = resample_labels(full, grid.source_shape, grid="corners")
-    del full
+    back = resample_labels(labels, grid.source_shape, grid="corners")
     return reorient.to_source(xp.permute_dims(back, contract.transpose_backward), xp)
 
 
