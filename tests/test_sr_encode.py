@@ -377,3 +377,27 @@ def test_plans_for_other_uids_differ() -> None:
     assert ds.SOPInstanceUID == other.sr_sop_uid
     assert ds.SeriesInstanceUID == other.sr_series_uid
     assert _measurements(data)[0][1] == other.seg_sop_uid
+
+
+@pytest.mark.interop
+def test_sr_of_117_structures(tmp_path: Path) -> None:
+    """TotalSegmentator's ``total``: a label map of 117 structures (``bench.seg_size``'s
+    blobs, organs to ribs) gives an SR with one volumetric measurement group per structure,
+    each with the volume, mean and standard deviation highdicom reads back as computed, that
+    dciodvfy passes."""
+    from bench.seg_size import blob_labels, blob_manifest, blob_volume
+
+    volume = blob_volume((40, 128, 128))
+    labels = blob_labels((40, 128, 128))
+    manifest = blob_manifest()
+    assert np.unique(labels).size == 118
+    plan = SrPlan.prepare(volume, prepare_seg(volume, "BINARY", manifest), equipment=SR_EQUIPMENT)
+    stats = segment_statistics(volume, labels, manifest)
+    data = plan.encode(stats, now=NOW)
+    measured = _measurements(data)
+    assert len(measured) == len(stats) == 117
+    assert [m[0] for m in measured] == [s.segment_number for s in stats]
+    for m, s in zip(measured, stats, strict=True):
+        assert m[2:] == pytest.approx(_stored([s])[0][3:], rel=1e-6), s.label.name
+    warnings = _dciodvfy(data, tmp_path / "sr-117.dcm")
+    assert all(any(known in w for known in SOURCE_WARNINGS) for w in warnings), warnings
