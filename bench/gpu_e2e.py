@@ -138,6 +138,8 @@ def config_text(
         model += f'precision = "{args.precision}"\n'
         model += f"compile = {'false' if args.no_compile else 'true'}\n"
         model += f"eager_while_compiling = {'false' if args.wait_compiled else 'true'}\n"
+    if args.engine == "openvino":
+        model += f'precision = "{"bf16" if args.precision == "fp16" else args.precision}"\n'
     return (
         f'data_dir = "{data}"\nlog_level = "INFO"\n\n'
         f'[node]\nae_title = "SEGNODE"\nhost = "{LOOPBACK}"\nport = {port}\n\n'
@@ -507,7 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--runs", type=int, default=5, help="measured series after the warm-up")
     p.add_argument("--slices", type=int, default=128)
-    p.add_argument("--precision", choices=("fp16", "fp32"), default="fp16")
+    p.add_argument(
+        "--precision",
+        choices=("fp16", "fp32", "bf16"),
+        default="fp16",
+        help="torch: fp16 or fp32; openvino: bf16 (fp16 is taken as bf16) or fp32",
+    )
     p.add_argument("--no-compile", action="store_true", help="run the model eagerly")
     p.add_argument(
         "--cold",
@@ -521,9 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--engine",
-        choices=("torch", "onnxruntime"),
+        choices=("torch", "onnxruntime", "openvino"),
         default="torch",
-        help="onnxruntime: the same run on the CPU (a smoke test of this script)",
+        help="onnxruntime or openvino: the same run on the CPU (the CPU-only hospital)",
     )
     p.add_argument(
         "--prepare",

@@ -3,9 +3,9 @@
 A backend turns a CT volume (Hounsfield units, float32, shape ``(z, y, x)``) into a uint8
 label map of the same shape, using a model described by a
 :class:`~segnode.engines.manifest.ModelManifest`. Backends register a factory under a name
-(``"onnxruntime"``, ``"tensorrt"``, ``"torch"``, ``"kserve"``); heavy modules (CUDA, TensorRT,
-torch, ``tritonclient``) are imported only inside the factory, so the CPU install never needs
-them.
+(``"onnxruntime"``, ``"tensorrt"``, ``"torch"``, ``"kserve"``, ``"openvino"``); heavy modules
+(CUDA, TensorRT, torch, ``tritonclient``, OpenVINO) are imported only inside the factory, so
+the CPU install never needs them.
 
 A version-2 (trained) manifest is not run by :meth:`Engine.segment`: its contract needs the
 volume's geometry (reorientation, resampling to the model's spacing) and nnU-Net's window over
@@ -220,6 +220,7 @@ _BUILTIN: dict[str, str] = {
     "tensorrt": "segnode.engines.trt_backend:TensorRTEngine",
     "torch": "segnode.engines.torch_backend:TorchEngine",
     "kserve": "segnode.engines.kserve_backend:KServeEngine",
+    "openvino": "segnode.engines.openvino_backend:OpenVinoEngine",
 }
 _REGISTRY: dict[str, Factory] = {}
 

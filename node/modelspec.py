@@ -16,6 +16,10 @@ from typing import Any
 from segnode.engines.base import PRECISIONS
 from segnode.node.errors import ConfigError
 
+SPEC_PRECISIONS = (*PRECISIONS, "bf16")
+"""``precision`` values of a model table: the GPU engines' fp32/fp16, and bf16 (the
+``openvino`` engine on a CPU with BF16 instructions)."""
+
 DEFAULT_MODEL_NAME = "default"
 """The name of ``[model]`` among the configured models."""
 
@@ -106,8 +110,8 @@ def parse_model_spec(
     if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= 256:
         raise ConfigError(f"{key}.threads: must be an integer in [0, 256], got {threads!r}")
     precision = table.get("precision", "fp32")
-    if precision not in PRECISIONS:
-        raise ConfigError(f"{key}.precision: must be fp32 or fp16, got {precision!r}")
+    if precision not in SPEC_PRECISIONS:
+        raise ConfigError(f"{key}.precision: must be fp32, fp16 or bf16, got {precision!r}")
     compile_ = table.get("compile", False)
     if not isinstance(compile_, bool):
         raise ConfigError(f"{key}.compile: must be true or false, got {compile_!r}")

@@ -27,6 +27,8 @@ def engine_options(spec: ModelSpec, data_dir: Path) -> dict[str, Any]:
     """Backend constructor options of one model."""
     if spec.engine == "onnxruntime":
         return {"threads": spec.threads or None}
+    if spec.engine == "openvino":
+        return {"threads": spec.threads or None, "precision": spec.precision}
     if spec.engine == "tensorrt":
         return {"cache_dir": data_dir / "engines", "precision": spec.precision}
     if spec.engine == "torch":
