@@ -500,6 +500,15 @@ WORKER_COLUMNS = (
 )
 
 
+def _have_matplotlib() -> bool:
+    """Whether the timelines can be drawn (the ``[bench]`` extra); the figures need not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line entry; see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m bench.gpu_e2e", description=__doc__.split("\n")[0])
@@ -572,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             results = [{"model": name, "error": f"{type(exc).__name__}: {exc}"}]
         for result in results:
             report["models"].append(result)
-            if "stages" in result:
+            if "stages" in result and _have_matplotlib():
                 stem = Path(name).stem
                 if len(args.prepare) > 1:
                     stem += f"-{result['prepare']}"
