@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench-total-gpu run test lint typecheck venv tools readers model bench bench-gpu bench-gpu-e2e bench-torch-warm clean
+.PHONY: bench-total-gpu bench-total-cpu run test lint typecheck venv tools readers model bench bench-gpu bench-gpu-e2e bench-torch-warm clean
 
 $(BIN)/segnode: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -96,6 +96,14 @@ bench-total-gpu: venv
 	$(BIN)/python -m bench.totalseg_standin --task total --anatomy --out bench/out/total-anatomy
 	$(BIN)/python -m bench.gpu_e2e --out bench/out/anatomy --models bench/out/total-anatomy/total.json \
 		--slices 300 --phantom anatomy
+
+# segnode against TotalSegmentator on the same weights, one table with the ratios (issue 34):
+# TS_PYTHON is a Python with TotalSegmentator 2.x; on a CPU, the openvino engine (BF16).
+TS_PYTHON ?= $(BIN)/python
+bench-total-cpu: venv
+	$(BIN)/pip install -q -e '.[openvino]'
+	$(BIN)/python -m bench.totalseg_compare --task total_fast --device cpu --engine openvino \
+		--ts-python $(TS_PYTHON)
 
 # Restart-to-ready of the torch engine, cold against warm compiled-model cache, fresh processes.
 bench-torch-warm: venv
