@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -46,6 +47,14 @@ def checked_precision(precision: str, engine: str) -> str:
     if precision not in PRECISIONS:
         raise EngineError(f"{engine}: precision must be fp32 or fp16, got {precision!r}")
     return precision
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; the CPU count off Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def loaded(value: T | None, engine: str) -> T:

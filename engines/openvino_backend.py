@@ -24,7 +24,6 @@ engine fails to load with that reason.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from segnode.engines.base import EngineError, HostArrays, PatchPredictor
+from segnode.engines.base import EngineError, HostArrays, PatchPredictor, usable_cores
 from segnode.engines.manifest import ModelManifest
 
 logger = logging.getLogger(__name__)
@@ -99,7 +98,7 @@ class OpenVinoEngine(HostArrays):
                 "runs version-2 (trained) models, use onnxruntime for it"
             )
         core = ov.Core()
-        threads = self.threads or _usable_cores()
+        threads = self.threads or usable_cores()
         config = {
             "INFERENCE_PRECISION_HINT": PRECISIONS[self.precision],
             "INFERENCE_NUM_THREADS": threads,
@@ -227,10 +226,3 @@ def _check_signature(model: Any, unit: ModelManifest) -> None:
                 f"{where}: {label} shape {dims} does not match the manifest "
                 f"(N, {channels}, {', '.join(map(str, unit.patch_size))})"
             )
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1

@@ -22,7 +22,6 @@ runs of the session's batch shared out over the same patch threads).
 from __future__ import annotations
 
 import logging
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +33,13 @@ import numpy.typing as npt
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
-from segnode.engines.base import EngineError, HostArrays, PatchPredictor, host_volume
+from segnode.engines.base import (
+    EngineError,
+    HostArrays,
+    PatchPredictor,
+    host_volume,
+    usable_cores,
+)
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.sliding_window import OUTPUT_KINDS, segment_with_manifest
 
@@ -123,7 +128,7 @@ class OrtEngine(HostArrays):
         on_cpu = self._providers == ["CPUExecutionProvider"]
         large = tile_bytes(manifest) > PATCH_THREADS_MAX_TILE_BYTES
         if on_cpu and not large:
-            workers = self._threads or _usable_cores()
+            workers = self._threads or usable_cores()
         options = ort.SessionOptions()
         # Idle pool threads (with one worker) sleep instead of spinning: on a small node the
         # spinning costs as much CPU as the model and slows the DICOM side.
@@ -140,7 +145,7 @@ class OrtEngine(HostArrays):
             options.intra_op_num_threads = 1
             options.inter_op_num_threads = 1
         elif self._threads is not None or large:
-            options.intra_op_num_threads = self._threads or _usable_cores()
+            options.intra_op_num_threads = self._threads or usable_cores()
             options.inter_op_num_threads = 1
         sessions: list[tuple[ort.InferenceSession, ModelManifest, int, bool]] = []
         for unit in units:
@@ -322,14 +327,6 @@ def tile_bytes(manifest: ModelManifest) -> int:
             voxels *= int(n)
         largest = max(largest, 4 * voxels * unit.output_channels)
     return largest
-
-
-def _usable_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def preprocess(hu: npt.NDArray[Any], manifest: ModelManifest) -> npt.NDArray[np.float32]:

@@ -99,7 +99,7 @@ def segment_trained(
         if not manifest.parts:
             labels = _run(manifest, image, geometry, predictors, batch, precise)
             return engine.to_host(labels)
-        if _shared_grid(manifest) is not None:
+        if _shares_one_grid(manifest):
             return engine.to_host(
                 _run_on_grid(manifest, image, geometry, predictors, batch, precise)
             )
@@ -116,13 +116,12 @@ def segment_trained(
         return merged
 
 
-def _shared_grid(manifest: ModelManifest) -> tuple[Any, ...] | None:
-    """The grid key (:func:`~segnode.engines.preprocess.pipeline.grid_key`) all of a
-    composite's parts share, or ``None`` when they don't (then each part runs on its own)."""
+def _shares_one_grid(manifest: ModelManifest) -> bool:
+    """Whether every part of a composite has the same model grid
+    (:func:`~segnode.engines.preprocess.pipeline.grid_key`, ``None`` for schemes without
+    one); otherwise each part runs on its own."""
     keys = {grid_key(part.manifest.model_contract()) for part in manifest.parts}
-    if len(keys) != 1:
-        return None
-    return next(iter(keys))
+    return len(keys) == 1 and None not in keys
 
 
 def _run_on_grid(

@@ -148,6 +148,21 @@ def permuted_onnx(src: Path, dst: Path, perm: list[int]) -> None:
     onnx.save(model, str(dst))
 
 
+def rebuild_composite(oracle: Path, dst: Path, phantom_fold: Path) -> Path:
+    """The composite an oracle folder (``tests/data/totalseg_phantom*``) was made with, in
+    ``dst``: its committed manifests, each part's fold rebuilt from ``phantom_fold`` with the
+    part's channel permutation (:func:`permuted_onnx`); return the composite manifest."""
+    summary = json.loads((oracle / "oracle.json").read_text())
+    name = summary.get("manifest", "total.json")
+    shutil.copy(oracle / name, dst / name)
+    for task_id, part in summary["parts"].items():
+        folder = dst / f"part_{task_id}"
+        folder.mkdir()
+        shutil.copy(oracle / f"part_{task_id}" / "model.json", folder / "model.json")
+        permuted_onnx(phantom_fold, folder / "fold_0.onnx", list(part["permutation"]))
+    return dst / name
+
+
 def by_name(labels: npt.NDArray[Any], names: dict[int, str]) -> dict[str, npt.NDArray[np.bool_]]:
     """Masks of every named structure present in ``labels``."""
     return {names[int(v)]: labels == v for v in np.unique(labels) if int(v) in names}

@@ -36,17 +36,9 @@ def fast_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not ((FAST / "golden.npz").is_file() and PHANTOM_FOLD.is_file()):
         pytest.skip("the TotalSegmentator --fast oracle files are missing")
     pytest.importorskip("onnx")
-    from scripts.make_totalseg_oracle import permuted_onnx
+    from scripts.make_totalseg_oracle import rebuild_composite
 
-    summary = json.loads((FAST / "oracle.json").read_text())
-    folder = tmp_path_factory.mktemp("fast")
-    shutil.copy(FAST / summary["manifest"], folder / summary["manifest"])
-    for task_id, part in summary["parts"].items():
-        dst = folder / f"part_{task_id}"
-        dst.mkdir()
-        shutil.copy(FAST / f"part_{task_id}" / "model.json", dst / "model.json")
-        permuted_onnx(PHANTOM_FOLD, dst / "fold_0.onnx", list(part["permutation"]))
-    return folder / summary["manifest"]
+    return rebuild_composite(FAST, tmp_path_factory.mktemp("fast"), PHANTOM_FOLD)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ ships says, laterality included.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,22 +101,12 @@ def summary(oracle: Oracle) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def model(
-    tmp_path_factory: pytest.TempPathFactory, oracle: Oracle, summary: dict[str, Any]
-) -> Path:
+def model(tmp_path_factory: pytest.TempPathFactory, oracle: Oracle) -> Path:
     """The composite model folder: committed manifests, parts rebuilt from the phantom fold."""
     pytest.importorskip("onnx")
-    from scripts.make_totalseg_oracle import permuted_onnx
+    from scripts.make_totalseg_oracle import rebuild_composite
 
-    folder = tmp_path_factory.mktemp(oracle.task)
-    name = summary.get("manifest", "total.json")
-    shutil.copy(oracle.folder / name, folder / name)
-    for task_id, part in summary["parts"].items():
-        dst = folder / f"part_{task_id}"
-        dst.mkdir()
-        shutil.copy(oracle.folder / f"part_{task_id}" / "model.json", dst / "model.json")
-        permuted_onnx(PHANTOM_FOLD, dst / "fold_0.onnx", list(part["permutation"]))
-    return folder / name
+    return rebuild_composite(oracle.folder, tmp_path_factory.mktemp(oracle.task), PHANTOM_FOLD)
 
 
 @pytest.fixture(scope="module")
@@ -270,17 +259,12 @@ def split_oracle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, OrtEngi
     if not ((SPLIT / "golden.npz").is_file() and PHANTOM_FOLD.is_file()):
         pytest.skip("the split oracle is missing (python -m scripts.make_totalseg_split_oracle)")
     pytest.importorskip("onnx")
-    from scripts.make_totalseg_oracle import permuted_onnx
+    from scripts.make_totalseg_oracle import rebuild_composite
 
     summary = json.loads((SPLIT / "oracle.json").read_text())
-    folder = tmp_path_factory.mktemp("split")
-    shutil.copy(SPLIT / summary["manifest"], folder / summary["manifest"])
-    for task_id, part in summary["parts"].items():
-        dst = folder / f"part_{task_id}"
-        dst.mkdir()
-        shutil.copy(SPLIT / f"part_{task_id}" / "model.json", dst / "model.json")
-        permuted_onnx(PHANTOM_FOLD, dst / "fold_0.onnx", list(part["permutation"]))
-    manifest = load_manifest(folder / summary["manifest"])
+    manifest = load_manifest(
+        rebuild_composite(SPLIT, tmp_path_factory.mktemp("split"), PHANTOM_FOLD)
+    )
     engine = OrtEngine()
     engine.load(manifest)
     with np.load(SPLIT / "golden.npz") as z:

@@ -97,13 +97,7 @@ def run_model(
         grid, reorient = model_grid(hu, geometry, contract, precise=precise)
         labels = labels_on_grid(grid, manifest, predict, precise=precise)
         return grid_to_source(labels, grid, reorient, contract)
-    reorient = plan_reorientation(
-        geometry, contract.orientation, tilt_allowed=contract.gantry_tilt_allowed
-    )
-    forward = contract.transpose_forward
-    image = xp.permute_dims(reorient.to_model(hu, xp), forward)
-    spacing_model = reorient.spacing_to_model(geometry.spacing)
-    spacing = tuple(spacing_model[i] for i in forward)
+    image, spacing, reorient = _to_model(hu, geometry, contract)
     full_shape = tuple(int(n) for n in image.shape)
 
     box = (
@@ -139,6 +133,21 @@ def run_model(
     full[box] = labels
     full = xp.permute_dims(full, contract.transpose_backward)
     return reorient.to_source(full, xp)
+
+
+def _to_model(
+    hu: Any, geometry: Geometry, contract: ModelContract
+) -> tuple[Any, tuple[float, ...], Any]:
+    """``hu`` reoriented to the model's orientation and transposed (``transpose_forward``):
+    the image, its spacing and the reorientation to undo."""
+    xp = array_namespace(hu)
+    reorient = plan_reorientation(
+        geometry, contract.orientation, tilt_allowed=contract.gantry_tilt_allowed
+    )
+    forward = contract.transpose_forward
+    image = xp.permute_dims(reorient.to_model(hu, xp), forward)
+    spacing_model = reorient.spacing_to_model(geometry.spacing)
+    return image, tuple(spacing_model[i] for i in forward), reorient
 
 
 SPLIT_VOXELS = 512 * 512 * 900
@@ -221,13 +230,7 @@ def model_grid(
     """Reorient, transpose, resample (corner-aligned, ``data_order``) and truncate ``hu``
     for a ``"totalsegmentator"`` model: the grid, and the reorientation to undo."""
     xp = array_namespace(hu)
-    reorient = plan_reorientation(
-        geometry, contract.orientation, tilt_allowed=contract.gantry_tilt_allowed
-    )
-    forward = contract.transpose_forward
-    image = xp.permute_dims(reorient.to_model(hu, xp), forward)
-    spacing_model = reorient.spacing_to_model(geometry.spacing)
-    spacing = tuple(spacing_model[i] for i in forward)
+    image, spacing, reorient = _to_model(hu, geometry, contract)
     source_shape = tuple(int(n) for n in image.shape)
     target = contract.spacing if contract.spacing is not None else spacing
     model_shape = compute_new_shape(source_shape, spacing, target)
