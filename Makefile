@@ -22,15 +22,18 @@ run: venv
 # openssl, systemd (systemd-analyze), Chromium (the browser test), FUSE 3 (the power-cut
 # tests' lazy file system) and Node.js with npm (the web viewers' SEG readers, `readers`);
 # installed when missing and we are root, otherwise those tests say what is missing.
+# NodeSource's nodejs carries npm and conflicts with Debian's npm: each only where missing.
 DEBIAN_TOOLS := dcmtk orthanc orthanc-dicomweb dicom3tools openssl systemd postgresql \
-	chromium chromium-driver fuse3 nodejs npm
+	chromium chromium-driver fuse3
 tools:
 	@command -v storescu >/dev/null && command -v Orthanc >/dev/null && command -v dciodvfy >/dev/null && [ -e /usr/share/orthanc/plugins/libOrthancDicomWeb.so ] && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  && command -v openssl >/dev/null && command -v systemd-analyze >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v fusermount3 >/dev/null \
 	  && command -v node >/dev/null && command -v npm >/dev/null \
 	  || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	       apt-get install -y -qq $(DEBIAN_TOOLS) >/dev/null; \
-	     else echo "note: install $(DEBIAN_TOOLS) for the interop tests"; fi; }
+	       apt-get install -y -qq $(DEBIAN_TOOLS) >/dev/null \
+	       && { command -v node >/dev/null || apt-get install -y -qq nodejs >/dev/null; } \
+	       && { command -v npm >/dev/null || apt-get install -y -qq npm >/dev/null; }; \
+	     else echo "note: install $(DEBIAN_TOOLS) nodejs npm for the interop tests"; fi; }
 
 lint: $(VENV)/.test-deps
 	$(BIN)/ruff check segnode/*.py node engines storage tests bench scripts
