@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
@@ -219,6 +219,24 @@ class HostArrays:
     def device_scope(self) -> AbstractContextManager[None]:
         """Nothing to enter: there is no device on this side."""
         return nullcontext()
+
+
+def run_precision(engine: Any, manifest: ModelManifest) -> str:
+    """The arithmetic ``engine`` runs ``manifest``'s model in, as the SEG and SR record it:
+    the engine's ``precision_used`` after :meth:`Engine.load` (``"fp32"``, ``"fp16"``,
+    ``"bf16"``, ``"int8"``), else ``"fp32"``."""
+    used = getattr(engine, "precision_used", "")
+    return str(used) if used else "fp32"
+
+
+def precision_of(units: Sequence[ModelManifest], other: str) -> str:
+    """``"int8"`` when every loaded file of ``units`` is an INT8 QDQ file
+    (:meth:`~segnode.engines.manifest.ModelManifest.model_files` with ``int8``), ``other``
+    when none is, ``"int8+<other>"`` for a composite with both."""
+    quantized = [u.name.endswith(".int8") for u in units]
+    if all(quantized):
+        return "int8"
+    return f"int8+{other}" if any(quantized) else other
 
 
 Factory = Callable[..., Engine]

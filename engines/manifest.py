@@ -238,6 +238,18 @@ class ModelManifest:
     parts: tuple[CompositePart, ...] = ()
     """Composite (version 2): the models merged into :attr:`labels`, in order; their fold
     files are the model's (no folds or contract of its own)."""
+    precision: str = "fp32"
+    """The arithmetic the model runs in: ``"fp32"``; ``"int8"`` (static INT8 QDQ files made
+    by ``segnode model calibrate``, :attr:`int8_fold_paths`); ``"bf16"`` (checked by
+    ``segnode model calibrate --precision bf16`` for a BF16 runtime). Loaded engines
+    replace it with what they run (:func:`segnode.engines.base.run_precision`); the SEG's
+    and SR's algorithm identification carry it."""
+    int8_fold_paths: tuple[Path, ...] = ()
+    """Version 2 with ``"precision": "int8"``: one INT8 QDQ ONNX file per fold, in the order
+    of :attr:`fold_paths` (the FP32 files stay for the other engines)."""
+    calibration: dict[str, Any] = field(default_factory=dict)
+    """The manifest's ``"calibration"`` section (calibration file, its SHA-256, the layers
+    kept in float, the accuracy guard's Dice): see :mod:`segnode.engines.calibrate`."""
 
     @property
     def is_trained(self) -> bool:
@@ -251,22 +263,29 @@ class ModelManifest:
         """True for a composite model (``"parts"``)."""
         return bool(self.parts)
 
-    def model_files(self) -> tuple[ModelManifest, ...]:
+    def model_files(self, *, int8: bool = False) -> tuple[ModelManifest, ...]:
         """One single-file manifest per ONNX file a backend loads, in order.
 
         Version 1: the manifest itself. Version 2: one per fold (``onnx_path`` that fold,
         ``name`` suffixed ``.foldN`` so that each fold has its own engine-cache entries).
         Composite: every fold of every part, part by part (names
-        ``<composite>.partJ.<part>.foldN``).
+        ``<composite>.partJ.<part>.foldN``). ``int8``: a model calibrated to INT8 gives its
+        INT8 QDQ files instead (names ``.foldN.int8``), for the engines that run them
+        (ONNX Runtime and OpenVINO on the CPU); any other model its float files.
         """
         if self.parts:
             return tuple(
                 replace(unit, name=f"{self.name}.part{j}.{unit.name}")
                 for j, part in enumerate(self.parts)
-                for unit in part.manifest.model_files()
+                for unit in part.manifest.model_files(int8=int8)
             )
         if self.manifest_version == 1 or not self.fold_paths:
             return (self,)
+        if int8 and self.precision == "int8" and self.int8_fold_paths:
+            return tuple(
+                replace(self, name=f"{self.name}.fold{i}.int8", onnx_path=path, fold_paths=(path,))
+                for i, path in enumerate(self.int8_fold_paths)
+            )
         return tuple(
             replace(self, name=f"{self.name}.fold{i}", onnx_path=path, fold_paths=(path,))
             for i, path in enumerate(self.fold_paths)

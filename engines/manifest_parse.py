@@ -105,8 +105,12 @@ def _from_raw(raw: dict[str, Any], p: Path) -> ModelManifest:
         clip = pre.get("clip")
         contract: ModelContract | None = None
         folds: tuple[Path, ...] = ()
+        precision: str = "fp32"
+        int8_folds: tuple[Path, ...] = ()
+        calibration: dict[str, Any] = {}
         if version == 2:
             folds = _folds(raw, p)
+            precision, int8_folds, calibration = _precision(raw, p, len(folds))
             contract = _contract(raw, p, len(labels))
             onnx_path = folds[0]
             if isinstance(contract.normalization, LinearNormalization):
@@ -134,6 +138,9 @@ def _from_raw(raw: dict[str, Any], p: Path) -> ModelManifest:
             manifest_version=int(version),
             fold_paths=folds,
             contract=contract,
+            precision=precision,
+            int8_fold_paths=int8_folds,
+            calibration=calibration,
         )
     except ManifestError:
         raise
@@ -185,6 +192,43 @@ def _folds(raw: dict[str, Any], p: Path) -> tuple[Path, ...]:
         if not path.is_file():
             raise ManifestError(f"{p}: folds[{i}]: no such file {path}")
     return paths
+
+
+PRECISIONS = ("fp32", "int8", "bf16")
+"""Values of a version-2 manifest's ``"precision"``."""
+
+
+def _precision(
+    raw: dict[str, Any], p: Path, folds: int
+) -> tuple[str, tuple[Path, ...], dict[str, Any]]:
+    """``"precision"`` (default fp32), the INT8 fold files of an ``"int8"`` model (its
+    ``"calibration"`` section's ``"int8_folds"``, one per fold, present) and the section."""
+    precision = raw.get("precision", "fp32")
+    if precision not in PRECISIONS:
+        raise ManifestError(f"{p}: precision: one of {', '.join(PRECISIONS)}, got {precision!r}")
+    calibration = raw.get("calibration", {})
+    if not isinstance(calibration, dict):
+        raise ManifestError(f"{p}: calibration: an object, got {calibration!r}")
+    if precision != "int8":
+        return precision, (), calibration
+    names = calibration.get("int8_folds")
+    if (
+        not isinstance(names, list)
+        or len(names) != folds
+        or not all(isinstance(n, str) for n in names)
+    ):
+        raise ManifestError(
+            f"{p}: calibration.int8_folds: one INT8 ONNX file name per fold ({folds}) for "
+            f"precision int8, got {names!r} (run segnode model calibrate again)"
+        )
+    paths = tuple((p.parent / n).resolve() for n in names)
+    for i, path in enumerate(paths):
+        if not path.is_file():
+            raise ManifestError(
+                f"{p}: calibration.int8_folds[{i}]: no such file {path} "
+                "(run segnode model calibrate again, or set precision to fp32)"
+            )
+    return precision, paths, calibration
 
 
 def _section(raw: dict[str, Any], key: str, p: Path) -> dict[str, Any]:
@@ -508,5 +552,7 @@ _KNOWN = {
         "resampling",
         "regions",
         "regions_class_order",
+        "precision",
+        "calibration",
     },
 }

@@ -31,7 +31,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from segnode.engines.base import EngineError, HostArrays, PatchPredictor, usable_cores
+from segnode.engines.base import (
+    EngineError,
+    HostArrays,
+    PatchPredictor,
+    precision_of,
+    usable_cores,
+)
 from segnode.engines.manifest import ModelManifest
 
 logger = logging.getLogger(__name__)
@@ -76,6 +82,10 @@ class OpenVinoEngine(HostArrays):
         #: What OpenVINO compiled with: ``"bf16"`` or ``"fp32"`` (its
         #: ``INFERENCE_PRECISION_HINT`` as it reports it).
         self.inference_precision = ""
+        #: What the loaded model runs in: ``"int8"`` for a model calibrated to INT8 (its
+        #: QDQ files: the quantized convolutions in INT8, the rest in
+        #: :attr:`inference_precision`), else :attr:`inference_precision`.
+        self.precision_used = ""
 
     @property
     def manifest(self) -> ModelManifest | None:
@@ -115,7 +125,8 @@ class OpenVinoEngine(HostArrays):
                 config["INFERENCE_PRECISION_HINT"] = "f32"
         compiled: list[Any] = []
         folds: list[PatchPredictor] = []
-        for unit in manifest.model_files():
+        units = manifest.model_files(int8=True)
+        for unit in units:
             path = Path(unit.onnx_path)
             if not path.is_file():
                 raise EngineError(f"model {manifest.name!r}: ONNX file {path} not found")
@@ -135,6 +146,7 @@ class OpenVinoEngine(HostArrays):
         hint = compiled[0].get_property("INFERENCE_PRECISION_HINT")
         name = hint.to_string() if hasattr(hint, "to_string") else str(hint)
         self.inference_precision = {"f32": "fp32"}.get(name, name)
+        self.precision_used = precision_of(units, self.inference_precision)
         logger.info(
             "loaded model %s %s on OpenVINO %s (CPU, %s, %d thread(s)), %d network(s), patch %s",
             manifest.name,

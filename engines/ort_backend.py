@@ -38,6 +38,7 @@ from segnode.engines.base import (
     HostArrays,
     PatchPredictor,
     host_volume,
+    precision_of,
     usable_cores,
 )
 from segnode.engines.manifest import ModelManifest
@@ -94,6 +95,9 @@ class OrtEngine(HostArrays):
         self._workers = 1
         self._pool: ThreadPoolExecutor | None = None
         self._folds: list[PatchPredictor] = []
+        #: What the loaded model runs in: ``"int8"`` (its INT8 QDQ files, on the CPU) or
+        #: ``"fp32"`` (:func:`segnode.engines.base.run_precision`).
+        self.precision_used = ""
 
     @property
     def manifest(self) -> ModelManifest | None:
@@ -109,7 +113,9 @@ class OrtEngine(HostArrays):
             If the model file is missing or not a valid ONNX model, a provider is not
             available, or the model's inputs and outputs disagree with the manifest.
         """
-        units = manifest.model_files() if manifest.is_trained else (manifest,)
+        on_cpu = self._providers == ["CPUExecutionProvider"]
+        # A model calibrated to INT8 runs its QDQ files on the CPU provider.
+        units = manifest.model_files(int8=on_cpu) if manifest.is_trained else (manifest,)
         for unit in units:
             if not Path(unit.onnx_path).is_file():
                 raise EngineError(f"model {manifest.name!r}: ONNX file {unit.onnx_path} not found")
@@ -125,7 +131,6 @@ class OrtEngine(HostArrays):
                 f"onnxruntime providers {missing} not available here; have {available}"
             )
         workers = 1
-        on_cpu = self._providers == ["CPUExecutionProvider"]
         large = tile_bytes(manifest) > PATCH_THREADS_MAX_TILE_BYTES
         if on_cpu and not large:
             workers = self._threads or usable_cores()
@@ -169,6 +174,7 @@ class OrtEngine(HostArrays):
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ort-patch")
         self._session = sessions[0][0]
         self._manifest = manifest
+        self.precision_used = precision_of(units, "fp32")
         self._folds = [
             self._fold_predictor(session, unit, batch if fixed else None)
             for session, unit, batch, fixed in sessions

@@ -188,6 +188,8 @@ class TorchEngine:
         self.compile_mode = compile_mode
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.compile_cache = compile_cache
+        #: What the loaded model runs in (:func:`segnode.engines.base.run_precision`).
+        self.precision_used = ""
         self.eager_while_compiling = eager_while_compiling
         self.compiled_ready = threading.Event()
         self.compiled_ready.set()
@@ -257,6 +259,7 @@ class TorchEngine:
                 )
                 fold._load_single(unit)
                 folds.append(fold)
+                self.precision_used = fold.precision_used
         except BaseException:
             for fold in folds:
                 fold.close()
@@ -310,6 +313,7 @@ class TorchEngine:
                 dev,
             )
         self._dtype = torch.float16 if half else torch.float32
+        self.precision_used = "fp16" if half else "fp32"
         if self.channels_last is None:
             self.channels_last = dev.type == "cuda" and self.compile
         self._graphs = {}

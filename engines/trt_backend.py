@@ -405,6 +405,8 @@ class TensorRTEngine:
         self._runner = runners[0]
         self._runners = runners
         self.manifest = manifest
+        #: What the loaded model runs in (:func:`segnode.engines.base.run_precision`).
+        self.precision_used = built[0].key.precision
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Label map of ``hu`` (``(z, y, x)`` HU), computed on the GPU."""

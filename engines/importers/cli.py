@@ -1,4 +1,4 @@
-"""``segnode model import nnunet|totalsegmentator``: the command line of the importers.
+"""``segnode model import`` and ``segnode model calibrate``: the command line of model tools.
 
 The node's CLI registers the sub-commands with :func:`add_model_parser` and dispatches to
 :func:`run_model_command`::
@@ -11,6 +11,11 @@ The node's CLI registers the sub-commands with :func:`add_model_parser` and disp
             [--task total|total_fast|total_fastest] [--name total]
             [--labels FILE|totalsegmentator] [--allow-generic] [--model-version 1.0.0]
             [--out DIR]
+    segnode model calibrate MANIFEST [--series DIR ...] [--spool DATA_DIR]
+            [--precision int8|bf16] [--held-out N] [--threshold 0.99]
+            [--tiles-per-series 8] [--max-rounds 4] [--threads N]
+
+``calibrate`` is :func:`segnode.engines.calibrate.calibrate`.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ def add_model_parser(subparsers: Any) -> argparse.ArgumentParser:
     Returns the ``model`` parser; the chosen action is in ``args.model_command`` and
     ``args.import_kind``.
     """
-    model = subparsers.add_parser("model", help="import trained models (nnU-Net, TotalSegmentator)")
+    model = subparsers.add_parser(
+        "model", help="import trained models (nnU-Net, TotalSegmentator) and calibrate them"
+    )
     actions = model.add_subparsers(dest="model_command", required=True)
     imp = actions.add_parser("import", help="import a trained model as ONNX + manifest")
     kinds = imp.add_subparsers(dest="import_kind", required=True)
@@ -71,6 +78,51 @@ def add_model_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     ts.add_argument("--name", default="total", help="model name (manifest NAME.json)")
     _shared(ts)
+
+    cal = actions.add_parser(
+        "calibrate",
+        help="calibrate a trained model for the CPU (INT8 from representative series, or BF16), "
+        "checked against FP32 on held-out series",
+    )
+    cal.add_argument("manifest", type=Path, help="the model's manifest (NAME.json) or folder")
+    cal.add_argument(
+        "--series",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="representative CT series: a folder per series, or a folder of series folders",
+    )
+    cal.add_argument(
+        "--spool",
+        type=Path,
+        default=None,
+        metavar="DATA_DIR",
+        help="also the series the node has received (its data_dir, or data_dir/spool)",
+    )
+    cal.add_argument("--precision", choices=("int8", "bf16"), default="int8")
+    cal.add_argument(
+        "--held-out",
+        type=int,
+        default=None,
+        metavar="N",
+        help="series kept for the accuracy guard, the last N (default: a third, at least 1)",
+    )
+    cal.add_argument(
+        "--threshold",
+        type=float,
+        default=0.99,
+        help="lowest Dice per label against FP32 the guard accepts (default 0.99)",
+    )
+    cal.add_argument("--tiles-per-series", type=int, default=8, metavar="N")
+    cal.add_argument(
+        "--max-rounds",
+        type=int,
+        default=4,
+        metavar="N",
+        help="rounds of keeping more measured layers in float (default 4)",
+    )
+    cal.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     return model  # type: ignore[no-any-return]
 
 
@@ -92,8 +144,11 @@ def _shared(p: argparse.ArgumentParser) -> None:
 
 
 def run_model_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Run ``segnode model import ...``; returns the exit status (1 with a message on error)."""
+    """Run ``segnode model import ...`` or ``segnode model calibrate ...``; returns the exit
+    status (1 with a message on error, or when the calibration fails its guard)."""
     stream = out or sys.stdout
+    if args.model_command == "calibrate":
+        return _calibrate(args, stream)
     from segnode.engines.importers.labels import load_label_csv
 
     try:
@@ -153,3 +208,34 @@ def run_model_command(args: argparse.Namespace, out: TextIO | None = None) -> in
     except EngineError as exc:
         print(f"segnode: model import: {exc}", file=sys.stderr)
         return 1
+
+
+def _calibrate(args: argparse.Namespace, stream: TextIO) -> int:
+    """``segnode model calibrate``: 0 and the report, or 1 with the reason (a failed guard
+    prints the Dice it found and writes nothing)."""
+    from segnode.engines.calibrate import GuardFailed, calibrate
+
+    try:
+        report = calibrate(
+            args.manifest,
+            args.series,
+            spool=args.spool,
+            precision=args.precision,
+            held_out=args.held_out,
+            threshold=args.threshold,
+            tiles_per_series=args.tiles_per_series,
+            max_rounds=args.max_rounds,
+            threads=args.threads,
+            progress=lambda line: print(line, file=stream, flush=True),
+        )
+    except GuardFailed as exc:
+        for line in exc.report.lines():
+            print(line, file=stream)
+        print(f"segnode: model calibrate: {exc}", file=sys.stderr)
+        return 1
+    except EngineError as exc:
+        print(f"segnode: model calibrate: {exc}", file=sys.stderr)
+        return 1
+    for line in report.lines():
+        print(line, file=stream)
+    return 0

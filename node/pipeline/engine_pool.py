@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from segnode.engines.base import Engine, EngineError, create_engine
+from segnode.engines.base import Engine, EngineError, create_engine, run_precision
 from segnode.engines.manifest import ModelManifest, check_runnable
 from segnode.engines.manifest_parse import load_manifest
 from segnode.node.config import Config
@@ -82,7 +83,7 @@ class EnginePool:
         self.manifests: dict[str, ModelManifest] = {}
         for name, (engine, manifest) in (preloaded or {}).items():
             self._engines[name] = engine
-            self.manifests[name] = manifest
+            self.manifests[name] = _as_run(engine, manifest)
         for name, spec in self.specs.items():
             if name not in self.manifests:
                 self.manifests[name] = load_manifest(spec.manifest)
@@ -130,6 +131,7 @@ class EnginePool:
             engine = create_engine(spec.engine, **engine_options(spec, self.data_dir))
             engine.load(manifest)
             self._engines[name] = engine
+            manifest = self.manifests[name] = _as_run(engine, manifest)
             return engine, manifest
 
     def loaded(self) -> list[str]:
@@ -146,6 +148,12 @@ class EnginePool:
                 engine.close()
             except Exception:
                 log.exception("closing an engine failed")
+
+
+def _as_run(engine: Engine, manifest: ModelManifest) -> ModelManifest:
+    """``manifest`` with the precision its loaded engine runs it in, for the SEG's and SR's
+    algorithm identification (:func:`segnode.engines.base.run_precision`)."""
+    return replace(manifest, precision=run_precision(engine, manifest))
 
 
 __all__ = ["DEFAULT_MODEL_NAME", "EnginePool", "engine_options"]

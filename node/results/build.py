@@ -164,6 +164,18 @@ _label_counts = label_counts
 _numbering = numbering
 
 
+def seg_algorithm(manifest: ModelManifest) -> hd.AlgorithmIdentificationSequence:
+    """The SEG's Segmentation Algorithm Identification: the model's name and version, and
+    as its Algorithm Parameters the precision that ran it (``precision``: ``fp32``,
+    ``fp16``, ``bf16``, ``int8``; :func:`segnode.engines.base.run_precision`)."""
+    return hd.AlgorithmIdentificationSequence(
+        name=manifest.name,
+        family=codes.cid7162.ArtificialIntelligence,
+        version=manifest.version,
+        parameters={"precision": manifest.precision},
+    )
+
+
 def derived_uid(*parts: str) -> str:
     """Deterministic UID from ``parts``: a name-based (SHA-1) UUID in the ``2.25`` form of
     PS3.5 B.2, so the same result re-encoded gets the same UID."""
@@ -345,11 +357,7 @@ def build_seg(
         lut[value] = number
     pixels = lut[labels]
 
-    algorithm = hd.AlgorithmIdentificationSequence(
-        name=manifest.name,
-        family=codes.cid7162.ArtificialIntelligence,
-        version=manifest.version,
-    )
+    algorithm = seg_algorithm(manifest)
     descriptions = []
     for value, number in numbers.items():
         spec = manifest.label(value)
@@ -519,6 +527,7 @@ def measurement_report(
         name=manifest.name,
         version=manifest.version,
         family=codes.cid7162.ArtificialIntelligence,
+        parameters=[f"precision={manifest.precision}"],
     )
     groups = []
     for s in stats:

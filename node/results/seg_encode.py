@@ -46,7 +46,6 @@ from pydicom.charset import default_encoding
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.filebase import DicomBytesIO
 from pydicom.filewriter import write_file_meta_info
-from pydicom.sr.codedict import codes
 from pydicom.uid import UID, DeflatedExplicitVRLittleEndian, ExplicitVRLittleEndian
 
 from segnode.engines.manifest import ModelManifest
@@ -60,6 +59,7 @@ from segnode.node.results.build import (
     _character_set,
     _source_headers,
     derived_uid,
+    seg_algorithm,
 )
 from segnode.node.results.seg_deflate import deflate
 from segnode.node.results.seg_header import (
@@ -259,11 +259,7 @@ class SegPlan:
             geometry = Geometry.of(volume, sources)
             fixed = encode_elements(header, header.get("SpecificCharacterSet", encoding))
 
-            algorithm = hd.AlgorithmIdentificationSequence(
-                name=manifest.name,
-                family=codes.cid7162.ArtificialIntelligence,
-                version=manifest.version,
-            )
+            algorithm = seg_algorithm(manifest)
             items = {
                 spec.value: segment_item_parts(spec, algorithm, encoding)
                 for spec in sorted(manifest.labels, key=lambda s: s.value)
