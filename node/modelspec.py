@@ -9,11 +9,12 @@ errors, so that those two do not import each other to share it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from segnode.engines.base import PRECISIONS
+from segnode.engines.base import PRECISIONS, EngineError
+from segnode.engines.manifest import ModelManifest
 from segnode.node.errors import ConfigError
 
 SPEC_PRECISIONS = (*PRECISIONS, "bf16")
@@ -33,6 +34,7 @@ SPEC_KEYS = (
     "precision",
     "compile",
     "eager_while_compiling",
+    "mirror_axes",
     *REMOTE_KEYS,
 )
 """The keys of a model table (``[model]`` adds ``load``)."""
@@ -61,6 +63,9 @@ class ModelSpec:
     timeout_s: float = 60.0
     #: ``engine = "kserve"``: how often a request that failed for a transient reason is re-sent.
     retries: int = 3
+    #: Test-time mirroring of a trained model, model axes (``()`` for none), instead of its
+    #: manifest's (its trainer's); ``None``: the manifest's (:func:`load_spec_manifest`).
+    mirror_axes: tuple[int, ...] | None = None
 
 
 def parse_model_spec(
@@ -118,8 +123,51 @@ def parse_model_spec(
     eager = table.get("eager_while_compiling", True)
     if not isinstance(eager, bool):
         raise ConfigError(f"{key}.eager_while_compiling: must be true or false, got {eager!r}")
+    mirror = table.get("mirror_axes")
+    if mirror is not None and (
+        not isinstance(mirror, list)
+        or any(not isinstance(a, int) or isinstance(a, bool) or a not in (0, 1, 2) for a in mirror)
+        or len(set(mirror)) != len(mirror)
+    ):
+        raise ConfigError(
+            f"{key}.mirror_axes: distinct model axes among 0, 1, 2 ([] for no mirroring), "
+            f"got {mirror!r}"
+        )
     remote = _remote(table, key, engine)
-    return ModelSpec(name, manifest, engine, threads, precision, compile_, eager, **remote)
+    return ModelSpec(
+        name,
+        manifest,
+        engine,
+        threads,
+        precision,
+        compile_,
+        eager,
+        **remote,
+        mirror_axes=tuple(mirror) if mirror is not None else None,
+    )
+
+
+def load_spec_manifest(spec: ModelSpec) -> ModelManifest:
+    """The manifest of ``spec``, with its ``mirror_axes`` override applied.
+
+    Raises
+    ------
+    EngineError
+        The manifest cannot be read, or ``mirror_axes`` is set for a model without test-time
+        mirroring (a version-1 model or a composite: set it on each part's manifest).
+    """
+    from segnode.engines.manifest_parse import load_manifest
+
+    manifest = load_manifest(spec.manifest)
+    if spec.mirror_axes is None:
+        return manifest
+    if manifest.contract is None or manifest.is_composite:
+        raise EngineError(
+            f"model {spec.name!r}: mirror_axes applies to one trained (version-2) model; "
+            f"{manifest.name!r} is "
+            + ("a composite" if manifest.is_composite else "a version-1 model")
+        )
+    return replace(manifest, contract=replace(manifest.contract, mirror_axes=spec.mirror_axes))
 
 
 def _remote(table: Mapping[str, Any], key: str, engine: str) -> dict[str, Any]:

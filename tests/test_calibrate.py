@@ -26,6 +26,7 @@ from segnode.engines.calibrate import (
 from segnode.engines.manifest import ManifestError
 from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.ort_backend import OrtEngine
+from segnode.node.pipeline.engine_pool import EnginePool
 from segnode.node.results.build import Equipment, ResultUIDs, build_seg, build_sr
 from tests.fixtures.phantom_model import MANIFEST
 from tests.test_results import small_volume, truth
@@ -124,6 +125,9 @@ def test_int8_calibration_writes_a_guarded_model(tmp_path: Path, series: list[Pa
     with OrtEngine(threads=1) as engine:
         engine.load(manifest)
         assert run_precision(engine, manifest) == "int8"
+        # the node's pool hands the worker the manifest with what ran, for the SEG and SR
+        pool = EnginePool([], tmp_path, {"default": (engine, replace(manifest, precision="x"))})
+        assert pool.default_manifest.precision == "int8"
     with OrtEngine(threads=1) as engine:
         engine.load(replace(manifest, precision="fp32"))
         assert run_precision(engine, manifest) == "fp32"

@@ -406,7 +406,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_rules(args: argparse.Namespace) -> int:
     """``segnode rules test``: the routing decision for each series of the files given."""
     from segnode.engines.base import EngineError
-    from segnode.engines.manifest_parse import load_manifest
+    from segnode.node.modelspec import load_spec_manifest
     from segnode.node.routing.rules import Router, dry_run, model_specs, senders_from_peers
 
     cfg = _config(args)
@@ -415,7 +415,7 @@ def cmd_rules(args: argparse.Namespace) -> int:
     def describe(name: str) -> str:
         spec = specs[name]
         try:
-            m = load_manifest(spec.manifest)
+            m = load_spec_manifest(spec)
         except EngineError as exc:
             return f"manifest unreadable: {exc}"
         return f"{m.name} {m.version} on {spec.engine}"

@@ -25,13 +25,13 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from segnode.engines.base import Engine, EngineError, create_engine
 from segnode.engines.manifest import ModelManifest, check_runnable
-from segnode.engines.manifest_parse import load_manifest
 from segnode.node.config import Config
 from segnode.node.errors import ConfigError, SegnodeError, log_failure
 from segnode.node.ingest.scp import StoreSCP, record_from_file
 from segnode.node.ingest.senders import SenderBook, load_patterns, save_pattern
 from segnode.node.ingest.series import CompletionLoop
 from segnode.node.ingest.streaming import Arrival, StreamingAssembler
+from segnode.node.modelspec import load_spec_manifest
 from segnode.node.ops.metrics import Metrics
 from segnode.node.ops.notify import Notifier
 from segnode.node.ops.retention import Retention
@@ -176,7 +176,7 @@ class Node:
                 self.ledger.close()
                 raise
             self._last_heartbeat = time.monotonic()
-            self.manifest: ModelManifest = load_manifest(config.model.manifest)
+            self.manifest: ModelManifest = load_spec_manifest(config.model)
             check_runnable(self.manifest)
             #: The engine still to load in the background (``[model] load = "background"``).
             self._unloaded: Engine | None = None

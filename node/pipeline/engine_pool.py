@@ -17,8 +17,8 @@ from typing import Any
 
 from segnode.engines.base import Engine, EngineError, create_engine, run_precision
 from segnode.engines.manifest import ModelManifest, check_runnable
-from segnode.engines.manifest_parse import load_manifest
 from segnode.node.config import Config
+from segnode.node.modelspec import load_spec_manifest
 from segnode.node.routing.rules import DEFAULT_MODEL_NAME, ModelSpec, model_specs
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class EnginePool:
             self.manifests[name] = _as_run(engine, manifest)
         for name, spec in self.specs.items():
             if name not in self.manifests:
-                self.manifests[name] = load_manifest(spec.manifest)
+                self.manifests[name] = load_spec_manifest(spec)
             check_runnable(self.manifests[name])
         self._lock = threading.Lock()
 
