@@ -16,8 +16,11 @@ Networks (``--networks``):
 ``full``
     nnU-Net's default 3d_fullres architecture for CT at 1.5 mm (32-320 features, 6 stages,
     128^3 patch: the 31 M-parameter network of :mod:`bench.nnunet_gpu`), weights from nnU-Net's
-    own initialisation, one fold, mirroring ``--full-mirroring`` (default off: on 2 cores its
-    8 mirrored passes take hours a series).
+    own initialisation but for the last decoder stage and the segmentation head, trained on
+    the phantom's labels (:func:`fit_head`: random weights everywhere give near-tie logits, a
+    label map of noise, on which no precision's Dice means anything), one fold, mirroring
+    ``--full-mirroring``
+    (default off: on 2 cores its 8 mirrored passes take hours a series).
 
 For each CT (``--shapes``, default a 512 x 512 x 140 head CT and a 512 x 512 x 300 body CT at
 0.7 x 0.7 x 1.25 mm, the phantom's anatomy) and network, side by side in this run:
@@ -86,6 +89,7 @@ def peer_main(argv: list[str]) -> int:
         if not fingerprint.is_file():  # optional for the import; full_size_folder copies it
             fingerprint.write_text("{}")
         full = gpu.full_size_folder(tiny, args.work)
+        fitted = fit_head(full)
         manifest, _, seconds = gpu.import_folder(full, args.work / "imported" / "full", "full")
         args.out.write_text(
             json.dumps(
@@ -94,6 +98,7 @@ def peer_main(argv: list[str]) -> int:
                     "full": str(full),
                     "manifest": str(manifest),
                     "import_s": seconds,
+                    "head": fitted,
                 }
             )
         )
@@ -125,15 +130,96 @@ def peer_main(argv: list[str]) -> int:
     return 0
 
 
+def fit_head(folder: Path, steps: int = 150) -> dict[str, Any]:
+    """Train the last decoder stage and the segmentation head of the ``full`` network (the
+    other weights stay nnU-Net's initialisation) on the phantom's labels: 128^3 phantom
+    patches at 1.5 mm through the frozen network once, then ``steps`` Adam steps on random
+    64^3 crops of the last stage's input. With random weights everywhere the logits are near
+    ties and the label map is noise, on which no precision's Dice means anything; trained this
+    way every layer feeds decisions with margins, as in a trained network. Writes the
+    checkpoint back; returns the accuracy on the patches."""
+    import torch  # noqa: PLC0415
+    from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer  # noqa: PLC0415
+    from nnunetv2.utilities.plans_handling.plans_handler import PlansManager  # noqa: PLC0415
+
+    from scripts.nnunet_phantom import Anatomy, Grid, sample  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    plans = json.loads((folder / "plans.json").read_text())
+    dataset = json.loads((folder / "dataset.json").read_text())
+    manager = PlansManager(plans)
+    net = nnUNetTrainer.build_network_architecture(
+        manager, manager.get_configuration("3d_fullres"), 1, len(dataset["labels"]), True
+    )
+    path = folder / "fold_0" / "checkpoint_final.pth"
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    net.load_state_dict(ckpt["network_weights"])
+    net.decoder.deep_supervision = False
+    net.eval()
+    props = plans["foreground_intensity_properties_per_channel"]["0"]
+    lo, hi = props["percentile_00_5"], props["percentile_99_5"]
+    stage, head = net.decoder.stages[-1], net.decoder.seg_layers[-1]
+    captured: list[Any] = []
+    hook = stage.register_forward_pre_hook(lambda _m, inp: captured.append(inp[0].detach()))
+    rng = np.random.default_rng(2)
+    inputs, targets = [], []
+    for i in range(4):
+        size = float(rng.uniform(0.6, 1.1))
+        anatomy = Anatomy(
+            body_axes=(150.0 * size, 110.0 * size),
+            body_z=(-80.0, 80.0),
+            shift=tuple(float(v) for v in rng.uniform(-30, 30, size=3)),  # type: ignore[arg-type]
+            noise_hu=float(rng.uniform(10, 30)),
+            seed=i,
+        )
+        hu, labels = sample(Grid(slices=128, rows=128, columns=128, pixel=1.5, slice=1.5), anatomy)
+        x = (np.clip(hu.astype(np.float32), lo, hi) - props["mean"]) / props["std"]
+        with torch.no_grad():
+            net(torch.from_numpy(x[None, None]))
+        inputs.append(captured.pop())
+        targets.append(torch.from_numpy(labels.astype(np.int64))[None])
+    hook.remove()
+    trained = torch.nn.Sequential(stage, head)
+    trained.train()
+    opt = torch.optim.Adam(trained.parameters(), lr=2e-3)
+    crop = 64
+    for step in range(steps):
+        k = step % len(inputs)
+        z, y, x0 = (int(v) for v in rng.integers(0, 128 - crop + 1, size=3))
+        window = (slice(None), slice(None), slice(z, z + crop), slice(y, y + crop))
+        window += (slice(x0, x0 + crop),)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(
+            trained(inputs[k][window]), targets[k][window[0:1] + window[2:]]
+        )
+        loss.backward()
+        opt.step()
+    trained.eval()
+    with torch.no_grad():
+        hits = sum(
+            int((trained(inp).argmax(1) == t).sum()) for inp, t in zip(inputs, targets, strict=True)
+        )
+    accuracy = hits / sum(t.numel() for t in targets)
+    ckpt["network_weights"] = net.state_dict()
+    torch.save(ckpt, path)
+    final = float(loss.detach())
+    print(
+        f"  full network: last stage and head trained, accuracy {accuracy:.4f} (loss {final:.4f})"
+    )
+    return {"accuracy": round(accuracy, 4), "loss": round(final, 4), "steps": steps}
+
+
 # --------------------------------------------------------------------------- segnode side
 
 
 def calibrated_copy(
-    manifest: Path, work: Path, name: str, *, threshold: float, rounds: int, tiles: int
+    manifest: Path, work: Path, name: str, *, rounds: int, tiles: int
 ) -> tuple[Path, dict[str, Any]]:
-    """A copy of the model folder calibrated to INT8 on phantom series."""
-    from scripts.nnunet_phantom import FOV, Anatomy, Grid, OracleCase, write_dicom_case
-    from segnode.engines.calibrate import calibrate
+    """A copy of the model folder calibrated to INT8 on four series like the benchmark's CTs
+    (the same anatomy's family: body size within 10 %, shifted, other noise; 256 x 256 at
+    1.4 mm, 2.5 mm slices), the last held out for the guard."""
+    from scripts.nnunet_phantom import Anatomy, Grid, OracleCase, write_dicom_case
+    from segnode.engines.calibrate import GuardFailed, calibrate
 
     folder = work / f"int8-{name}"
     shutil.rmtree(folder, ignore_errors=True)
@@ -141,26 +227,49 @@ def calibrated_copy(
     series = []
     rng = np.random.default_rng(11)
     for i in range(4):
-        case = OracleCase(f"cal{i}", Grid.covering(FOV, 0.8, 1.5), Anatomy.random(rng))
+        grid = Grid(slices=72, rows=256, columns=256, pixel=1.4, slice=2.5)
+        size = float(rng.uniform(0.9, 1.1))
+        half_z = 72 * 2.5 / 2
+        anatomy = Anatomy(
+            body_axes=(150.0 * size, 110.0 * size),
+            body_z=(-0.8 * half_z, 0.8 * half_z),
+            shift=tuple(float(v) for v in rng.uniform(-8, 8, size=3)),  # type: ignore[arg-type]
+            noise_hu=float(rng.uniform(10, 30)),
+            seed=int(rng.integers(1 << 30)),
+        )
+        case = OracleCase(f"cal{i}", grid, anatomy)
         series.append(work / "calibration" / case.name)
         if not series[-1].is_dir():
             write_dicom_case(case, series[-1], 40 + i)
     t0 = time.perf_counter()
-    report = calibrate(
-        folder / manifest.name,
-        series,
-        held_out=1,
-        threshold=threshold,
-        tiles_per_series=tiles,
-        max_rounds=rounds,
-        progress=lambda line: print("   ", line, flush=True),
+    info: dict[str, Any] = {}
+    try:
+        report = calibrate(
+            folder / manifest.name,
+            series,
+            held_out=1,
+            threshold=0.99,
+            tiles_per_series=tiles,
+            max_rounds=rounds,
+            progress=lambda line: print("   ", line, flush=True),
+        )
+    except GuardFailed as exc:  # measured all the same, for its speed: the guard off
+        print(f"    {exc}", flush=True)
+        info["guard_failed_dice_min"] = exc.report.dice_min
+        report = calibrate(
+            folder / manifest.name,
+            series,
+            held_out=1,
+            threshold=0.0,
+            tiles_per_series=tiles,
+            max_rounds=1,
+        )
+    info.update(
+        seconds=round(time.perf_counter() - t0, 1),
+        tiles=report.tiles,
+        kept_float=[n for n, _ in report.kept_float],
+        dice_min_vs_fp32_held_out=report.dice_min,
     )
-    info = {
-        "seconds": round(time.perf_counter() - t0, 1),
-        "tiles": report.tiles,
-        "kept_float": [n for n, _ in report.kept_float],
-        "dice_min_vs_fp32_held_out": report.dice_min,
-    }
     return folder / manifest.name, info
 
 
@@ -307,8 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                 model["manifest"],
                 work,
                 name,
-                threshold=0.99 if name == "tiny" else 0.0,
-                rounds=4 if name == "tiny" else 1,
+                rounds=4 if name == "tiny" else 2,
                 tiles=8 if name == "tiny" else 2,
             )
             write_report(args.out, result)
