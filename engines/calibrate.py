@@ -349,6 +349,44 @@ def tensor_ranges(
     return doc
 
 
+def plain_weights(src: Path, dst: Path) -> None:
+    """``src`` with every weight a float32 initializer: Identity and Cast nodes that only pass
+    an initializer on (PyTorch's exporter writes Identity for shared parameters; a model
+    stored in float16 has a Cast to float32 before each weight) folded into it. The
+    quantizer quantizes an initializer as a weight (per channel, once) and anything else as an
+    activation (per tensor, asymmetric, at every inference)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(src))
+    inits = {i.name: i for i in model.graph.initializer}
+    kept = []
+    for node in model.graph.node:
+        foldable = (
+            node.op_type in ("Identity", "Cast")
+            and len(node.input) == 1
+            and len(node.output) == 1
+            and node.input[0] in inits
+        )
+        to = next((a.i for a in node.attribute if a.name == "to"), onnx.TensorProto.FLOAT)
+        if foldable and (node.op_type == "Identity" or to == onnx.TensorProto.FLOAT):
+            value = numpy_helper.to_array(inits[node.input[0]])
+            if node.op_type == "Cast":
+                value = value.astype(np.float32)
+            folded = numpy_helper.from_array(value, node.output[0])
+            model.graph.initializer.append(folded)
+            inits[folded.name] = folded
+            continue
+        kept.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    keep = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    onnx.save(model, str(dst))
+
+
 def conv_nodes(onnx_path: Path) -> list[Any]:
     """The model's Conv (and ConvTranspose) nodes in graph order."""
     import onnx
@@ -706,9 +744,12 @@ def _calibrate_int8(
     report.tiles = len(tiles)
     report.seconds["tiles"] = time.perf_counter() - t0
     say(f"{len(tiles)} calibration tiles from {len(calib)} series")
-    folds = [Path(p) for p in manifest.fold_paths]
     work = Path(tempfile.mkdtemp(prefix=".calibrate-", dir=path.parent))
     try:
+        originals = [Path(p) for p in manifest.fold_paths]
+        folds = [work / f.name for f in originals]
+        for f, plain in zip(originals, folds, strict=True):
+            plain_weights(f, plain)
         t0 = time.perf_counter()
         ranges = {f.name: tensor_ranges(f, manifest.input_name, tiles, work) for f in folds}
         report.seconds["ranges"] = time.perf_counter() - t0
