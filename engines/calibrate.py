@@ -512,10 +512,19 @@ def _range_of(entry: Any) -> tuple[float, float]:
 
 
 def quantize_fold(
-    onnx_path: Path, out: Path, ranges: dict[str, Any], exclude: Sequence[str], work: Path
+    onnx_path: Path,
+    out: Path,
+    ranges: dict[str, Any],
+    exclude: Sequence[str],
+    work: Path,
+    *,
+    symmetric: bool = False,
 ) -> None:
-    """Static INT8 QDQ of one fold file with the calibrated ``ranges``: per-channel INT8
-    weights, UINT8 activations, ``exclude`` left in float."""
+    """Static INT8 QDQ of one fold file with the calibrated ``ranges``: per-channel symmetric
+    INT8 weights, ``exclude`` left in float; activations UINT8 with a zero point (ONNX
+    Runtime's fastest form on x86: 2.2x FP32 a tile of the 31 M network, against 1.9x
+    symmetric), or with ``symmetric`` INT8 with zero point 0 and float biases, the only form
+    TensorRT's explicit quantization parses."""
     q = _ort_quantization()
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
 
@@ -529,11 +538,17 @@ def quantize_fold(
             None,
             quant_format=QuantFormat.QDQ,
             per_channel=True,
-            activation_type=QuantType.QUInt8,
+            activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
             weight_type=QuantType.QInt8,
             nodes_to_exclude=list(exclude),
             calibrate_method=CalibrationMethod.MinMax,
             calibration_cache_path=str(cache),
+            extra_options={
+                "ActivationSymmetric": symmetric,
+                "WeightSymmetric": True,
+                # TensorRT quantizes biases itself: it refuses INT32 ones
+                "QuantizeBias": not symmetric,
+            },
         )
     finally:
         logging.getLogger().disabled = was
@@ -802,6 +817,33 @@ def _calibrate_int8(
         final = {f"{f.stem}.int8.onnx": out for f, out in zip(folds, outs, strict=True)}
         section = _section(report, manifest)
         section["int8_folds"] = list(final)
+        # The same ranges and layers in TensorRT's form, guarded the same way (on ONNX
+        # Runtime: TensorRT itself may not run here); left out, with the reason, if it fails.
+        t0 = time.perf_counter()
+        exclude = [n for n, _ in report.kept_float]
+        sym = [work / f"{f.stem}.int8.tensorrt.onnx" for f in folds]
+        for f, out in zip(folds, sym, strict=True):
+            quantize_fold(f, out, ranges[f.name], exclude, work, symmetric=True)
+        candidate = replace(manifest, precision="int8", int8_fold_paths=tuple(sym))
+        with OrtEngine(threads=threads) as engine:
+            engine.load(candidate)
+            low = min(
+                dice_per_label(
+                    reference, _segment_all(engine, candidate, guard), manifest
+                ).values(),
+                default=1.0,
+            )
+        report.seconds["tensorrt form"] = time.perf_counter() - t0
+        section["guard"]["tensorrt_form_dice_min"] = low
+        if low >= report.threshold:
+            tensorrt = {
+                f"{f.stem}.int8.tensorrt.onnx": out for f, out in zip(folds, sym, strict=True)
+            }
+            section["int8_tensorrt_folds"] = list(tensorrt)
+            final.update(tensorrt)
+        say(f"TensorRT form (symmetric INT8): lowest Dice {low:.4f}" + (
+            "" if low >= report.threshold else " - below the threshold, not written"
+        ))  # fmt: skip
         report.written = _write(path, final, section, "int8", calibration)
         return report
     finally:

@@ -200,8 +200,9 @@ def run_engine_command(
         if args.engine_command == "build":
             manifest = resolve_model(args.model, default_model, models)
             settings = BuildSettings(args.precision, args.flavour, args.target)
-            # one engine per ONNX file: the model itself, or every fold (of every part)
-            for unit in manifest.model_files():
+            # one engine per ONNX file: the model itself, or every fold (of every part); a
+            # model calibrated to INT8 builds its files in TensorRT's form where it has them
+            for unit in manifest.model_files(int8="tensorrt"):
                 built = build_engine(unit, settings, cache_dir=cache_dir)
                 key = built.key
                 batch, patch = "/".join(map(str, key.batch)), "x".join(map(str, key.patch_size))

@@ -247,6 +247,10 @@ class ModelManifest:
     int8_fold_paths: tuple[Path, ...] = ()
     """Version 2 with ``"precision": "int8"``: one INT8 QDQ ONNX file per fold, in the order
     of :attr:`fold_paths` (the FP32 files stay for the other engines)."""
+    int8_tensorrt_fold_paths: tuple[Path, ...] = ()
+    """The same INT8 model in TensorRT's form (symmetric INT8 activations), one file per fold,
+    for the ``tensorrt`` engine's explicit-quantization build; empty where calibration did
+    not write it."""
     calibration: dict[str, Any] = field(default_factory=dict)
     """The manifest's ``"calibration"`` section (calibration file, its SHA-256, the layers
     kept in float, the accuracy guard's Dice): see :mod:`segnode.engines.calibrate`."""
@@ -263,7 +267,7 @@ class ModelManifest:
         """True for a composite model (``"parts"``)."""
         return bool(self.parts)
 
-    def model_files(self, *, int8: bool = False) -> tuple[ModelManifest, ...]:
+    def model_files(self, *, int8: bool | str = False) -> tuple[ModelManifest, ...]:
         """One single-file manifest per ONNX file a backend loads, in order.
 
         Version 1: the manifest itself. Version 2: one per fold (``onnx_path`` that fold,
@@ -271,7 +275,8 @@ class ModelManifest:
         Composite: every fold of every part, part by part (names
         ``<composite>.partJ.<part>.foldN``). ``int8``: a model calibrated to INT8 gives its
         INT8 QDQ files instead (names ``.foldN.int8``), for the engines that run them
-        (ONNX Runtime and OpenVINO on the CPU); any other model its float files.
+        (ONNX Runtime and OpenVINO on the CPU); ``int8="tensorrt"`` its files in TensorRT's
+        form, where calibration wrote them; any other model its float files.
         """
         if self.parts:
             return tuple(
@@ -281,10 +286,11 @@ class ModelManifest:
             )
         if self.manifest_version == 1 or not self.fold_paths:
             return (self,)
-        if int8 and self.precision == "int8" and self.int8_fold_paths:
+        quantized = self.int8_tensorrt_fold_paths if int8 == "tensorrt" else self.int8_fold_paths
+        if int8 and self.precision == "int8" and quantized:
             return tuple(
                 replace(self, name=f"{self.name}.fold{i}.int8", onnx_path=path, fold_paths=(path,))
-                for i, path in enumerate(self.int8_fold_paths)
+                for i, path in enumerate(quantized)
             )
         return tuple(
             replace(self, name=f"{self.name}.fold{i}", onnx_path=path, fold_paths=(path,))

@@ -107,10 +107,11 @@ def _from_raw(raw: dict[str, Any], p: Path) -> ModelManifest:
         folds: tuple[Path, ...] = ()
         precision: str = "fp32"
         int8_folds: tuple[Path, ...] = ()
+        tensorrt_folds: tuple[Path, ...] = ()
         calibration: dict[str, Any] = {}
         if version == 2:
             folds = _folds(raw, p)
-            precision, int8_folds, calibration = _precision(raw, p, len(folds))
+            precision, int8_folds, tensorrt_folds, calibration = _precision(raw, p, len(folds))
             contract = _contract(raw, p, len(labels))
             onnx_path = folds[0]
             if isinstance(contract.normalization, LinearNormalization):
@@ -140,6 +141,7 @@ def _from_raw(raw: dict[str, Any], p: Path) -> ModelManifest:
             contract=contract,
             precision=precision,
             int8_fold_paths=int8_folds,
+            int8_tensorrt_fold_paths=tensorrt_folds,
             calibration=calibration,
         )
     except ManifestError:
@@ -200,9 +202,10 @@ PRECISIONS = ("fp32", "int8", "bf16")
 
 def _precision(
     raw: dict[str, Any], p: Path, folds: int
-) -> tuple[str, tuple[Path, ...], dict[str, Any]]:
+) -> tuple[str, tuple[Path, ...], tuple[Path, ...], dict[str, Any]]:
     """``"precision"`` (default fp32), the INT8 fold files of an ``"int8"`` model (its
-    ``"calibration"`` section's ``"int8_folds"``, one per fold, present) and the section."""
+    ``"calibration"`` section's ``"int8_folds"``, one per fold, present), those in TensorRT's
+    form (``"int8_tensorrt_folds"``, optional) and the section."""
     precision = raw.get("precision", "fp32")
     if precision not in PRECISIONS:
         raise ManifestError(f"{p}: precision: one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -210,25 +213,34 @@ def _precision(
     if not isinstance(calibration, dict):
         raise ManifestError(f"{p}: calibration: an object, got {calibration!r}")
     if precision != "int8":
-        return precision, (), calibration
-    names = calibration.get("int8_folds")
+        return precision, (), (), calibration
+    int8 = _int8_files(calibration, "int8_folds", p, folds)
+    tensorrt: tuple[Path, ...] = ()
+    if calibration.get("int8_tensorrt_folds"):
+        tensorrt = _int8_files(calibration, "int8_tensorrt_folds", p, folds)
+    return precision, int8, tensorrt, calibration
+
+
+def _int8_files(calibration: dict[str, Any], key: str, p: Path, folds: int) -> tuple[Path, ...]:
+    """The files of ``calibration[key]``: one per fold, each present."""
+    names = calibration.get(key)
     if (
         not isinstance(names, list)
         or len(names) != folds
         or not all(isinstance(n, str) for n in names)
     ):
         raise ManifestError(
-            f"{p}: calibration.int8_folds: one INT8 ONNX file name per fold ({folds}) for "
+            f"{p}: calibration.{key}: one INT8 ONNX file name per fold ({folds}) for "
             f"precision int8, got {names!r} (run segnode model calibrate again)"
         )
     paths = tuple((p.parent / n).resolve() for n in names)
     for i, path in enumerate(paths):
         if not path.is_file():
             raise ManifestError(
-                f"{p}: calibration.int8_folds[{i}]: no such file {path} "
+                f"{p}: calibration.{key}[{i}]: no such file {path} "
                 "(run segnode model calibrate again, or set precision to fp32)"
             )
-    return precision, paths, calibration
+    return paths
 
 
 def _section(raw: dict[str, Any], key: str, p: Path) -> dict[str, Any]:

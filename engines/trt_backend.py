@@ -49,6 +49,7 @@ from segnode.engines.base import (
     check_version_1,
     loaded,
     out_of_gpu_memory,
+    precision_of,
 )
 from segnode.engines.engine_cache import CachedEngine, EngineCache, EngineRecord, atomic_write
 from segnode.engines.trt_build import (
@@ -375,7 +376,9 @@ class TensorRTEngine:
         gpu = gpu_info(self.device)
         lib, target = self.settings.resolve(self.device)
         check_runnable(lib, target, gpu)
-        units = manifest.model_files() if manifest.is_trained else (manifest,)
+        # A model calibrated to INT8 builds its QDQ files in TensorRT's form (explicit
+        # quantization) where calibration wrote them, else its float files.
+        units = manifest.model_files(int8="tensorrt") if manifest.is_trained else (manifest,)
         built = [
             build_engine(unit, self.settings, cache_dir=self.cache_dir, device=self.device)
             for unit in units
@@ -406,7 +409,7 @@ class TensorRTEngine:
         self._runners = runners
         self.manifest = manifest
         #: What the loaded model runs in (:func:`segnode.engines.base.run_precision`).
-        self.precision_used = built[0].key.precision
+        self.precision_used = precision_of(units, built[0].key.precision)
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
         """Label map of ``hu`` (``(z, y, x)`` HU), computed on the GPU."""

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
+from onnx import numpy_helper
 
 from scripts.nnunet_phantom import FOV, Anatomy, Grid, OracleCase, write_dicom_case
-from segnode.engines.base import run_precision
+from segnode.engines.base import EngineError, run_precision
 from segnode.engines.calibrate import (
     CalibrationError,
     calibrate,
@@ -26,6 +28,7 @@ from segnode.engines.calibrate import (
 from segnode.engines.manifest import ManifestError
 from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.ort_backend import OrtEngine
+from segnode.engines.trt_build import BuildSettings, build_engine, load_flavour
 from segnode.node.pipeline.engine_pool import EnginePool
 from segnode.node.results.build import Equipment, ResultUIDs, build_seg, build_sr
 from tests.fixtures.phantom_model import MANIFEST
@@ -111,8 +114,6 @@ def test_int8_calibration_writes_a_guarded_model(tmp_path: Path, series: list[Pa
     assert manifest.int8_fold_paths == ((path.parent / "fold_0.int8.onnx").resolve(),)
     assert manifest.fold_paths == ((path.parent / "fold_0.onnx").resolve(),)
 
-    import onnx
-
     qdq = onnx.load(str(manifest.int8_fold_paths[0]))
     ops = {n.op_type for n in qdq.graph.node}
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops
@@ -131,6 +132,24 @@ def test_int8_calibration_writes_a_guarded_model(tmp_path: Path, series: list[Pa
     with OrtEngine(threads=1) as engine:
         engine.load(replace(manifest, precision="fp32"))
         assert run_precision(engine, manifest) == "fp32"
+
+    # TensorRT's form: the same ranges, symmetric INT8 activations (zero point 0), guarded
+    assert section["int8_tensorrt_folds"] == ["fold_0.int8.tensorrt.onnx"]
+    assert section["guard"]["tensorrt_form_dice_min"] >= 0.99
+    (trt_unit,) = manifest.model_files(int8="tensorrt")
+    assert trt_unit.onnx_path.name == "fold_0.int8.tensorrt.onnx"
+    sym = onnx.load(str(trt_unit.onnx_path))
+    zero_points = [
+        numpy_helper.to_array(i) for i in sym.graph.initializer if i.name.endswith("_zero_point")
+    ]
+    assert zero_points and all(z.dtype == np.int8 for z in zero_points)
+    assert not any(z.any() for z in zero_points)
+    try:
+        load_flavour("tensorrt_rtx")
+    except EngineError as exc:
+        pytest.skip(f"TensorRT-RTX not installed, the QDQ build not tried: {exc}")
+    built = build_engine(trt_unit, BuildSettings("fp32", "tensorrt_rtx"), cache_dir=tmp_path / "e")
+    assert built.path.is_file() and built.size_bytes > 0
 
 
 def test_guard_failure_writes_nothing_and_exits_1(tmp_path: Path, series: list[Path]) -> None:
