@@ -92,11 +92,23 @@ class GuardFailed(CalibrationError):
 
 @dataclass
 class Series:
-    """One series read for calibration or the guard."""
+    """One CT series for calibration or the guard: its folder, read again each time it is
+    used, so that only one volume is in memory at a time."""
 
     name: str
-    hu: npt.NDArray[np.float32]
-    geometry: Any
+    folder: Path
+
+    def read(self) -> tuple[npt.NDArray[np.float32], Any]:
+        """The HU volume and its geometry (the node's volume assembly)."""
+        from segnode.engines.preprocess.orientation import Geometry
+        from segnode.node.ingest.volume import assemble_volume
+
+        volume = assemble_volume(_files(self.folder))
+        return volume.hu, Geometry.from_volume(volume)
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
 @dataclass
@@ -201,22 +213,31 @@ def series_folders(folders: Iterable[Path], spool: Path | None = None) -> list[P
     return unique
 
 
-def read_series(folders: Sequence[Path], notes: list[str] | None = None) -> list[Series]:
-    """The CT volumes of ``folders`` (the node's volume assembly); a folder that is not one
-    CT series is skipped with a note."""
-    from segnode.engines.preprocess.orientation import Geometry
+MAX_SERIES = 16
+"""Series used at most (spread evenly over those found): each is read once per use."""
+
+
+def read_series(
+    folders: Sequence[Path], notes: list[str] | None = None, *, limit: int = MAX_SERIES
+) -> list[Series]:
+    """The folders of ``folders`` that hold one CT series (checked with the node's volume
+    assembly; the others are skipped with a note), at most ``limit`` of them, spread evenly."""
     from segnode.node.ingest.volume import VolumeError, assemble_volume
 
+    if len(folders) > limit:
+        if notes is not None:
+            notes.append(f"{len(folders)} series found: using {limit}, spread evenly")
+        picks = sorted({int(round(i)) for i in np.linspace(0, len(folders) - 1, limit)})
+        folders = [folders[i] for i in picks]
     out: list[Series] = []
     for folder in folders:
-        files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
         try:
-            volume = assemble_volume(files)
+            assemble_volume(_files(folder))
         except VolumeError as exc:
             if notes is not None:
                 notes.append(f"skipped {folder}: {exc}")
             continue
-        out.append(Series(folder.name, volume.hu, Geometry.from_volume(volume)))
+        out.append(Series(folder.name, folder))
     return out
 
 
@@ -262,7 +283,7 @@ def collect_tiles(
     chosen: list[npt.NDArray[np.float32]] = []
     for s in series:
         recorder = _Recorder(plain)
-        segment_trained(recorder, plain, s.hu, s.geometry)
+        segment_trained(recorder, plain, *s.read())
         n = len(recorder.tiles)
         picks = sorted({int(round(i)) for i in np.linspace(0, n - 1, min(per_series, n))})
         chosen += [recorder.tiles[i] for i in picks]
@@ -582,7 +603,7 @@ def dice_per_label(
 def _segment_all(engine: Any, manifest: ModelManifest, series: Sequence[Series]) -> list[Any]:
     from segnode.engines.trained import segment_trained
 
-    return [segment_trained(engine, manifest, s.hu, s.geometry) for s in series]
+    return [segment_trained(engine, manifest, *s.read()) for s in series]
 
 
 # ------------------------------------------------------------------------------ calibrate

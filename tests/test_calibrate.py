@@ -23,6 +23,7 @@ from segnode.engines.calibrate import (
     CalibrationError,
     calibrate,
     dice_per_label,
+    read_series,
     series_folders,
 )
 from segnode.engines.manifest import ManifestError
@@ -286,3 +287,19 @@ def test_seg_and_sr_say_which_precision_ran() -> None:
         plain.SegmentSequence[0].SegmentationAlgorithmIdentificationSequence[0].AlgorithmParameters
         == "precision=fp32"
     )
+
+
+def test_series_are_checked_and_capped(tmp_path: Path, series: list[Path]) -> None:
+    not_ct = tmp_path / "not-ct"
+    not_ct.mkdir()
+    (not_ct / "a.dcm").write_bytes(b"not DICOM")
+    notes: list[str] = []
+    found = read_series([*series, not_ct], notes, limit=10)
+    assert [s.name for s in found] == ["series0", "series1", "series2"]
+    assert any("skipped" in n and "not-ct" in n for n in notes)
+    notes = []
+    capped = read_series(series, notes, limit=2)
+    assert [s.name for s in capped] == ["series0", "series2"]
+    assert notes == ["3 series found: using 2, spread evenly"]
+    hu, geometry = capped[0].read()
+    assert hu.ndim == 3 and hu.dtype == np.float32
