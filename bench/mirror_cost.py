@@ -37,19 +37,30 @@ def main(argv: list[str] | None = None) -> int:
         "--manifest", type=Path, default=ROOT / "tests/data/nnunet_phantom/phantom.json"
     )
     ap.add_argument("--engine", choices=("openvino", "onnxruntime"), default="openvino")
+    ap.add_argument(
+        "--ct",
+        choices=("oracle", "body"),
+        default="oracle",
+        help="oracle: the phantom the model was trained on (the oracle series, 0.7 x 0.7 x "
+        "1.25 mm); body: a 512 x 512 CT of a larger body (--slices), outside its training",
+    )
     ap.add_argument("--slices", type=int, default=140)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args(argv)
     from bench.nnunet_cpu import dice_table
     from bench.nnunet_gpu import plane_geometry
-    from scripts.nnunet_phantom import Anatomy, Grid, sample
+    from scripts.nnunet_phantom import Anatomy, Grid, oracle_cases, sample
     from segnode.engines.base import create_engine
     from segnode.engines.manifest_parse import load_manifest
     from segnode.engines.trained import segment_trained
 
-    grid = Grid(slices=args.slices, rows=512, columns=512, pixel=0.7, slice=1.25)
-    half_z = args.slices * 1.25 / 2
-    anatomy = Anatomy(body_axes=(150.0, 110.0), body_z=(-0.8 * half_z, 0.8 * half_z), seed=3)
+    if args.ct == "oracle":
+        case = oracle_cases()[0]
+        grid, anatomy = case.grid, case.anatomy
+    else:
+        grid = Grid(slices=args.slices, rows=512, columns=512, pixel=0.7, slice=1.25)
+        half_z = args.slices * 1.25 / 2
+        anatomy = Anatomy(body_axes=(150.0, 110.0), body_z=(-0.8 * half_z, 0.8 * half_z), seed=3)
     hu16, truth = sample(grid, anatomy)
     hu = hu16.astype(np.float32)
     geometry = plane_geometry(grid, grid.slices)
@@ -83,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "model": f"{manifest.name} {manifest.version}",
         "engine": args.engine,
-        "ct": f"512x512x{args.slices}",
+        "ct": "x".join(map(str, hu.shape[::-1])) + f" ({args.ct})",
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -360,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", default="fp32,int8,bf16")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--full-mirroring", choices=("on", "off"), default="off")
+    ap.add_argument(
+        "--reuse-peer",
+        action="store_true",
+        help="take nnUNetPredictor's labels and times from an earlier run in --work",
+    )
     args = ap.parse_args(argv)
     from bench.nnunet_gpu import plane_geometry, speed_volume
     from scripts.nnunet_phantom import write_nifti
@@ -432,12 +437,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, model in models.items():
             print(f"{name} on {ct}: nnUNetPredictor", flush=True)
             out = work / f"peer_{name}_{slices}.json"
-            subprocess.run(
-                [*peer, "predict", "--folder", str(model["folder"]), "--nifti", str(nifti),
-                 "--folds", *map(str, model["folds"]), "--mirroring", str(int(model["mirroring"])),
-                 "--repeats", str(args.repeats), "--threads", str(threads), "--out", str(out)],
-                check=True, env=env,
-            )  # fmt: skip
+            if not (args.reuse_peer and out.is_file()):
+                subprocess.run(
+                    [*peer, "predict", "--folder", str(model["folder"]), "--nifti", str(nifti),
+                     "--folds", *map(str, model["folds"]),
+                     "--mirroring", str(int(model["mirroring"])), "--repeats", str(args.repeats),
+                     "--threads", str(threads), "--out", str(out)],
+                    check=True, env=env,
+                )  # fmt: skip
             peer_info = json.loads(out.read_text())
             import SimpleITK as sitk  # noqa: N813
 
