@@ -47,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slices", type=int, default=140)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     args = ap.parse_args(argv)
-    from bench.nnunet_cpu import dice_table
     from bench.nnunet_gpu import plane_geometry
     from scripts.nnunet_phantom import Anatomy, Grid, oracle_cases, sample
     from segnode.engines.base import create_engine
+    from segnode.engines.calibrate import dice_per_label
     from segnode.engines.manifest_parse import load_manifest
     from segnode.engines.trained import segment_trained
 
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             "mirror_axes": list(axes),
             "passes": 2 ** len(axes),
             "seconds": round(seconds, 2),
-            "dice_vs_truth": dice_table(labels, truth, manifest.labels),
-            "dice_vs_manifest_mirroring": dice_table(labels, reference, manifest.labels),
+            "dice_vs_truth": dice_per_label([labels], [truth], manifest),
+            "dice_vs_manifest_mirroring": dice_per_label([labels], [reference], manifest),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -56,6 +56,28 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "nnunet_phantom"
 
 
+def body_anatomy(
+    rng: np.random.Generator,
+    sizes: tuple[float, float],
+    shift_mm: float,
+    body_z: tuple[float, float],
+    seed: int | None = None,
+) -> Any:
+    """A phantom of the benchmark CT's family (:func:`bench.nnunet_gpu.speed_volume`: a body of
+    150 x 110 mm half-axes), its size scaled within ``sizes``, shifted within ``shift_mm``,
+    with its own noise (``seed``: the noise pattern's, else drawn from ``rng``)."""
+    from scripts.nnunet_phantom import Anatomy
+
+    size = float(rng.uniform(*sizes))
+    return Anatomy(
+        body_axes=(150.0 * size, 110.0 * size),
+        body_z=body_z,
+        shift=tuple(float(v) for v in rng.uniform(-shift_mm, shift_mm, size=3)),  # type: ignore[arg-type]
+        noise_hu=float(rng.uniform(10, 30)),
+        seed=int(rng.integers(1 << 30)) if seed is None else seed,
+    )
+
+
 # --------------------------------------------------------------------------- peer side
 
 
@@ -142,7 +164,7 @@ def fit_head(folder: Path, steps: int = 150) -> dict[str, Any]:
     from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer  # noqa: PLC0415
     from nnunetv2.utilities.plans_handling.plans_handler import PlansManager  # noqa: PLC0415
 
-    from scripts.nnunet_phantom import Anatomy, Grid, sample  # noqa: PLC0415
+    from scripts.nnunet_phantom import Grid, sample  # noqa: PLC0415
 
     torch.manual_seed(0)
     plans = json.loads((folder / "plans.json").read_text())
@@ -164,14 +186,7 @@ def fit_head(folder: Path, steps: int = 150) -> dict[str, Any]:
     rng = np.random.default_rng(2)
     inputs, targets = [], []
     for i in range(4):
-        size = float(rng.uniform(0.6, 1.1))
-        anatomy = Anatomy(
-            body_axes=(150.0 * size, 110.0 * size),
-            body_z=(-80.0, 80.0),
-            shift=tuple(float(v) for v in rng.uniform(-30, 30, size=3)),  # type: ignore[arg-type]
-            noise_hu=float(rng.uniform(10, 30)),
-            seed=i,
-        )
+        anatomy = body_anatomy(rng, (0.6, 1.1), 30.0, (-80.0, 80.0), seed=i)
         hu, labels = sample(Grid(slices=128, rows=128, columns=128, pixel=1.5, slice=1.5), anatomy)
         x = (np.clip(hu.astype(np.float32), lo, hi) - props["mean"]) / props["std"]
         with torch.no_grad():
@@ -218,7 +233,7 @@ def calibrated_copy(
     """A copy of the model folder calibrated to INT8 on four series like the benchmark's CTs
     (the same anatomy's family: body size within 10 %, shifted, other noise; 256 x 256 at
     1.4 mm, 2.5 mm slices), the last held out for the guard."""
-    from scripts.nnunet_phantom import Anatomy, Grid, OracleCase, write_dicom_case
+    from scripts.nnunet_phantom import Grid, OracleCase, write_dicom_case
     from segnode.engines.calibrate import GuardFailed, calibrate
 
     folder = work / f"int8-{name}"
@@ -228,15 +243,8 @@ def calibrated_copy(
     rng = np.random.default_rng(11)
     for i in range(4):
         grid = Grid(slices=72, rows=256, columns=256, pixel=1.4, slice=2.5)
-        size = float(rng.uniform(0.9, 1.1))
         half_z = 72 * 2.5 / 2
-        anatomy = Anatomy(
-            body_axes=(150.0 * size, 110.0 * size),
-            body_z=(-0.8 * half_z, 0.8 * half_z),
-            shift=tuple(float(v) for v in rng.uniform(-8, 8, size=3)),  # type: ignore[arg-type]
-            noise_hu=float(rng.uniform(10, 30)),
-            seed=int(rng.integers(1 << 30)),
-        )
+        anatomy = body_anatomy(rng, (0.9, 1.1), 8.0, (-0.8 * half_z, 0.8 * half_z))
         case = OracleCase(f"cal{i}", grid, anatomy)
         series.append(work / "calibration" / case.name)
         if not series[-1].is_dir():
@@ -288,16 +296,6 @@ def run_segnode(
         times.append(time.perf_counter() - t0)
     assert labels is not None
     return times, labels
-
-
-def dice_table(a: npt.NDArray[np.uint8], b: npt.NDArray[np.uint8], labels: Any) -> dict[str, float]:
-    out = {}
-    for spec in labels:
-        x, y = a == spec.value, b == spec.value
-        total = int(x.sum()) + int(y.sum())
-        if total:
-            out[spec.name] = round(2.0 * int((x & y).sum()) / total, 5)
-    return out
 
 
 def environment() -> dict[str, Any]:
@@ -368,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from bench.nnunet_gpu import plane_geometry, speed_volume
     from scripts.nnunet_phantom import write_nifti
+    from segnode.engines.calibrate import dice_per_label
     from segnode.engines.manifest_parse import load_manifest
     from segnode.engines.openvino_backend import OpenVinoEngine
     from segnode.engines.ort_backend import OrtEngine
@@ -482,12 +481,12 @@ def main(argv: list[str] | None = None) -> int:
                     "times_s": [round(t, 2) for t in times],
                     "median_s": round(med, 2),
                     "speedup_vs_peer": round(peer_s / med, 2),
-                    "dice_vs_peer": dice_table(labels, theirs, base.labels),
+                    "dice_vs_peer": dice_per_label([labels], [theirs], base),
                 }
                 if fp32_labels is None:
                     fp32_labels, fp32_s = labels, med
                 row["speedup_vs_fp32"] = round((fp32_s or med) / med, 2)
-                row["dice_vs_fp32"] = dice_table(labels, fp32_labels, base.labels)
+                row["dice_vs_fp32"] = dice_per_label([labels], [fp32_labels], base)
                 row["dice_min_vs_fp32"] = min(row["dice_vs_fp32"].values(), default=1.0)
                 row["dice_min_vs_peer"] = min(row["dice_vs_peer"].values(), default=1.0)
                 result["rows"].append(row)

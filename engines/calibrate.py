@@ -41,10 +41,8 @@ which precision ran (:func:`segnode.engines.base.run_precision`). docs/import.md
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -57,6 +55,7 @@ import numpy as np
 import numpy.typing as npt
 
 from segnode.engines.base import EngineError, HostArrays, PatchPredictor
+from segnode.engines.engine_cache import atomic_move, atomic_write, sha256_bytes
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.manifest_parse import load_manifest
 
@@ -308,7 +307,7 @@ def _ort_quantization() -> Any:
     return quantization
 
 
-def _quantized_op_types(q: Any) -> list[str]:
+def _quantized_op_types() -> list[str]:
     from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
     return sorted(set(QLinearOpsRegistry) | set(QDQRegistry))
@@ -341,7 +340,7 @@ def tensor_ranges(
 ) -> dict[str, Any]:
     """ONNX Runtime's MinMax calibration of ``onnx_path`` on ``tiles``: its calibration cache
     (``TensorsData`` as a dict), tensor name -> range."""
-    q = _ort_quantization()
+    _ort_quantization()  # checks the version
     from onnxruntime.quantization.calibrate import (
         CalibrationDataReader,
         CalibrationMethod,
@@ -354,7 +353,7 @@ def tensor_ranges(
 
     calibrator = create_calibrator(
         onnx_path,
-        _quantized_op_types(q),
+        _quantized_op_types(),
         augmented_model_path=str(work / f"{onnx_path.stem}.augmented.onnx"),
         calibrate_method=CalibrationMethod.MinMax,
     )
@@ -912,38 +911,25 @@ def _write(
     written: list[Path] = []
     for name, tmp in files.items():
         target = path.parent / name
-        os.replace(tmp, target)
+        atomic_move(tmp, target)
         written.append(target)
     if calibration is not None:
         target = path.with_name(f"{path.stem}.calibration.json")
         data = json.dumps(calibration, indent=1).encode()
-        _atomic(target, data)
+        atomic_write(target, data)
         section = {
             "file": target.name,
-            "sha256": hashlib.sha256(data).hexdigest(),
+            "sha256": sha256_bytes(data),
             **section,
         }
         written.append(target)
     doc = json.loads(path.read_text())
     doc["precision"] = precision
     doc["calibration"] = section
-    _atomic(path, (json.dumps(doc, indent=2) + "\n").encode())
+    atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode())
     written.append(path)
     load_manifest(path)  # the manifest written reads back
     return written
-
-
-def _atomic(target: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 __all__ = [
