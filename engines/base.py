@@ -72,7 +72,12 @@ def out_of_gpu_memory(oom: type[BaseException], doing: str) -> Iterator[None]:
     try:
         yield
     except oom as exc:
-        raise EngineError(f"out of GPU memory {doing}: {exc}") from exc
+        raise GpuMemoryError(f"out of GPU memory {doing}: {exc}") from exc
+
+
+class GpuMemoryError(EngineError):
+    """The GPU ran out of memory (:func:`out_of_gpu_memory`): a trained model's job tries
+    again with less (:func:`segnode.engines.trained.memory_ladder`) before it fails."""
 
 
 PatchPredictor = Callable[[Any], Any]
@@ -132,6 +137,17 @@ class SumsEngine(Protocol):
         self, hu: npt.NDArray[np.float32]
     ) -> tuple[npt.NDArray[np.uint8], LabelSums]:
         """The label map of :meth:`Engine.segment` and its :class:`LabelSums` over ``hu``."""
+
+
+@runtime_checkable
+class DeviceSumsEngine(Protocol):
+    """A trained-model backend that sums the HU per label on its own device (optional):
+    :func:`segnode.engines.trained.segment_trained_with_sums` hands it the label map and the
+    HU volume where they already are."""
+
+    def label_sums(self, labels: Any, hu: Any) -> LabelSums:
+        """:class:`LabelSums` of the uint8 ``labels`` over the float32 ``hu`` (same shape),
+        both on the backend's device."""
 
 
 @runtime_checkable

@@ -99,6 +99,11 @@ def _import_torch() -> Any:
     return torch
 
 
+MASKED_SUMS_MAX = 16
+"""Label values up to which :meth:`TorchEngine.label_sums` sums with one masked reduction per
+value; above it, with ``torch.bincount`` (docs/performance.md)."""
+
+
 class TorchEngine:
     """The ``"torch"`` backend of :func:`segnode.engines.base.create_engine`.
 
@@ -172,6 +177,7 @@ class TorchEngine:
         cache_dir: str | Path | None = None,
         compile_cache: str = "inductor",
         eager_while_compiling: bool = False,
+        gpu_memory_limit: int = 0,
     ) -> None:
         checked_precision(precision, "torch")
         if compile and cuda_graphs:
@@ -191,6 +197,8 @@ class TorchEngine:
         #: What the loaded model runs in (:func:`segnode.engines.base.run_precision`).
         self.precision_used = ""
         self.eager_while_compiling = eager_while_compiling
+        #: GPU memory the process may take, in bytes (0: all of it); see :meth:`_cap_memory`.
+        self.gpu_memory_limit = gpu_memory_limit
         self.compiled_ready = threading.Event()
         self.compiled_ready.set()
         self._compiling: Future[Any] | None = None
@@ -302,6 +310,7 @@ class TorchEngine:
         elif self.cuda_graphs:
             raise EngineError("cuda_graphs needs a CUDA device")
         self._dev = dev
+        self._cap_memory()
         self.manifest = manifest
         self._module = self._fn = None
         half = self.precision == "fp16" and manifest.fp16 and dev.type == "cuda"
@@ -721,20 +730,43 @@ class TorchEngine:
                 )
         return result, label_sums
 
+    def label_sums(self, labels: Any, hu: Any) -> LabelSums:
+        """:class:`~segnode.engines.base.LabelSums` of a uint8 label map and its HU, both
+        tensors on the engine's device, summed there
+        (:class:`~segnode.engines.base.DeviceSumsEngine`: a trained model's statistics
+        without reading the volume again on the host)."""
+        table = self._label_sums(labels, hu).cpu().numpy()
+        return LabelSums(
+            counts=table[0].astype(np.int64),
+            sums=np.ascontiguousarray(table[1]),
+            squares=np.ascontiguousarray(table[2]),
+        )
+
     def _label_sums(self, labels: Any, hu: Any) -> Any:
         """float64 ``(3, n)`` on the device: per label value 0..n-1 (n: the model's classes,
         or more if the label map holds larger values) the voxel count, the sum of ``hu`` and
         the sum of its squares (counts are exact in float64 up to 2**53).
 
-        One masked reduction per label value rather than ``torch.bincount`` with weights:
-        bincount adds every voxel into one of a handful of bins with atomic float64 adds,
-        which serialise on a GPU (10.2 ms against 3.9 ms for 128 x 512 x 512 on the H200).
+        Up to :data:`MASKED_SUMS_MAX` values, one masked reduction per label value rather
+        than ``torch.bincount`` with weights: bincount adds every voxel into one of a handful
+        of bins with atomic float64 adds, which serialise on a GPU (10.2 ms against 3.9 ms
+        for 128 x 512 x 512 on the H200). With many labels (TotalSegmentator's 117) the
+        masked passes add up and three bincounts win.
         """
         torch = self._torch
         assert self.manifest is not None
         wide = hu.reshape(-1).to(torch.float64)
         flat = labels.reshape(-1)
         n = max(self.manifest.num_classes, int(flat.max()) + 1)
+        if n > MASKED_SUMS_MAX:
+            index = flat.to(torch.int64)
+            return torch.stack(
+                [
+                    torch.bincount(index, minlength=n).to(torch.float64),
+                    torch.bincount(index, weights=wide, minlength=n),
+                    torch.bincount(index, weights=wide * wide, minlength=n),
+                ]
+            )
         zero = wide.new_zeros(())
         rows = []
         for value in range(n):
@@ -759,6 +791,30 @@ class TorchEngine:
         torch.cuda.current_stream(labels.device).synchronize()
         array = host.numpy()
         return array
+
+    def _cap_memory(self) -> None:
+        """Cap PyTorch's allocator at ``gpu_memory_limit`` bytes of the GPU
+        (``torch.cuda.set_per_process_memory_fraction``; ``[engine] gpu_memory_limit``): an
+        allocation past it raises out of memory as a full GPU would, and a job then goes
+        down :func:`segnode.engines.trained.memory_ladder`."""
+        torch, dev = self._torch, self._dev
+        if not self.gpu_memory_limit or dev is None or dev.type != "cuda":
+            return
+        total = torch.cuda.get_device_properties(dev).total_memory
+        fraction = min(1.0, self.gpu_memory_limit / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, dev)
+        logger.info(
+            "torch engine: GPU memory capped at %.1f GiB of %.1f GiB",
+            fraction * total / 2**30,
+            total / 2**30,
+        )
+
+    def release_memory(self) -> None:
+        """Hand the allocator's cached, unused GPU blocks back to the driver (after running
+        out of memory, before :func:`segnode.engines.trained.segment_trained` tries again)."""
+        if self._torch is not None and self._dev is not None and self._dev.type == "cuda":
+            self._torch.cuda.synchronize(self._dev)
+            self._torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Drop the module (every fold's), graphs and cached device memory."""

@@ -184,6 +184,61 @@ def test_torch_engine_sums_on_cuda(volume: Volume) -> None:
     _check_engine_sums(volume, "cuda")
 
 
+@pytest.mark.parametrize("values", [list(range(6)), list(range(118))], ids=["masked", "bincount"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_torch_label_sums_equal_numpy(volume: Volume, values: list[int], device: str) -> None:
+    """:meth:`TorchEngine.label_sums` (a trained model's statistics on the device): one
+    masked reduction per value for a few labels, bincounts for TotalSegmentator's 117; both
+    exact for integer HU."""
+    torch = _torch()
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU (torch.cuda.is_available() is False)")
+    manifest = replace(MANIFEST, patch_size=(4, 16, 16), output_kind="logits")
+    engine = torch_engine(manifest, device)
+    labels = fragmented(volume.shape, values, seed=len(values))
+    got = engine.label_sums(
+        torch.from_numpy(labels).to(device), torch.from_numpy(volume.hu).to(device)
+    )
+    want = numpy_sums(labels, volume.hu)
+    np.testing.assert_array_equal(got.counts[: len(want.counts)], want.counts)
+    np.testing.assert_array_equal(got.sums[: len(want.sums)], want.sums)
+    np.testing.assert_array_equal(got.squares[: len(want.squares)], want.squares)
+    assert not got.counts[len(want.counts) :].any()
+
+
+def test_segment_trained_with_sums_sums_where_the_engine_can(
+    tmp_path: Path, volume: Volume
+) -> None:
+    """A trained model's job gets the sums from an engine that computes them on its device
+    (:class:`~segnode.engines.base.DeviceSumsEngine`), over the HU it was given, and none
+    from one that cannot (the worker then sums on the CPU)."""
+    from segnode.engines.base import DeviceSumsEngine
+    from segnode.engines.preprocess.orientation import Geometry
+    from segnode.engines.trained import segment_trained, segment_trained_with_sums
+    from tests.test_trained_runtime import geometry, phantom, write_trained
+
+    class DeviceSums(OrtEngine):
+        def label_sums(self, labels: Any, hu: Any) -> LabelSums:
+            self.summed = True
+            return numpy_sums(labels, hu)
+
+    manifest = load_manifest(write_trained(tmp_path / "bands"))
+    hu = phantom()
+    geo: Geometry = geometry("feet-first", hu.shape)  # type: ignore[arg-type]
+    plain = OrtEngine(threads=2)
+    plain.load(manifest)
+    summing = DeviceSums(threads=2)
+    summing.load(manifest)
+    assert isinstance(summing, DeviceSumsEngine) and not isinstance(plain, DeviceSumsEngine)
+    labels, sums = segment_trained_with_sums(summing, manifest, hu, geo)
+    np.testing.assert_array_equal(labels, segment_trained(plain, manifest, hu, geo))
+    assert sums is not None and summing.summed
+    want = numpy_sums(labels, hu)
+    np.testing.assert_array_equal(sums.counts, want.counts)
+    np.testing.assert_array_equal(sums.sums, want.sums)
+    assert segment_trained_with_sums(plain, manifest, hu, geo)[1] is None
+
+
 # --------------------------------------------------------------------------- the worker
 
 

@@ -297,7 +297,9 @@ def test_compile_option_reaches_the_torch_engine(tmp_path: Path) -> None:
     from segnode.engines.models import default_manifest_path
     from segnode.node.config import from_dict
     from segnode.node.errors import ConfigError
-    from segnode.node.pipeline.engine_pool import engine_options
+    from segnode.engines.manifest_parse import load_manifest
+    from segnode.engines.ort_backend import OrtEngine
+    from segnode.node.pipeline.engine_pool import EnginePool, engine_options
     from segnode.node.routing.rules import model_specs
 
     lungs_table = {"manifest": str(default_manifest_path()), "engine": "torch", "compile": True}
@@ -316,7 +318,16 @@ def test_compile_option_reaches_the_torch_engine(tmp_path: Path) -> None:
         "compile": True,
         "cache_dir": config.data_dir / "engines",
         "eager_while_compiling": True,
+        "gpu_memory_limit": 0,
     }
+    # [engine] gpu_memory_limit (MiB) reaches the torch engine in bytes
+    capped = from_dict({"model": {"engine": "torch"}, "engine": {"gpu_memory_limit": 6144}})
+    manifest = load_manifest(default_manifest_path())
+    assert EnginePool.of_config(capped, OrtEngine(), manifest).gpu_memory_limit == 6144
+    assert (
+        engine_options(default, config.data_dir, gpu_memory_limit=6144)["gpu_memory_limit"]
+        == 6144 << 20
+    )
     assert not engine_options(
         model_specs(from_dict({"model": {"engine": "torch", "eager_while_compiling": False}}))[0],
         config.data_dir,

@@ -188,15 +188,31 @@ class ModelGrid:
         third axis of its RAS array): ``(predicted, kept from the prediction, written to)``
         per third. ``s01 = [:t+m]``, ``s02 = [t+1-m : 2t+m]``, ``s03 = [2t+1-m:]``, combined
         as ``[:t] = s01[:-m]``, ``[t:2t] = s02[m-1:-m]``, ``[2t:] = s03[m-1:]``."""
+        return self.pieces(3)
+
+    def pieces(self, count: int) -> list[tuple[slice, slice, slice]]:
+        """:meth:`thirds` generalised to ``count`` overlapping pieces of the slice axis (the
+        same slices for 3; one piece, the whole axis, for 1): piece ``i`` of ``t = n //
+        count`` slices writes ``[i t : (i + 1) t]`` (the last to the end), predicted with
+        :data:`SPLIT_MARGIN` slices more on each inner side."""
         n, m = self.model_shape[0], SPLIT_MARGIN
-        t = n // 3
+        if count == 1:
+            whole = slice(0, n)
+            return [(whole, whole, whole)]
+        t = n // count
         if t + 1 - m < 0 or t < m:
-            raise ValueError(f"{n} slices are too few to split in thirds with a margin of {m}")
-        return [
-            (slice(0, t + m), slice(0, t), slice(0, t)),
-            (slice(t + 1 - m, 2 * t + m), slice(m - 1, m - 1 + t), slice(t, 2 * t)),
-            (slice(2 * t + 1 - m, n), slice(m - 1, m - 1 + n - 2 * t), slice(2 * t, n)),
-        ]
+            raise ValueError(f"{n} slices are too few to split in {count} with a margin of {m}")
+        regions = [(slice(0, t + m), slice(0, t), slice(0, t))]
+        for i in range(1, count):
+            end = n if i == count - 1 else (i + 1) * t
+            regions.append(
+                (
+                    slice(i * t + 1 - m, n if i == count - 1 else end + m),
+                    slice(m - 1, m - 1 + end - i * t),
+                    slice(i * t, end),
+                )
+            )
+        return regions
 
 
 def split_in_thirds(grid: ModelGrid, parts: int) -> bool:

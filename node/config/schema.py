@@ -193,6 +193,10 @@ class EngineConfig:
     #: The share of the memory available at start (MemAvailable) that ``memory_limit = 0``
     #: gives.
     memory_fraction: float = setting(0.7, 0.05, 1.0)
+    #: GPU memory the torch engine may take, in MiB (0: the whole GPU). A job that runs out
+    #: of it tries again with fewer tiles per call, then in overlapping pieces along the
+    #: slice axis, before it fails (:func:`segnode.engines.trained.memory_ladder`).
+    gpu_memory_limit: int = setting(0, 0)
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,11 @@ class Node:
             #: or the ledger file went.
             self.failure: str | None = None
             if engine is None:
-                options = engine_options(model_specs(config)[0], config.data_dir)
+                options = engine_options(
+                    model_specs(config)[0],
+                    config.data_dir,
+                    gpu_memory_limit=config.engine.gpu_memory_limit,
+                )
                 engine = create_engine(config.model.engine, **options)
                 if config.model.load == "background":
                     self._unloaded = engine

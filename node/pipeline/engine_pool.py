@@ -24,8 +24,9 @@ from segnode.node.routing.rules import DEFAULT_MODEL_NAME, ModelSpec, model_spec
 log = logging.getLogger(__name__)
 
 
-def engine_options(spec: ModelSpec, data_dir: Path) -> dict[str, Any]:
-    """Backend constructor options of one model."""
+def engine_options(spec: ModelSpec, data_dir: Path, *, gpu_memory_limit: int = 0) -> dict[str, Any]:
+    """Backend constructor options of one model (``gpu_memory_limit``: ``[engine]
+    gpu_memory_limit``, MiB, for the torch engine)."""
     if spec.engine == "onnxruntime":
         return {"threads": spec.threads or None}
     if spec.engine == "openvino":
@@ -40,6 +41,7 @@ def engine_options(spec: ModelSpec, data_dir: Path) -> dict[str, Any]:
             "compile": spec.compile,
             "cache_dir": cache_dir,
             "eager_while_compiling": spec.eager_while_compiling,
+            "gpu_memory_limit": gpu_memory_limit * 1024 * 1024,
         }
     if spec.engine == "kserve":
         return {
@@ -76,9 +78,12 @@ class EnginePool:
         specs: Iterable[ModelSpec],
         data_dir: Path,
         preloaded: Mapping[str, tuple[Engine, ModelManifest]] | None = None,
+        *,
+        gpu_memory_limit: int = 0,
     ) -> None:
         self.specs = {s.name: s for s in specs}
         self.data_dir = data_dir
+        self.gpu_memory_limit = gpu_memory_limit
         self._engines: dict[str, Engine] = {}
         self.manifests: dict[str, ModelManifest] = {}
         for name, (engine, manifest) in (preloaded or {}).items():
@@ -93,7 +98,12 @@ class EnginePool:
     @classmethod
     def of_config(cls, config: Config, engine: Engine, manifest: ModelManifest) -> EnginePool:
         """Every model of ``config``, with ``engine`` (``manifest``) as the default one."""
-        return cls(model_specs(config), config.data_dir, {DEFAULT_MODEL_NAME: (engine, manifest)})
+        return cls(
+            model_specs(config),
+            config.data_dir,
+            {DEFAULT_MODEL_NAME: (engine, manifest)},
+            gpu_memory_limit=config.engine.gpu_memory_limit,
+        )
 
     @property
     def default_manifest(self) -> ModelManifest:
@@ -128,7 +138,8 @@ class EnginePool:
                 raise EngineError(f"model {name!r} is not configured (configured: {known})")
             manifest = self.manifests[name]
             log.info("loading model %s (%s) on %s", name, self.label(name), spec.engine)
-            engine = create_engine(spec.engine, **engine_options(spec, self.data_dir))
+            options = engine_options(spec, self.data_dir, gpu_memory_limit=self.gpu_memory_limit)
+            engine = create_engine(spec.engine, **options)
             engine.load(manifest)
             self._engines[name] = engine
             manifest = self.manifests[name] = _as_run(engine, manifest)

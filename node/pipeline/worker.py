@@ -23,10 +23,11 @@ the SR's statistics are derived from them
 (:func:`segnode.node.results.statistics.statistics_from_sums`) instead of reading the label map and
 the volume again on the CPU. One INFO line per job splits the work after inference into its parts.
 
-A version-2 (trained) model runs through :func:`segnode.engines.trained.segment_trained` with the
-volume's geometry (reorientation, resampling to the model's spacing, nnU-Net's window over
-every fold, the labels back on the source grid); a series it does not accept (gantry tilt, an
-oblique series) fails its job with the reason.
+A version-2 (trained) model runs through :func:`segnode.engines.trained.segment_trained_with_sums`
+with the volume's geometry (reorientation, resampling to the model's spacing, nnU-Net's window
+over every fold, the labels back on the source grid; the per-label sums on the device where the
+engine computes them, :class:`segnode.engines.base.DeviceSumsEngine`); a series it does not
+accept (gantry tilt, an oblique series) fails its job with the reason.
 """
 
 from __future__ import annotations
@@ -614,17 +615,18 @@ def _segment(
 ) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
     """The engine's label map, and its per-label HU sums when the engine computes them.
 
-    A version-2 (trained) model runs through :func:`segnode.engines.trained.segment_trained` with
-    the volume's geometry (no sums: the SR's statistics are then computed from the label map); a
-    series the model cannot take (gantry tilt, oblique) raises
+    A version-2 (trained) model runs through
+    :func:`segnode.engines.trained.segment_trained_with_sums` with the volume's geometry (sums
+    from an engine that computes them on its device, else none: the SR's statistics are then
+    computed from the label map); a series the model cannot take (gantry tilt, oblique) raises
     :class:`segnode.engines.preprocess.GeometryError`, an :class:`EngineError`: the job fails with
     that reason.
     """
     if manifest.is_trained:
         from segnode.engines.preprocess.orientation import Geometry
-        from segnode.engines.trained import segment_trained
+        from segnode.engines.trained import segment_trained_with_sums
 
-        return segment_trained(engine, manifest, volume.hu, Geometry.from_volume(volume)), None
+        return segment_trained_with_sums(engine, manifest, volume.hu, Geometry.from_volume(volume))
     if isinstance(engine, SumsEngine):
         return engine.segment_with_sums(volume.hu)
     return engine.segment(volume.hu), None
