@@ -177,6 +177,54 @@ def serve(work: Path, cfg: Path, port: int) -> Iterator[tuple[subprocess.Popen[b
         yield proc, time.monotonic() - t0
 
 
+class GpuMemory:
+    """The most GPU memory a process held (NVML's per-process figure, what ``nvidia-smi``
+    shows: the CUDA context, PyTorch's reserved blocks, cuDNN's workspace), sampled every
+    50 ms on a thread between ``start`` and ``stop``; ``peak`` is None without NVML."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception as exc:  # no NVML: no figure, and the bench goes on
+            print(f"[gpu-e2e] no GPU memory figures: {exc}", flush=True)
+            return
+
+        def sample() -> None:
+            while not self._stop.wait(0.05):
+                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if proc.pid == self.pid and proc.usedGpuMemory:
+                        self.peak = max(self.peak or 0, int(proc.usedGpuMemory))
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> float | None:
+        """Stop sampling; the peak in GiB."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return None if self.peak is None else round(self.peak / 2**30, 2)
+
+
+def process_peak_rss(pid: int) -> float | None:
+    """A process' peak resident set since it started (``VmHWM``), GiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) * 1024 / 2**30, 2)
+    except OSError:
+        pass
+    return None
+
+
 def wait_log(path: Path, offset: int, text: str, timeout: float, *others: str) -> str:
     """Wait until ``text`` (or one of ``others``) appears in the log file after ``offset``;
     return the one found."""
@@ -333,7 +381,9 @@ def run_variant(
     log_start = node_log.stat().st_size if node_log.exists() else 0
     stem = Path(name).stem
     first_series = make_series(args.slices, seed + 999, args.phantom)
-    with serve(work, cfg, port) as (_proc, ready_s):
+    with serve(work, cfg, port) as (proc, ready_s):
+        gpu = GpuMemory(proc.pid)
+        gpu.start()
         spawned = time.time() - ready_s
         result["serve_ready_s"] = round(ready_s, 2)
         # The engine loads in the background ([model] load): the node logs when jobs can start.
@@ -364,11 +414,15 @@ def run_variant(
                 result["warm_up"] = r
             partial = args.out / f"partial-{stem}-{prepare}.json"  # if cut short
             partial.write_text(json.dumps({**result, "runs": runs}, indent=1) + "\n")
+        result["gpu_peak_gib"] = gpu.stop()  # the node process, engine load included
+        result["node_vmhwm_gib"] = process_peak_rss(proc.pid)
     with node_log.open("rb") as f:
         f.seek(log_start)
         log = f.read().decode(errors="replace")
     result["engine_ready_log"] = [x for x in log.splitlines() if "engine ready" in x][-1:]
     timings = worker_timings(log)[1:]  # the first job is the warm-up
+    peaks = [float(x) for x in re.findall(r"peak RSS ([0-9.]+) GiB", log)[1:]]
+    result["job_peak_rss_gib"] = max(peaks) if peaks else None
     result["worker_ms"] = timings
     result["worker_ms_medians"] = {
         part: round(statistics.median(t[part] for t in timings if part in t), 1)
@@ -469,6 +523,11 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["models"]:
         if "error" not in r:
             lines.append(f"- {r['model']} ({r.get('prepare')}): engine {r['engine_ready_log']}")
+            lines.append(
+                f"  - memory: node peak RSS per job {r.get('job_peak_rss_gib')} GiB (process "
+                f"VmHWM {r.get('node_vmhwm_gib')} GiB); GPU, the node process per NVML, peak "
+                f"{r.get('gpu_peak_gib')} GiB"
+            )
             if "first_result_s" in r:
                 compiled = (
                     f"; eager while compiling, compiled model in use {r['compiled_ready_s']} s "

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -58,12 +60,38 @@ def tiles(shape: tuple[int, ...], patch: tuple[int, ...], step: float) -> int:
     return n
 
 
-def run_variant(name: str, manifest_path: Path, args: Any) -> dict[str, Any]:
+class _Warnings(logging.Handler):
+    """The engine's out-of-memory retries (``segnode.engines.trained`` warnings)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _segment_timed(engine: Any, manifest: Any, hu: Any, geometry: Any, args: Any) -> Any:
+    import torch
+
+    from segnode.engines.trained import segment_trained
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    labels = segment_trained(engine, manifest, hu, geometry, precise=not args.float32)
+    torch.cuda.synchronize()
+    return labels, time.perf_counter() - t
+
+
+def run_variant(name: str, manifest_path: Path, args: Any) -> list[dict[str, Any]]:
+    """One row per ``--slices`` value (the engine loaded once), then one per
+    ``--gpu-limit`` on the last of them: the GPU capped at that many GiB
+    (``[engine] gpu_memory_limit``), the time, what the engine tried after running out of
+    memory, and how many voxels equal the uncapped labels."""
     import torch
 
     from segnode.engines.manifest_parse import load_manifest
     from segnode.engines.torch_backend import TorchEngine
-    from segnode.engines.trained import segment_trained
 
     manifest = load_manifest(manifest_path)
     options: dict[str, Any] = {"precision": args.precision}
@@ -79,20 +107,57 @@ def run_variant(name: str, manifest_path: Path, args: Any) -> dict[str, Any]:
     if hasattr(engine, "wait_compiled"):
         engine.wait_compiled()
     load_s = time.perf_counter() - t0
-    hu, geometry = volume(args.slices)
-    times = []
-    torch.cuda.reset_peak_memory_stats()
-    for i in range(args.runs + 1):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        labels = segment_trained(engine, manifest, hu, geometry, precise=not args.float32)
-        torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - t)
-        print(f"[total-gpu] {name} run {i}: {time.perf_counter() - t:.3f} s", flush=True)
-    present = int(np.unique(labels).size)
-    peak_alloc = torch.cuda.max_memory_allocated() / 2**30
-    peak_reserved = torch.cuda.max_memory_reserved() / 2**30
+    rows: list[dict[str, Any]] = []
+    labels: Any = None
+    for slices in args.slices:
+        hu, geometry = volume(slices)
+        times = []
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        for i in range(args.runs + 1):
+            labels, seconds = _segment_timed(engine, manifest, hu, geometry, args)
+            if i:
+                times.append(seconds)
+            print(f"[total-gpu] {name} {slices} slices run {i}: {seconds:.3f} s", flush=True)
+        rows.append(
+            {
+                "variant": name,
+                "slices": slices,
+                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                "load_s": round(load_s, 2),
+                "segment_s": round(statistics.median(times), 3),
+                "runs_s": [round(t, 3) for t in times],
+                "labels_present": int(np.unique(labels).size),
+                "gpu_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                "gpu_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+                "batch": engine.window_batch(),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    reference = labels
+    for limit in args.gpu_limit:
+        watch = _Warnings()
+        logging.getLogger("segnode.engines.trained").addHandler(watch)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit * 2**30 / total))
+        torch.cuda.reset_peak_memory_stats()
+        row: dict[str, Any] = {"variant": name, "slices": args.slices[-1], "gpu_limit_gib": limit}
+        try:
+            capped, seconds = _segment_timed(engine, manifest, hu, geometry, args)
+            row.update(
+                segment_s=round(seconds, 3),
+                voxels_equal=round(float(np.mean(capped == reference)), 5),
+                gpu_peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+            )
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            logging.getLogger("segnode.engines.trained").removeHandler(watch)
+        row["retries"] = watch.messages
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     # the network alone
     part = manifest.parts[0].manifest if manifest.parts else manifest
     patch = part.patch_size
@@ -109,23 +174,20 @@ def run_variant(name: str, manifest_path: Path, args: Any) -> dict[str, Any]:
             predict(x)
         torch.cuda.synchronize()
     per_tile = (time.perf_counter() - t) / (reps * batch)
-    model_shape = tuple(round(n * s / 1.5) for n, s in zip(hu.shape, geometry.spacing, strict=True))
-    n_tiles = tiles(model_shape, patch, 1 - part.overlap) * max(1, len(manifest.parts))
+    for row in rows:
+        if "gpu_limit_gib" in row:
+            continue
+        hu_shape = (row["slices"], 512, 512)
+        model_shape = tuple(
+            round(n * s / 1.5) for n, s in zip(hu_shape, (1.25, 0.7, 0.7), strict=True)
+        )
+        n_tiles = tiles(model_shape, patch, 1 - part.overlap) * max(1, len(manifest.parts))
+        row.update(
+            tile_ms=round(per_tile * 1000, 2), tiles=n_tiles, network_s=round(per_tile * n_tiles, 3)
+        )
     engine.close()
     torch.cuda.empty_cache()
-    return {
-        "variant": name,
-        "load_s": round(load_s, 2),
-        "segment_s": round(statistics.median(times), 3),
-        "runs_s": [round(t, 3) for t in times],
-        "labels_present": present,
-        "gpu_peak_allocated_gib": round(peak_alloc, 2),
-        "gpu_peak_reserved_gib": round(peak_reserved, 2),
-        "batch": batch,
-        "tile_ms": round(per_tile * 1000, 2),
-        "tiles": n_tiles,
-        "network_s": round(per_tile * n_tiles, 3),
-    }
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     p.add_argument("--model", type=Path, default=None, help="a composite manifest")
     p.add_argument("--work", type=Path, default=Path("/tmp/total-standin"))
-    p.add_argument("--slices", type=int, default=300)
+    p.add_argument("--slices", type=int, nargs="+", default=[300])
+    p.add_argument(
+        "--gpu-limit",
+        type=float,
+        nargs="*",
+        default=[],
+        help="GiB: then run the last --slices with the GPU capped there (the ladder)",
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--precision", default="fp16")
@@ -150,15 +219,17 @@ def main(argv: list[str] | None = None) -> int:
         manifest = args.work / "total.json"
         if not manifest.exists():
             write_total(args.work)
+    logging.basicConfig(level=logging.WARNING)
     rows = []
     for name in args.variants:
         try:
-            rows.append(run_variant(name, manifest, args))
+            rows.extend(run_variant(name, manifest, args))
         except Exception as exc:  # one variant failing must not lose the others
             rows.append({"variant": name, "error": f"{type(exc).__name__}: {exc}"})
-        print(json.dumps(rows[-1]), flush=True)
+            print(json.dumps(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"total_gpu_{args.slices}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    stem = "_".join(map(str, args.slices))
+    (args.out / f"total_gpu_{stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0 if all("error" not in r for r in rows) else 1
 
 

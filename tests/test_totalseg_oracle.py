@@ -208,6 +208,56 @@ def test_segnode_agrees_with_totalsegmentator(
     assert min(scores.values()) >= oracle.min_dice, scores
 
 
+@pytest.fixture(scope="module")
+def cuda_engines(manifest: ModelManifest) -> Any:
+    """The torch engine on the GPU, FP32 and FP16 (skips without CUDA and onnx2torch)."""
+    torch = pytest.importorskip("torch", reason="PyTorch not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU (torch.cuda.is_available() is False)")
+    pytest.importorskip("onnx2torch", reason="onnx2torch not installed")
+    from segnode.engines.torch_backend import TorchEngine
+
+    engines = {}
+    for precision in ("fp32", "fp16"):
+        engines[precision] = TorchEngine(device="cuda", precision=precision)
+        engines[precision].load(manifest)
+    yield engines
+    for engine in engines.values():
+        engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("oracle", "name"),
+    [(task, name) for task, o in ORACLES.items() for name in o.series],
+    indirect=["oracle"],
+    scope="module",
+)
+def test_segnode_on_the_gpu_agrees_with_totalsegmentator(
+    name: str,
+    tmp_path: Path,
+    oracle: Oracle,
+    manifest: ModelManifest,
+    cuda_engines: Any,
+    golden: Golden,
+) -> None:
+    """The same series through the torch engine on the GPU, the whole pipeline there
+    (resampling, window, merge, export): FP32 agrees with TotalSegmentator as ONNX Runtime
+    does (the task's threshold), FP16 (the node's GPU default) at Dice >= 0.99. The figures
+    are printed for docs/performance.md."""
+    from scripts.make_totalseg_oracle import compare
+    from segnode.node.ingest.volume import assemble_volume
+
+    maps, their_names = golden
+    volume = assemble_volume(write_dicom_case(CASES[name], tmp_path / name, seed=11))
+    our_names = {label.value: label.name for label in manifest.labels}
+    for precision, engine in cuda_engines.items():
+        labels = segment_trained(engine, manifest, volume.hu, Geometry.from_volume(volume))
+        scores = compare(labels, our_names, maps[name], their_names)
+        print(f"[gpu-parity] {oracle.task} {name} {precision}: min Dice {min(scores.values())}")
+        assert min(scores.values()) >= (oracle.min_dice if precision == "fp32" else 0.99), scores
+
+
 def test_parts_share_one_grid_and_merge_there(
     tmp_path: Path,
     oracle: Oracle,

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 34's GPU measurements on a lent GPU machine (the `device` tool of this workplace), one
+# stage per call so that each call stays within its 10 minutes:
+#
+#   bash bench/device_total.sh parity   # TotalSegmentator parity on the GPU, torch tests
+#   bash bench/device_total.sh engine   # total, engine alone: 300/824/1600 slices, the
+#                                       # allocator A/B, the GPU capped (the memory ladder)
+#   bash bench/device_total.sh e2e      # segnode serve: --fast 300 compiled, total 824 eager
+#   bash bench/device_total.sh e2e-compiled  # total 300 and 824 compiled (one engine cache)
+#
+# The machine has torch, onnx, onnxruntime and pytest; the node's other wheels travel in .whl
+# (pip download, see the device tool's README). Logs and JSON go to $OUT.
+set -uo pipefail
+OUT=${OUT:-bench/out/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+stage=${1:-parity}
+
+standins() {  # the ONNX stand-ins with the anatomy head (bench.totalseg_standin)
+    [ -f /tmp/tsa/total.json ] || python3 -m bench.totalseg_standin --task total --anatomy --out /tmp/tsa
+    [ -f /tmp/tsf/profile.json ] || python3 -m bench.totalseg_standin --anatomy --out /tmp/tsf
+}
+
+case $stage in
+parity)
+    standins >"$OUT/standins.log" 2>&1 &  # CPU work beside the tests, for the next stages
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -s \
+        tests/test_totalseg_oracle.py -k gpu \
+        tests/test_engine_sums.py tests/test_gpu_memory_split.py 2>&1 | tee "$OUT/parity.log" |
+        grep -E "gpu-parity|passed|failed|Error|error" | tail -60
+    timeout 60 python3 -m bench.label_sums --slices 300 --labels 6 24 118 2>&1 | tee "$OUT/sums.log"
+    wait
+    ;;
+engine)
+    standins
+    timeout 330 python3 -m bench.total_gpu --model /tmp/tsa/total.json --out "$OUT" \
+        --slices 300 824 1600 --runs 2 --variants eager --gpu-limit 4 2.5 2>&1 |
+        tee "$OUT/engine.log" | grep -E "^\{|Error" | tail -20
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False timeout 200 python3 -m bench.total_gpu \
+        --model /tmp/tsa/total.json --out "$OUT/plain" --slices 300 824 --runs 2 \
+        --variants eager 2>&1 | tee "$OUT/engine-plain.log" | grep -E "^\{|Error" | tail -10
+    ;;
+e2e)
+    standins
+    timeout 280 python3 -m bench.gpu_e2e --out "$OUT/fast" --models /tmp/tsf/profile.json \
+        --slices 300 --runs 3 --phantom anatomy --work /tmp/e2e-fast 2>&1 | tail -25
+    timeout 280 python3 -m bench.gpu_e2e --out "$OUT/total824" --models /tmp/tsa/total.json \
+        --slices 824 --runs 3 --phantom anatomy --no-compile --work /tmp/e2e-824 2>&1 | tail -25
+    ;;
+e2e-compiled)
+    standins
+    for n in 300 824; do
+        timeout 290 python3 -m bench.gpu_e2e --out "$OUT/total$n" --models /tmp/tsa/total.json \
+            --slices $n --runs 3 --phantom anatomy --engine-cache /tmp/engines --work /tmp/e2e-c$n \
+            2>&1 | tail -25
+    done
+    ;;
+esac
