@@ -5,6 +5,7 @@
 #   bash bench/device_total.sh parity   # TotalSegmentator parity on the GPU, torch tests
 #   bash bench/device_total.sh engine   # total, engine alone: 300/824/1600 slices, the
 #                                       # allocator A/B, the GPU capped (the memory ladder)
+#   bash bench/device_total.sh cap      # the memory ladder alone (1600 slices, GPU capped)
 #   bash bench/device_total.sh e2e      # segnode serve: --fast 300 compiled, total 824 eager
 #   bash bench/device_total.sh e2e-compiled  # total 300 and 824 compiled (one engine cache)
 #
@@ -45,6 +46,12 @@ engine)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False timeout 200 python3 -m bench.total_gpu \
         --model /tmp/tsa/total.json --out "$OUT/plain" --slices 300 824 --runs 2 \
         --variants eager 2>&1 | tee "$OUT/engine-plain.log" | grep -E "^\{|Error" | tail -10
+    ;;
+cap)  # the memory ladder alone: 1600 slices with the GPU capped
+    standins
+    timeout 500 python3 -m bench.total_gpu --model /tmp/tsa/total.json --out "$OUT" \
+        --slices 1600 --runs 1 --variants eager --gpu-limit 4 2.5 1.5 2>&1 |
+        tee "$OUT/cap.log" | grep -E "^\{|Error" | tail -20
     ;;
 e2e)
     standins

@@ -29,7 +29,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -70,17 +70,24 @@ class Attempt:
 
     batch: int
     pieces: int
+    #: Whether the model grid is made on the host (the whole source volume then never goes
+    #: to the GPU, nor the float64 passes of its resampling): only the grid, the networks
+    #: and their window are on the device, and the labels go back to the source grid on
+    #: the host.
+    host_grid: bool = False
 
     def __str__(self) -> str:
-        return f"batch {self.batch}, {self.pieces} piece{'s' if self.pieces > 1 else ''}"
+        text = f"batch {self.batch}, {self.pieces} piece{'s' if self.pieces > 1 else ''}"
+        return text + (", the grid made on the host" if self.host_grid else "")
 
 
 def memory_ladder(batch: int, slices: int, *, split: bool) -> Iterator[Attempt]:
     """The attempts of a job that runs out of GPU memory, in order: the engine's batch on
     the whole grid; the batch halved down to 1 (the network's activations and the window's
-    accumulator shrink with it); then, where ``split`` (a model on the shared grid), 3, 6, 12
-    ... overlapping pieces of the ``slices`` model-grid slices, as long as each keeps at least
-    :data:`MIN_PIECE_SLICES` (what grows with the series' length is on the grid). Three
+    accumulator shrink with it); then, where ``split`` (a model on the shared grid), 3
+    overlapping pieces of the ``slices`` model-grid slices, and 3, 6, 12 ... with the grid made
+    on the host (the source volume and its resampling, the largest buffers of a long series,
+    stay off the GPU), as long as each piece keeps at least :data:`MIN_PIECE_SLICES`. Three
     pieces are TotalSegmentator's own thirds, so the first split gives its answer for a large
     volume; a network that sees less context across a seam may label near it otherwise (on the
     phantom, 2 and 4 pieces agreed with the whole grid less than the thirds did)."""
@@ -88,9 +95,12 @@ def memory_ladder(batch: int, slices: int, *, split: bool) -> Iterator[Attempt]:
     while batch > 1:
         batch //= 2
         yield Attempt(batch, 1)
+    if not split or slices // 3 < MIN_PIECE_SLICES:
+        return
+    yield Attempt(1, 3)
     pieces = 3
-    while split and slices // pieces >= MIN_PIECE_SLICES:
-        yield Attempt(1, pieces)
+    while slices // pieces >= MIN_PIECE_SLICES:
+        yield Attempt(1, pieces, host_grid=True)
         pieces *= 2
 
 
@@ -193,9 +203,15 @@ def _segment(
     for attempt, following in zip(ladder, [*ladder[1:], None], strict=True):
         try:
             with engine.device_scope():
+                if attempt.host_grid:  # labels on the host, summed there by the caller
+                    host = np.ascontiguousarray(volume, dtype=np.float32)
+                    done = _run_on_grid(
+                        manifest, units, host, geometry, predictors, attempt, precise, engine
+                    )
+                    return np.asarray(done, dtype=np.uint8), None
                 image = engine.to_device(np.ascontiguousarray(volume, dtype=np.float32))
                 labels = _run_on_grid(
-                    manifest, units, image, geometry, predictors, attempt, precise
+                    manifest, units, image, geometry, predictors, attempt, precise, engine
                 )
                 found = summing.label_sums(labels, image) if summing is not None else None
                 del image
@@ -283,6 +299,7 @@ def _run_on_grid(
     predictors: list[PatchPredictor],
     attempt: Attempt,
     precise: bool,
+    engine: Any,
 ) -> Any:
     """Models that share one model grid (TotalSegmentator's ``total``: five parts at 1.5 mm;
     or one ``"totalsegmentator"`` model): the image is reoriented, resampled and cropped
@@ -292,11 +309,15 @@ def _run_on_grid(
     gives the same labels as merging after it. A composite's grid above TotalSegmentator's
     size limit is predicted in its three overlapping thirds along the slice axis
     (:func:`split_in_thirds`), as it does; an ``attempt`` of more pieces splits it so (after
-    running out of GPU memory)."""
-    xp = array_namespace(image)
+    running out of GPU memory). With ``attempt.host_grid`` the ``image`` is the host's, the
+    grid is made there and moved to the ``engine``'s device, and the merged labels come back
+    to the host before they go back to the source grid (the result is then the host's)."""
     contract = units[0][0].model_contract()
     try:
         grid, reorient = model_grid(image, geometry, contract, precise=precise)
+        if attempt.host_grid:
+            grid = replace(grid, image=engine.to_device(grid.image))
+        xp = array_namespace(grid.image)
         pieces = attempt.pieces
         if pieces == 1 and len(units) > 1 and split_in_thirds(grid, len(units)):
             pieces = 3
@@ -321,6 +342,9 @@ def _run_on_grid(
                     )
                 merged[written] = xp.where(found > 0, found, merged[written])
                 del found
+        if attempt.host_grid:
+            grid = replace(grid, image=None)  # the device's copy goes
+            merged = engine.to_host(merged)
         return grid_to_source(merged, grid, reorient, contract)
     except ValueError as exc:
         raise EngineError(f"model {manifest.name}: {exc}") from exc

@@ -68,10 +68,13 @@ def test_the_ladder_halves_the_batch_then_splits_the_grid() -> None:
         Attempt(2, 1),
         Attempt(1, 1),
         Attempt(1, 3),
-        Attempt(1, 6),
+        Attempt(1, 3, host_grid=True),
+        Attempt(1, 6, host_grid=True),
     ]
     assert list(memory_ladder(3, 400, split=False)) == [Attempt(3, 1), Attempt(1, 1)]
+    assert list(memory_ladder(1, 100, split=True)) == [Attempt(1, 1)]  # too short to split
     assert str(Attempt(1, 3)) == "batch 1, 3 pieces"
+    assert str(Attempt(1, 6, True)) == "batch 1, 6 pieces, the grid made on the host"
 
 
 class TightGpu:
@@ -205,4 +208,33 @@ def test_a_volume_that_never_fits_fails_with_what_was_tried(
     monkeypatch.setattr(trained, "_run_on_grid", never)
     with pytest.raises(GpuMemoryError, match="does not fit the GPU, tried batch 1, 1 piece") as e:
         trained.segment_trained(TightGpu(engine, 1, 99), manifest, hu, geometry)
-    assert "batch 1, 3 pieces" in str(e.value) and isinstance(e.value, EngineError)
+    assert "batch 1, 3 pieces, the grid made on the host" in str(e.value)
+    assert isinstance(e.value, EngineError)
+
+
+def test_the_grid_made_on_the_host_gives_the_same_labels(
+    tmp_path: Path, composite: tuple[Any, Any, Any]
+) -> None:
+    """The ladder's last rungs make the model grid on the host and take the merged labels
+    back there: the same labels as the grid made where the networks run (here both are the
+    host: ONNX Runtime; on the GPU, ``bench.total_gpu --gpu-limit``)."""
+    from scripts.make_totalseg_oracle import oracle_series
+    from scripts.nnunet_phantom import write_dicom_case
+    from segnode.engines import trained
+    from segnode.engines.preprocess.orientation import Geometry
+    from segnode.node.ingest.volume import assemble_volume
+
+    manifest, engine, _ = composite
+    case = {c.name: c for c in oracle_series()}["native_ffs"]
+    volume = assemble_volume(write_dicom_case(case, tmp_path / "ffs", seed=3))
+    geometry = Geometry.from_volume(volume)
+    units = trained._grid_units(manifest)
+    assert units is not None
+    runs = [
+        trained._run_on_grid(
+            manifest, units, volume.hu, geometry, engine.fold_predictors(), a, True, engine
+        )
+        for a in (Attempt(1, 3), Attempt(1, 3, host_grid=True))
+    ]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert runs[1].shape == volume.hu.shape and runs[1].dtype == np.uint8

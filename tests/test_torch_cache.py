@@ -294,11 +294,11 @@ def test_engine_build_for_torch_without_a_gpu_fails_cleanly(
 
 
 def test_compile_option_reaches_the_torch_engine(tmp_path: Path) -> None:
+    from segnode.engines.manifest_parse import load_manifest
     from segnode.engines.models import default_manifest_path
+    from segnode.engines.ort_backend import OrtEngine
     from segnode.node.config import from_dict
     from segnode.node.errors import ConfigError
-    from segnode.engines.manifest_parse import load_manifest
-    from segnode.engines.ort_backend import OrtEngine
     from segnode.node.pipeline.engine_pool import EnginePool, engine_options
     from segnode.node.routing.rules import model_specs
 
