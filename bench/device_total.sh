@@ -59,6 +59,24 @@ e2e)
         --slices 300 --runs 3 --phantom anatomy --work /tmp/e2e-fast 2>&1 | tail -25
     timeout 280 python3 -m bench.gpu_e2e --out "$OUT/total824" --models /tmp/tsa/total.json \
         --slices 824 --runs 3 --phantom anatomy --no-compile --work /tmp/e2e-824 2>&1 | tail -25
+    # where the SEG encode and check of 117 structures spend their time on this host's CPUs
+    timeout 60 python3 - <<'PY' 2>&1 | tail -40
+import cProfile, pstats, time
+from pydicom.uid import DeflatedExplicitVRLittleEndian
+from bench.seg_size import blob_labels, blob_manifest, blob_volume
+from segnode.node.results.build import Equipment, ResultUIDs
+from segnode.node.results.seg_check import check_encoded
+from segnode.node.results.seg_encode import SegPlan
+plan = SegPlan.prepare(blob_volume(), blob_manifest(), ResultUIDs.new(), segmentation_type="BINARY",
+                       transfer_syntax=DeflatedExplicitVRLittleEndian, equipment=Equipment.for_seg("b"))
+labels = blob_labels()
+for _ in range(3):
+    t = time.perf_counter(); e = plan.encode(labels); t1 = time.perf_counter()
+    check_encoded(plan, e, labels); print(f"encode {t1 - t:.3f} s, check {time.perf_counter() - t1:.3f} s")
+for call in (lambda: plan.encode(labels), lambda: check_encoded(plan, e, labels)):
+    p = cProfile.Profile(); p.enable(); call(); p.disable()
+    pstats.Stats(p).sort_stats("tottime").print_stats(8)
+PY
     ;;
 e2e-compiled)
     standins
