@@ -7,6 +7,7 @@
 #                                       # allocator A/B, the GPU capped (the memory ladder)
 #   bash bench/device_total.sh cap      # the memory ladder alone (1600 slices, GPU capped)
 #   bash bench/device_total.sh e2e      # segnode serve: --fast 300 compiled, total 824 eager
+#   bash bench/device_total.sh all      # e2e, then cap (one call)
 #   bash bench/device_total.sh e2e-compiled  # total 300 and 824 compiled (one engine cache)
 #
 # The machine has torch, onnx, onnxruntime and pytest; the node's other wheels travel in .whl
@@ -16,6 +17,7 @@ OUT=${OUT:-bench/out/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
+    [ -d /tmp/site/pydicom ] ||
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
     export PYTHONPATH=/tmp/site:$PWD
@@ -53,14 +55,21 @@ cap)  # the memory ladder alone: 1600 slices with the GPU capped
         --slices 1600 --runs 1 --variants eager --gpu-limit 4 2.5 1.5 2>&1 |
         tee "$OUT/cap.log" | grep -E "^\{|Error" | tail -20
     ;;
+all)  # what one call of under 10 minutes can hold: e2e, the SEG profile, the ladder
+    bash "$0" e2e
+    timeout 170 python3 -m bench.total_gpu --model /tmp/tsa/total.json --out "$OUT" \
+        --slices 1600 --runs 1 --variants eager --gpu-limit 4 2.5 2>&1 |
+        tee "$OUT/cap.log" | grep -E "^\{|Error" | tail -20
+    rm -f "$OUT"/*/timeline*.png  # at most 8 files come back
+    ;;
 e2e)
     standins
-    timeout 280 python3 -m bench.gpu_e2e --out "$OUT/fast" --models /tmp/tsf/profile.json \
+    timeout 170 python3 -m bench.gpu_e2e --out "$OUT/fast" --models /tmp/tsf/profile.json \
         --slices 300 --runs 3 --phantom anatomy --work /tmp/e2e-fast 2>&1 | tail -25
-    timeout 280 python3 -m bench.gpu_e2e --out "$OUT/total824" --models /tmp/tsa/total.json \
+    timeout 210 python3 -m bench.gpu_e2e --out "$OUT/total824" --models /tmp/tsa/total.json \
         --slices 824 --runs 3 --phantom anatomy --no-compile --work /tmp/e2e-824 2>&1 | tail -25
     # where the SEG encode and check of 117 structures spend their time on this host's CPUs
-    timeout 60 python3 - <<'PY' 2>&1 | tail -40
+    timeout 40 python3 - <<'PY' 2>&1 | tail -40
 import cProfile, pstats, time
 from pydicom.uid import DeflatedExplicitVRLittleEndian
 from bench.seg_size import blob_labels, blob_manifest, blob_volume
