@@ -188,15 +188,14 @@ def _segment(
     batch = max(1, int(engine.window_batch()))
     summing = engine if sums and isinstance(engine, DeviceSumsEngine) else None
     units = _grid_units(manifest)
-    if units is None:  # parts on grids of their own, or one model of another scheme
+    if units is None and manifest.parts:  # parts on grids of their own
+        return _merge_on_source(engine, manifest, volume, geometry, predictors, batch, precise)
+    if units is None:  # one model of another scheme
         with engine.device_scope():
             image = engine.to_device(np.ascontiguousarray(volume, dtype=np.float32))
-            if not manifest.parts:
-                labels = _run(manifest, image, geometry, predictors, batch, precise)
-                found = summing.label_sums(labels, image) if summing is not None else None
-                return engine.to_host(labels), found
-            del image
-        return _merge_on_source(engine, manifest, volume, geometry, predictors, batch, precise)
+            labels = _run(manifest, image, geometry, predictors, batch, precise)
+            found = summing.label_sums(labels, image) if summing is not None else None
+            return engine.to_host(labels), found
     tried: list[str] = []
     slices = _grid_slices(units[0][0], volume.shape, geometry)
     ladder = list(memory_ladder(batch, slices, split=True))
@@ -216,8 +215,8 @@ def _segment(
                 found = summing.label_sums(labels, image) if summing is not None else None
                 del image
                 return engine.to_host(labels), found
-        except GpuMemoryError as exc:
-            tried.append(f"{attempt}: {exc}")
+        except GpuMemoryError as exc:  # its first two sentences: what ran out, and by how much
+            tried.append(f"{attempt}: {'. '.join(str(exc).split('. ')[:2])}")
         # Out of the handler: the error's frames (and the tensors they hold) are gone now.
         gc.collect()
         release = getattr(engine, "release_memory", None)
