@@ -120,7 +120,7 @@ class EncodedSeg:
     sop_instance_uid: str
     series_instance_uid: str
     transfer_syntax: str = ExplicitVRLittleEndian
-    plain: bytes | bytearray | None = None
+    plain: bytes | bytearray | memoryview | None = None
     deflate_blocks: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -410,15 +410,17 @@ class SegPlan:
             else:
                 parts.append(self.fixed[tag])
         # one buffer, the BINARY frames packed into their place on several threads
-        head = sum(len(p) for p in parts)
-        buffer = bytearray(head + (frames.length if frames is not None else 0))
-        position = 0
-        for part in parts:
-            buffer[position : position + len(part)] = part
-            position += len(part)
+        header = b"".join(parts)  # one copy of some 40 000 small parts, not one each
+        head = len(header)
+        # Not zero-filled (a bytearray would write all of it once more): the header and
+        # every byte of the frames, their padding included, are written below.
+        store = np.empty(head + (frames.length if frames is not None else 0), dtype=np.uint8)
+        buffer = store.data
+        buffer[:head] = header
+        del header
         if frames is not None:
-            frames.pack(memoryview(buffer)[head:])
-        plain: bytearray | None = None
+            frames.pack(buffer[head:])
+        plain: memoryview | None = None
         blocks: tuple[tuple[int, int], ...] = ()
         if self.deflated:
             # 8-bit label maps deflate smaller and faster as runs (docs/performance.md)
