@@ -64,10 +64,10 @@ all)  # what one call of under 10 minutes can hold: e2e, the SEG profile, the la
     ;;
 e2e-min)  # the two e2e figures on the least device time
     standins
-    timeout 150 python3 -m bench.gpu_e2e --out "$OUT/fast" --models /tmp/tsf/profile.json \
+    timeout 140 python3 -m bench.gpu_e2e --out "$OUT/fast" --models /tmp/tsf/profile.json \
         --slices 300 --runs 3 --phantom anatomy --work /tmp/e2e-fast 2>&1 | tail -22
-    timeout 190 python3 -m bench.gpu_e2e --out "$OUT/total824" --models /tmp/tsa/total.json \
-        --slices 824 --runs 2 --phantom anatomy --no-compile --work /tmp/e2e-824 2>&1 | tail -22
+    timeout 160 python3 -m bench.gpu_e2e --out "$OUT/total824" --models /tmp/tsa/total.json \
+        --slices 824 --runs 1 --phantom anatomy --no-compile --work /tmp/e2e-824 2>&1 | tail -22
     ;;
 e2e)
     standins
