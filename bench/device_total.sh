@@ -62,6 +62,11 @@ all)  # what one call of under 10 minutes can hold: e2e, the SEG profile, the la
         tee "$OUT/cap.log" | grep -E "^\{|Error" | tail -20
     rm -f "$OUT"/*/timeline*.png  # at most 8 files come back
     ;;
+fast)  # --fast end to end alone
+    [ -f /tmp/tsf/profile.json ] || python3 -m bench.totalseg_standin --anatomy --out /tmp/tsf
+    timeout 150 python3 -m bench.gpu_e2e --out "$OUT/fast" --models /tmp/tsf/profile.json \
+        --slices 300 --runs 3 --phantom anatomy --work /tmp/e2e-fast 2>&1 | tail -22
+    ;;
 e2e-min)  # the two e2e figures on the least device time
     standins
     timeout 140 python3 -m bench.gpu_e2e --out "$OUT/fast" --models /tmp/tsf/profile.json \
