@@ -9,19 +9,27 @@
 #   bash bench/device_total.sh e2e      # segnode serve: --fast 300 compiled, total 824 eager
 #   bash bench/device_total.sh all      # e2e, then cap (one call)
 #   bash bench/device_total.sh e2e-compiled  # total 300 and 824 compiled (one engine cache)
+#   bash bench/device_total.sh install  # only the wheels (the first of several calls)
+#   bash bench/device_total.sh versus-total  # segnode against TotalSegmentator, same call
+#   bash bench/device_total.sh versus-fast   # the same for --fast, and TS total NIfTI
 #
 # The machine has torch, onnx, onnxruntime and pytest; the node's other wheels travel in .whl
-# (pip download, see the device tool's README). Logs and JSON go to $OUT.
+# (pip download, see the device tool's README), TotalSegmentator's in .whl_* folders that
+# travel one call each (64 MiB a call). Each folder is installed into /tmp/site once per
+# machine. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-bench/out/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-    [ -d /tmp/site/pydicom ] ||
+for d in .whl .whl_*; do
+    [ -d "$d" ] || continue
+    [ -f "/tmp/site/.installed$d" ] && continue
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-fi
+        --target /tmp/site "$d"/*.whl >/dev/null 2>&1 || { echo "install $d failed"; exit 1; }
+    touch "/tmp/site/.installed$d"
+    echo "installed $d"
+done
+export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 stage=${1:-parity}
 
@@ -30,7 +38,37 @@ standins() {  # the ONNX stand-ins with the anatomy head (bench.totalseg_standin
     [ -f /tmp/tsf/profile.json ] || python3 -m bench.totalseg_standin --anatomy --out /tmp/tsf
 }
 
+# TotalSegmentator against segnode in one call, on the same machine and series
+# (bench.totalseg_compare): TotalSegmentator runs the real-shape stand-ins with the constant
+# head (its cheapest non-empty output: a lower bound of its time), segnode the anatomy
+# stand-ins (a realistic 117-structure SEG).
+versus() {  # TASK SEGNODE_MANIFEST TS_MODES...
+    local task=$1 model=$2
+    shift 2
+    [ -d /tmp/tsconst/nnunet/results ] ||
+        python3 -m scripts.make_totalseg_standins --out /tmp/tsconst --task all --head constant |
+        tail -6
+    timeout 560 python3 -m bench.totalseg_compare --task "$task" --head constant \
+        --home /tmp/tsconst --segnode-model "$model" --phantom anatomy --runs 3 \
+        --ts-modes "$@" --out "$OUT/v$task" --timeout 500 \
+        --e2e-args="--engine-cache /tmp/engines --work /tmp/e2e-v$task" 2>&1 |
+        tee "$OUT/v$task.log" | grep -vE "^\[gpu-e2e\].*series [0-9]" | tail -30
+    rm -f "$OUT/v$task"/*/timeline*.png "$OUT/v$task"/*/gpu_e2e.md
+}
+
 case $stage in
+install) ;;
+versus-total)
+    standins
+    versus total /tmp/tsa/total.json dicom
+    ;;
+versus-fast)
+    standins
+    versus total_fast /tmp/tsf/profile.json dicom nifti
+    # TotalSegmentator's total from NIfTI to NIfTI (its DICOM row ran in versus-total)
+    timeout 300 python3 -m bench.totalseg_gpu --home /tmp/tsconst --out "$OUT/tsnifti" \
+        --slices 300 --tasks total --modes nifti --phantom anatomy 2>&1 | tail -3
+    ;;
 parity)
     standins >"$OUT/standins.log" 2>&1 &  # CPU work beside the tests, for the next stages
     timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -s \

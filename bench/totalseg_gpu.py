@@ -51,17 +51,18 @@ print("RESULT " + json.dumps({
 """
 
 
-def write_inputs(slices: int, work: Path, seed: int = 4200) -> tuple[Path, Path]:
-    """The DICOM folder and its NIfTI (converted by TotalSegmentator's dicom2nifti)."""
-    from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets
+def write_inputs(
+    slices: int, work: Path, seed: int = 4200, phantom: str = "synthetic"
+) -> tuple[Path, Path]:
+    """The DICOM folder and its NIfTI (converted by TotalSegmentator's dicom2nifti): the
+    series ``bench.gpu_e2e`` sends (:func:`bench.gpu_e2e.make_series`, same ``phantom``)."""
+    from bench.gpu_e2e import make_series
 
-    dicom = work / f"ct{slices}"
-    nifti = work / f"ct{slices}.nii.gz"
+    dicom = work / f"ct{slices}-{phantom}"
+    nifti = work / f"ct{slices}-{phantom}.nii.gz"
     if not dicom.is_dir():
         dicom.mkdir(parents=True)
-        datasets = synthetic_datasets(
-            PhantomGeometry(rows=512, columns=512, slices=slices), seed=seed
-        )
+        datasets = make_series(slices, seed, phantom)
         for i, ds in enumerate(datasets):
             ds.save_as(dicom / f"{i:04d}.dcm", enforce_file_format=True)
     if not nifti.is_file():
@@ -102,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", default=["dicom", "nifti"])
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--device", default="gpu")
+    p.add_argument(
+        "--phantom",
+        choices=("synthetic", "anatomy"),
+        default="synthetic",
+        help="the series bench.gpu_e2e --phantom sends",
+    )
     p.add_argument("--timeout", type=float, default=400)
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     rows: list[dict[str, Any]] = []
     for slices in args.slices:
-        dicom, nifti = write_inputs(slices, args.work)
+        dicom, nifti = write_inputs(slices, args.work, phantom=args.phantom)
         for task in args.tasks:
             for mode in args.modes:
                 out = args.work / f"out-{task}-{mode}-{slices}"

@@ -234,20 +234,35 @@ def build_network(
     return network
 
 
-def initialise(network: torch.nn.Module, seed: int) -> None:
+HEADS = ("noise", "constant")
+"""``noise``: random logits, background favoured (every structure somewhere on nearly every
+slice: the worst case for the output). ``constant``: the segmentation heads' weights zeroed
+and the first structure's bias highest, so every voxel is that structure: the cheapest
+non-empty output (one segment), for a lower bound of TotalSegmentator's own time that does
+not charge it for writing noise. The convolutions run the same either way."""
+
+
+def initialise(network: torch.nn.Module, seed: int, *, head: str = "noise") -> None:
     """He initialisation through the network's own ``initialize`` (``InitWeights_He(1e-2)``
     for PlainConvUNet: normal convolution weights, zero biases), from ``seed`` without
-    touching the caller's random state; then the segmentation heads' bias favours
-    background (:data:`BACKGROUND_BIAS`, :data:`STRUCTURE_BIAS`)."""
+    touching the caller's random state; then the segmentation heads as ``head`` says
+    (:data:`HEADS`): for ``noise`` the bias favours background (:data:`BACKGROUND_BIAS`,
+    :data:`STRUCTURE_BIAS`)."""
     import torch  # noqa: PLC0415
 
+    if head not in HEADS:
+        raise ValueError(f"head {head!r}: one of {', '.join(HEADS)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         network.apply(network.initialize)  # type: ignore[arg-type]
     with torch.no_grad():
         for layer in network.decoder.seg_layers:  # type: ignore[union-attr]
             layer.bias.fill_(STRUCTURE_BIAS)
-            layer.bias[0] = BACKGROUND_BIAS
+            if head == "constant":
+                layer.weight.zero_()
+                layer.bias[1] = BACKGROUND_BIAS
+            else:
+                layer.bias[0] = BACKGROUND_BIAS
 
 
 def parameter_count(network: torch.nn.Module) -> int:
@@ -313,10 +328,12 @@ def write_standin(
     seed: int = 0,
     small: bool = False,
     labels: Mapping[int, Sequence[str]] | None = None,
+    head: str = "noise",
 ) -> Written:
     """Write one dataset's trained-model folder under ``results`` (``.../nnunet/results``).
 
-    The network's seed is ``seed + task id`` (each part differs).
+    The network's seed is ``seed + task id`` (each part differs); ``head``: see
+    :data:`HEADS`.
     """
     import torch  # noqa: PLC0415
 
@@ -327,7 +344,7 @@ def write_standin(
         plans = small_plans(plans)
     dataset = dataset_json(standin, names)
     network = build_network(plans, len(names) + 1)
-    initialise(network, seed + standin.task_id)
+    initialise(network, seed + standin.task_id, head=head)
     folder = standin.model_dir(results)
     _write_text(folder / "plans.json", json.dumps(plans, indent=4) + "\n")
     _write_text(folder / "dataset.json", json.dumps(dataset, indent=4) + "\n")
@@ -436,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="network seed: SEED + dataset id")
     ap.add_argument("--small", action="store_true", help="features / 8: for tests, not the shape")
     ap.add_argument("--plan", action="store_true", help="regenerate bench/totalseg_plans/")
+    ap.add_argument(
+        "--head",
+        default="noise",
+        choices=HEADS,
+        help="noise: random labels; constant: every voxel the first structure (speed only)",
+    )
     args = ap.parse_args(argv)
     if args.plan:
         for line in plan_all():
@@ -445,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out is required (or --plan)")
     results: Path = args.out / "nnunet" / "results"
     for standin in standins(args.task):
-        written = write_standin(results, standin, seed=args.seed, small=args.small)
+        written = write_standin(results, standin, seed=args.seed, small=args.small, head=args.head)
         print(
             f"{written.model_dir}: {written.parameters:,} parameters, "
             f"{written.bytes / 1e6:.1f} MB, {written.seconds:.1f} s"

@@ -219,6 +219,26 @@ def test_checkpoint_297(tmp_path: Path) -> None:
     assert float(weights["encoder.stages.4.0.convs.1.conv.bias"].abs().max()) == 0.0
 
 
+@needs_torch
+def test_constant_head_labels_every_voxel_the_first_structure() -> None:
+    """``--head constant``: TotalSegmentator's cheapest non-empty output, for its bench."""
+    import torch
+
+    plans = mts.small_plans(mts.load_plans(297))
+    network = mts.build_network(plans, 118)
+    mts.initialise(network, 297, head="constant")
+    network.eval()
+    with torch.no_grad():
+        logits = network(torch.randn(1, 1, 32, 32, 32) * 100)
+    assert bool((logits.argmax(1) == 1).all())
+    noise = mts.build_network(plans, 118)
+    mts.initialise(noise, 297)
+    with torch.no_grad():
+        assert len(torch.unique(noise.eval()(torch.randn(1, 1, 32, 32, 32) * 100).argmax(1))) > 1
+    with pytest.raises(ValueError, match="head 'x'"):
+        mts.initialise(network, 297, head="x")
+
+
 def _weights(folder: Path) -> dict[str, Any]:
     import torch
 
