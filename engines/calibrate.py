@@ -28,7 +28,10 @@
    held-out series (lowest over series, labels present in either map): below ``threshold``
    (default 0.99) for any label, nothing is written and :class:`GuardFailed` carries the
    Dice. BF16 has no ranges: its guard runs OpenVINO in BF16 against the same FP32
-   reference.
+   reference; where BF16 fails it, the first convolutions run in float32 (most of BF16's
+   error enters with the input's rounding: see :mod:`segnode.engines.openvino_backend`),
+   3, then 6 (:data:`BF16_FP32_LEADING`), until the guard passes; ``fp32_leading`` tries one
+   count only. The count written is ``calibration.fp32_leading_convolutions``.
 
 On success the manifest gets ``"precision": "int8"`` (or ``"bf16"``) and a
 ``"calibration"`` section (the file and its SHA-256, the INT8 files, the layers kept in
@@ -159,10 +162,12 @@ class CalibrationReport:
             out.append(f"{self.tiles} calibration tiles; layers kept in float:")
             out += [f"  {node}: {why}" for node, why in self.kept_float]
         for r in self.rounds:
-            out.append(
-                f"round {r['round']}: {r['kept_by_measurement']} more layer(s) in float, "
-                f"lowest Dice {r['dice_min']:.4f}"
+            kept = (
+                f"the first {r['kept_by_measurement']} convolution(s) in float32"
+                if self.precision == "bf16"
+                else f"{r['kept_by_measurement']} more layer(s) in float"
             )
+            out.append(f"round {r['round']}: {kept}, lowest Dice {r['dice_min']:.4f}")
         worst = sorted(self.dice.items(), key=lambda kv: kv[1])[:5]
         out.append(
             f"Dice per label against FP32 on the held-out series: lowest {self.dice_min:.4f} "
@@ -618,6 +623,7 @@ def calibrate(
     threshold: float = DEFAULT_THRESHOLD,
     tiles_per_series: int = 8,
     max_rounds: int = 4,
+    fp32_leading: int | None = None,
     threads: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> CalibrationReport:
@@ -639,6 +645,9 @@ def calibrate(
         Calibration tiles taken from each calibration series (INT8).
     max_rounds
         Rounds of keeping more measured layers in float before giving up (INT8).
+    fp32_leading
+        BF16: the one count of leading convolutions to run in float32 (default: 0, then
+        :data:`BF16_FP32_LEADING` while the guard fails).
     threads
         CPU threads of the runtimes.
 
@@ -656,6 +665,10 @@ def calibrate(
     say = progress or (lambda _: None)
     if precision not in ("int8", "bf16"):
         raise CalibrationError(f"precision must be int8 or bf16, got {precision!r}")
+    if fp32_leading is not None and (precision != "bf16" or fp32_leading < 0):
+        raise CalibrationError(
+            f"fp32_leading {fp32_leading}: a count of 0 or more, for --precision bf16 only"
+        )
     path = Path(manifest_path)
     if path.is_dir():
         path = path / f"{path.name}.json"
@@ -722,7 +735,8 @@ def calibrate(
             "show the anatomy the model segments"
         )
     if precision == "bf16":
-        return _calibrate_bf16(path, manifest, guard, reference, report, threads, say)
+        counts = (fp32_leading,) if fp32_leading is not None else (0, *BF16_FP32_LEADING)
+        return _calibrate_bf16(path, manifest, guard, reference, report, counts, threads, say)
     return _calibrate_int8(
         path, manifest, calib, guard, reference, report, tiles_per_series, max_rounds, threads, say
     )
@@ -734,28 +748,44 @@ def _calibrate_bf16(
     guard: list[Series],
     reference: list[Any],
     report: CalibrationReport,
+    counts: Sequence[int],
     threads: int | None,
     say: Callable[[str], None],
 ) -> CalibrationReport:
+    """BF16 against the FP32 reference, with the first ``counts[i]`` convolutions in
+    float32, in turn, until the guard passes."""
     from segnode.engines.openvino_backend import OpenVinoEngine
 
     t0 = time.perf_counter()
-    with OpenVinoEngine(threads=threads, precision="bf16") as engine:
-        engine.load(manifest)
-        ran = engine.inference_precision
-        found = _segment_all(engine, manifest, guard)
-    report.seconds["bf16 guard"] = time.perf_counter() - t0
-    report.dice = dice_per_label(reference, found, manifest)
-    report.dice_min = min(report.dice.values(), default=1.0)
-    report.rounds.append({"round": 0, "kept_by_measurement": 0, "dice_min": report.dice_min})
-    if ran != "bf16":
-        raise CalibrationError(
-            f"this CPU runs OpenVINO in {ran}, not bf16 (no AVX-512 BF16 or AMX): calibrate "
-            "on the machine that will run the model, or use --precision int8"
+    for number, leading in enumerate(counts):
+        with OpenVinoEngine(threads=threads, precision="bf16", fp32_leading=leading) as engine:
+            engine.load(manifest)
+            ran = engine.inference_precision
+            if ran != "bf16":
+                raise CalibrationError(
+                    f"this CPU runs OpenVINO in {ran}, not bf16 (no AVX-512 BF16 or AMX): "
+                    "calibrate on the machine that will run the model, or use --precision int8"
+                )
+            found = _segment_all(engine, manifest, guard)
+        report.dice = dice_per_label(reference, found, manifest)
+        report.dice_min = min(report.dice.values(), default=1.0)
+        report.rounds.append(
+            {"round": number, "kept_by_measurement": leading, "dice_min": report.dice_min}
         )
+        say(
+            f"bf16 with the first {leading} convolution(s) in float32: lowest Dice "
+            f"{report.dice_min:.4f}"
+        )
+        if report.dice_min >= report.threshold:
+            break
+    report.seconds["bf16 guard"] = time.perf_counter() - t0
     if report.dice_min < report.threshold:
         raise GuardFailed(_failure(manifest, report), report)
-    section = _section(report, manifest)
+    if leading:
+        report.kept_float.append(
+            (f"the first {leading} convolutions", "bf16 alone failed the guard (measured)")
+        )
+    section = _section(report, manifest) | {"fp32_leading_convolutions": leading}
     report.written = _write(path, {}, section, "bf16")
     return report
 
@@ -868,6 +898,10 @@ def _calibrate_int8(
         return report
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+BF16_FP32_LEADING = (3, 6)
+"""Leading convolutions run in float32 where BF16 alone fails the guard, tried in turn."""
 
 
 def _failure(manifest: ModelManifest, report: CalibrationReport) -> str:

@@ -21,6 +21,7 @@ from scripts.nnunet_phantom import FOV, Anatomy, Grid, OracleCase, write_dicom_c
 from segnode.engines.base import EngineError, run_precision
 from segnode.engines.calibrate import (
     CalibrationError,
+    GuardFailed,
     calibrate,
     dice_per_label,
     read_series,
@@ -256,6 +257,49 @@ def test_bf16_guard_records_the_precision(tmp_path: Path, series: list[Path]) ->
     assert doc["calibration"]["runtime"] == "openvino"
     assert "file" not in doc["calibration"]
     assert load_manifest(path).precision == "bf16"
+
+
+def _need_bf16() -> None:
+    ov = pytest.importorskip("openvino")
+    if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        pytest.skip("this CPU has no BF16 instructions: OpenVINO runs FP32")
+
+
+def test_bf16_first_convolutions_in_fp32_are_written_and_loaded(
+    tmp_path: Path, series: list[Path]
+) -> None:
+    _need_bf16()
+    from segnode.engines.openvino_backend import OpenVinoEngine
+
+    path = model_copy(tmp_path / "model")
+    report = calibrate(path, series, precision="bf16", fp32_leading=3, threads=1)
+    assert [r["kept_by_measurement"] for r in report.rounds] == [3]
+    doc = json.loads(path.read_text())
+    assert doc["calibration"]["fp32_leading_convolutions"] == 3
+    assert any("first 3 convolution" in line for line in report.lines())
+    manifest = load_manifest(path)
+    with OpenVinoEngine(threads=1) as engine:
+        engine.load(manifest)
+        assert engine.fp32_leading_used == 3
+    with OpenVinoEngine(threads=1, fp32_leading=0) as engine:  # the option wins
+        engine.load(manifest)
+        assert engine.fp32_leading_used == 0
+    with pytest.raises(CalibrationError, match="bf16 only"):
+        calibrate(path, series, precision="int8", fp32_leading=3)
+
+
+def test_bf16_guard_failure_tries_fp32_first_convolutions_then_writes_nothing(
+    tmp_path: Path, series: list[Path]
+) -> None:
+    _need_bf16()
+    path = model_copy(tmp_path / "model")
+    before = snapshot(path.parent)
+    with pytest.raises(GuardFailed) as failed:
+        calibrate(path, series, precision="bf16", threshold=1.01, threads=1)
+    rounds = failed.value.report.rounds
+    assert [r["kept_by_measurement"] for r in rounds] == [0, 3, 6]
+    assert all(0.9 < r["dice_min"] <= 1.0 for r in rounds)
+    assert snapshot(path.parent) == before
 
 
 # ------------------------------------------------------------------------------ SEG and SR

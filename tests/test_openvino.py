@@ -96,3 +96,84 @@ def test_openvino_refuses_what_it_cannot_run(tmp_path: Path, fast_model: Path) -
     fold.write_bytes(fold.read_bytes()[:1000])  # cut short
     with pytest.raises(EngineError, match=r"cannot load .*fold_0\.onnx"):
         engine.load(load_manifest(broken / fast_model.name))
+
+
+# ------------------------------------------------------------------------------ fp32_leading
+
+
+def _phantom_manifest(tmp_path: Path, **changes: Any) -> Path:
+    """The trained phantom model, fold 0, with ``changes`` in its manifest."""
+    folder = tmp_path / "model"
+    shutil.copytree(DATA / "nnunet_phantom", folder)
+    path = folder / "phantom.json"
+    doc = json.loads(path.read_text())
+    doc["folds"] = ["fold_0.onnx"]
+    doc.update(changes)
+    path.write_text(json.dumps(doc, indent=2))
+    return path
+
+
+def _tiles(n: int = 2) -> np.ndarray:
+    return (np.random.default_rng(7).normal(size=(n, 1, 48, 48, 48)) * 0.5).astype(np.float32)
+
+
+def test_the_cut_network_computes_what_the_whole_one_does() -> None:
+    """Both parts in float32: the cut (skip connections crossing it) changes nothing."""
+    from segnode.engines.openvino_backend import _compile_split
+
+    core = ov.Core()
+    model = core.read_model(str(PHANTOM_FOLD))
+    model.reshape({model.inputs[0].get_any_name(): [1, 1, 48, 48, 48]})
+    config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1}
+    whole = core.compile_model(model, "CPU", config)
+    for leading in (1, 3, 6, 12):
+        head, tail = _compile_split(ov, core, model, leading, config)
+        assert len(head.outputs) == len(tail.inputs) >= 1
+        x = _tiles(1)
+        crossing = head(x)
+        got = tail([crossing[o] for o in head.outputs])[0]
+        np.testing.assert_allclose(got, whole(x)[0], rtol=0, atol=2e-4)
+
+
+def test_fp32_first_convolutions_bring_bf16_closer_to_fp32(tmp_path: Path) -> None:
+    if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        pytest.skip("this CPU has no BF16 instructions: OpenVINO runs FP32")
+    from segnode.engines.openvino_backend import OpenVinoEngine
+
+    manifest = load_manifest(_phantom_manifest(tmp_path))
+    x = _tiles()
+    out = {}
+    for precision, leading in (("fp32", None), ("bf16", 0), ("bf16", 3)):
+        with OpenVinoEngine(threads=1, precision=precision, fp32_leading=leading) as engine:
+            engine.load(manifest)
+            assert engine.fp32_leading_used == (leading or 0)
+            out[leading] = engine.fold_predictors()[0](x)
+    error = {k: float(np.abs(out[k] - out[None]).max()) for k in (0, 3)}
+    assert 0 < error[3] < 0.75 * error[0], error
+
+
+def test_fp32_leading_errors_say_what_is_wrong(tmp_path: Path) -> None:
+    from segnode.engines.openvino_backend import OpenVinoEngine
+
+    with pytest.raises(EngineError, match="fp32_leading must be 0 or more"):
+        OpenVinoEngine(fp32_leading=-1)
+    manifest = load_manifest(_phantom_manifest(tmp_path))
+    with (
+        OpenVinoEngine(threads=1, fp32_leading=500) as engine,
+        pytest.raises(EngineError, match="convolutions; the cut must leave"),
+    ):
+        if engine.precision == "bf16" and "BF16" not in ov.Core().get_property(
+            "CPU", "OPTIMIZATION_CAPABILITIES"
+        ):
+            pytest.skip("this CPU runs OpenVINO in FP32: no cut is made")
+        engine.load(manifest)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    path = _phantom_manifest(
+        bad, precision="bf16", calibration={"fp32_leading_convolutions": "three"}
+    )
+    with (
+        OpenVinoEngine(threads=1) as engine,
+        pytest.raises(EngineError, match="fp32_leading_convolutions must be a count"),
+    ):
+        engine.load(load_manifest(path))

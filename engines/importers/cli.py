@@ -13,7 +13,7 @@ The node's CLI registers the sub-commands with :func:`add_model_parser` and disp
             [--out DIR]
     segnode model calibrate MANIFEST [--series DIR ...] [--spool DATA_DIR]
             [--precision int8|bf16] [--held-out N] [--threshold 0.99]
-            [--tiles-per-series 8] [--max-rounds 4] [--threads N]
+            [--tiles-per-series 8] [--max-rounds 4] [--fp32-leading N] [--threads N]
 
 ``calibrate`` is :func:`segnode.engines.calibrate.calibrate`.
 """
@@ -122,6 +122,14 @@ def add_model_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="rounds of keeping more measured layers in float (default 4)",
     )
+    cal.add_argument(
+        "--fp32-leading",
+        type=int,
+        default=None,
+        metavar="N",
+        help="bf16: run the first N convolutions in float32 (default: 0, then 3 and 6 "
+        "where the guard fails)",
+    )
     cal.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     return model  # type: ignore[no-any-return]
 
@@ -225,6 +233,7 @@ def _calibrate(args: argparse.Namespace, stream: TextIO) -> int:
             threshold=args.threshold,
             tiles_per_series=args.tiles_per_series,
             max_rounds=args.max_rounds,
+            fp32_leading=args.fp32_leading,
             threads=args.threads,
             progress=lambda line: print(line, file=stream, flush=True),
         )
