@@ -312,7 +312,7 @@ def _compile_split(
     )
     tail_model = model.clone()
     tail_ops = {op.get_friendly_name(): op for op in tail_model.get_ordered_ops()}
-    parameters = []
+    parameters: list[Any] = []
     for n, k in crossing:
         source = tail_ops[n].output(k)
         parameter = ov.opset13.parameter(
