@@ -92,6 +92,12 @@ def peer_main(argv: list[str]) -> int:
     ap.add_argument("--folds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--mirroring", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument(
+        "--bf16-threshold",
+        type=float,
+        default=0.995,
+        help="the accuracy guard of the bf16cal path (segnode model calibrate --threshold)",
+    )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -281,6 +287,43 @@ def calibrated_copy(
     return folder / manifest.name, info
 
 
+def bf16_calibrated_copy(
+    manifest: Path, work: Path, name: str, threshold: float
+) -> tuple[Path, dict[str, Any]]:
+    """A copy of the model folder through ``segnode model calibrate --precision bf16`` on
+    the INT8 calibration's series (:func:`calibrated_copy` writes them; the last held out) at
+    ``threshold``: the tool chooses how many first convolutions run in float32."""
+    from segnode.engines.calibrate import GuardFailed, calibrate
+
+    folder = work / f"bf16-{name}"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(manifest.parent, folder)
+    series = sorted((work / "calibration").glob("cal*"))
+    t0 = time.perf_counter()
+    info: dict[str, Any] = {"threshold": threshold}
+    try:
+        report = calibrate(
+            folder / manifest.name,
+            series,
+            precision="bf16",
+            held_out=1,
+            threshold=threshold,
+            progress=lambda line: print("   ", line, flush=True),
+        )
+    except GuardFailed as exc:
+        info["guard_failed"] = str(exc)
+        info["rounds"] = exc.report.rounds
+        return manifest, info
+    doc = json.loads((folder / manifest.name).read_text())
+    info.update(
+        seconds=round(time.perf_counter() - t0, 1),
+        rounds=report.rounds,
+        fp32_leading=doc["calibration"].get("fp32_leading_convolutions", 0),
+        dice_min_vs_fp32_held_out=report.dice_min,
+    )
+    return folder / manifest.name, info
+
+
 def run_segnode(
     engine: Any, manifest: Any, hu: npt.NDArray[np.float32], geometry: Any, warm: Any,
     repeats: int,
@@ -357,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="140,300", help="slices of the 512 x 512 CTs")
     ap.add_argument("--paths", default="fp32,int8,bf16")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument(
+        "--bf16-threshold",
+        type=float,
+        default=0.995,
+        help="the accuracy guard of the bf16cal path (segnode model calibrate --threshold)",
+    )
     ap.add_argument("--full-mirroring", choices=("on", "off"), default="off")
     ap.add_argument(
         "--reuse-peer",
@@ -424,6 +473,14 @@ def main(argv: list[str] | None = None) -> int:
                 tiles=8 if name == "tiny" else 2,
             )
             write_report(args.out, result)
+        if "bf16cal" in paths:
+            if not (work / "calibration").is_dir():
+                calibrated_copy(model["manifest"], work, name, rounds=1, tiles=2)
+            print(f"calibrating {name} to BF16", flush=True)
+            model["bf16cal"], result["calibration"][f"{name}-bf16"] = bf16_calibrated_copy(
+                model["manifest"], work, name, args.bf16_threshold
+            )
+            write_report(args.out, result)
     for slices in (int(s) for s in args.shapes.split(",")):
         grid, hu16 = speed_volume((slices, 512, 512))
         hu = hu16.astype(np.float32)
@@ -460,8 +517,11 @@ def main(argv: list[str] | None = None) -> int:
             runs = [
                 ("fp32", "segnode ONNX Runtime FP32", OrtEngine, {}, model["manifest"]),
                 ("int8", "segnode ONNX Runtime INT8", OrtEngine, {}, model.get("int8")),
-                ("bf16", "segnode OpenVINO BF16", OpenVinoEngine, {"precision": "bf16"},
-                 model["manifest"]),
+                ("bf16", "segnode OpenVINO BF16", OpenVinoEngine,
+                 {"precision": "bf16", "fp32_leading": 0}, model["manifest"]),
+                ("bf16cal", "segnode OpenVINO BF16, calibrated (first convolutions in FP32 "
+                 "as the guard chose)", OpenVinoEngine, {"precision": "bf16"},
+                 model.get("bf16cal")),
                 ("int8", "segnode OpenVINO INT8+BF16", OpenVinoEngine, {"precision": "bf16"},
                  model.get("int8")),
             ]  # fmt: skip

@@ -151,7 +151,7 @@ def run_variant(name: str, manifest_path: Path, args: Any) -> list[dict[str, Any
                 gpu_peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
             )
         except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+            row["error"] = f"{type(exc).__name__}: {exc}"  # every rung's reason
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
             logging.getLogger("segnode.engines.trained").removeHandler(watch)
@@ -174,6 +174,20 @@ def run_variant(name: str, manifest_path: Path, args: Any) -> list[dict[str, Any
             predict(x)
         torch.cuda.synchronize()
     per_tile = (time.perf_counter() - t) / (reps * batch)
+    # the floor: one tile at a time (the ladder's last batch), weights and activations
+    del x
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    one = torch.randn((1, 1, *patch), device="cuda")
+    with torch.inference_mode():
+        predict(one)
+        torch.cuda.synchronize()
+    floor = {
+        "weights_and_cache_gib": round(base / 2**30, 3),
+        "one_tile_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+    }
+    print(json.dumps({"floor": floor}), flush=True)
     for row in rows:
         if "gpu_limit_gib" in row:
             continue
