@@ -17,7 +17,7 @@ mantissa, about 3 significant digits. The network is then cut before its
 in float32, the rest in BF16, and each tile runs through both (the tensors that cross the cut,
 the skip connection included, pass as float32). On the tiny phantom model's 512 x 512 x 300
 CT (docs/performance.md) the first 3 convolutions in float32 raised its lowest Dice against
-``nnUNetPredictor`` from 0.9898 to 0.9943, for 29 % more time.
+``nnUNetPredictor`` from 0.9898 to 0.9943, for 31-37 % more time.
 
 On this project's 2-core development CPU (AMX), one patch of TotalSegmentator's ``--fast``
 network (16.6 M parameters, 128 x 112 x 112, 118 outputs) took 1.3 s in BF16 against 7.8 s
