@@ -34,6 +34,7 @@ engine fails to load with that reason.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -164,18 +165,17 @@ class OpenVinoEngine(HostArrays):
                 model = core.read_model(str(path))
                 _check_signature(model, unit)
                 model.reshape({unit.input_name: [1, 1, *unit.patch_size]})
-                if leading:
-                    networks = _compile_split(ov, core, model, leading, config)
-                    compiled.extend(networks)
-                    folds.append(_split_predictor(networks, unit))
-                    continue
-                network = core.compile_model(model, "CPU", config)
+                networks: Sequence[Any] = (
+                    _compile_split(ov, core, model, leading, config)
+                    if leading
+                    else (core.compile_model(model, "CPU", config),)
+                )
             except EngineError:
                 raise
             except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own
                 raise EngineError(f"model {manifest.name!r}: cannot load {path}: {exc}") from exc
-            compiled.append(network)
-            folds.append(_predictor(network, unit))
+            compiled.extend(networks)
+            folds.append(_predictor(networks, unit))
         self.close()
         self._compiled, self._folds, self._manifest = compiled, folds, manifest
         self.fp32_leading_used = leading
@@ -231,10 +231,12 @@ class OpenVinoEngine(HostArrays):
         self.close()
 
 
-def _predictor(network: Any, unit: ModelManifest) -> PatchPredictor:
+def _predictor(networks: Sequence[Any], unit: ModelManifest) -> PatchPredictor:
     """float32 ``(N, 1, *patch)`` tiles in, float32 ``(N, C, *patch)`` scores out, a tile per
-    inference of one request."""
-    request = network.create_infer_request()
+    inference of one request. ``networks``: one compiled network, or the parts of one cut by
+    :func:`_compile_split`, each part's outputs the next one's inputs."""
+    requests = [n.create_infer_request() for n in networks]
+    passed = [len(n.outputs) for n in networks[:-1]]
     shape = (unit.output_channels, *unit.patch_size)
 
     def predict(batch: Any) -> Any:
@@ -242,10 +244,12 @@ def _predictor(network: Any, unit: ModelManifest) -> PatchPredictor:
         out = np.empty((len(tiles), *shape), dtype=np.float32)
         for i in range(len(tiles)):
             try:
-                request.infer({0: tiles[i : i + 1]})
+                requests[0].infer({0: tiles[i : i + 1]})
+                for before, request, count in zip(requests[:-1], requests[1:], passed, strict=True):
+                    request.infer({k: before.get_output_tensor(k) for k in range(count)})
             except Exception as exc:
                 raise EngineError(f"model {unit.name!r}: inference failed: {exc}") from exc
-            out[i] = request.get_output_tensor(0).data[0]
+            out[i] = requests[-1].get_output_tensor(0).data[0]
         return out
 
     return predict
@@ -327,27 +331,6 @@ def _compile_split(
         core.compile_model(head, "CPU", {**config, "INFERENCE_PRECISION_HINT": "f32"}),
         core.compile_model(tail, "CPU", config),
     )
-
-
-def _split_predictor(networks: tuple[Any, Any], unit: ModelManifest) -> PatchPredictor:
-    """:func:`_predictor` for a network cut by :func:`_compile_split`."""
-    head, tail = (n.create_infer_request() for n in networks)
-    crossing = len(networks[0].outputs)
-    shape = (unit.output_channels, *unit.patch_size)
-
-    def predict(batch: Any) -> Any:
-        tiles = np.ascontiguousarray(batch, dtype=np.float32)
-        out = np.empty((len(tiles), *shape), dtype=np.float32)
-        for i in range(len(tiles)):
-            try:
-                head.infer({0: tiles[i : i + 1]})
-                tail.infer({k: head.get_output_tensor(k) for k in range(crossing)})
-            except Exception as exc:
-                raise EngineError(f"model {unit.name!r}: inference failed: {exc}") from exc
-            out[i] = tail.get_output_tensor(0).data[0]
-        return out
-
-    return predict
 
 
 def _check_signature(model: Any, unit: ModelManifest) -> None:
