@@ -30,7 +30,7 @@
    Dice. BF16 has no ranges: its guard runs OpenVINO in BF16 against the same FP32
    reference; where BF16 fails it, the first convolutions run in float32 (most of BF16's
    error enters with the input's rounding: see :mod:`segnode.engines.openvino_backend`),
-   3, then 6 (:data:`BF16_FP32_LEADING`), until the guard passes; ``fp32_leading`` tries one
+   1, then 3, then 6 (:data:`BF16_FP32_LEADING`), until the guard passes; ``fp32_leading`` tries one
    count only. The count written is ``calibration.fp32_leading_convolutions``.
 
 On success the manifest gets ``"precision": "int8"`` (or ``"bf16"``) and a
@@ -900,7 +900,7 @@ def _calibrate_int8(
         shutil.rmtree(work, ignore_errors=True)
 
 
-BF16_FP32_LEADING = (3, 6)
+BF16_FP32_LEADING = (1, 3, 6)
 """Leading convolutions run in float32 where BF16 alone fails the guard, tried in turn."""
 
 

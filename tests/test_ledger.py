@@ -9,7 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from segnode.storage.ledger import (
     DELIVERY_MOVES,
@@ -92,6 +92,33 @@ def test_priority_then_age(ledger: Ledger, tmp_path: Path) -> None:
     while (job := ledger.claim_next_job()) is not None:
         order.append(job.id)
     assert order == [ids[1], ids[0], ids[2]]
+
+
+def test_a_routine_job_waiting_past_max_wait_goes_before_urgent_ones(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    """``[engine] max_wait_s``: urgent jobs go first, but a job queued longer than that goes
+    before them (the oldest such first), so routine work is never starved."""
+    ids = []
+    for n, prio in enumerate((0, 0, 5)):
+        ledger.record_instance(rec(f"9.{n}", series=f"1.2.9.{n}"), tmp_path / f"9{n}", 1)
+        ids.append(
+            ledger.create_job(f"1.2.9.{n}", trigger="t", model="m", engine="e", priority=prio)
+        )
+    with ledger.engine.begin() as conn:  # the two routine jobs were queued 2 and 1 hours ago
+        for jid, hours in ((ids[0], 2), (ids[1], 1)):
+            conn.execute(
+                update(Job)
+                .where(Job.id == jid)
+                .values(created_at=utcnow() - timedelta(hours=hours))
+            )
+    job = ledger.claim_next_job()  # no limit: priority first
+    assert job is not None and job.id == ids[2]
+    ledger.requeue_job(job.id, "again")
+    order = []
+    while (job := ledger.claim_next_job(max_wait_s=5400)) is not None:
+        order.append(job.id)  # only the 2-hour one is overdue
+    assert order == [ids[0], ids[2], ids[1]]
 
 
 def test_recover_requeues_then_gives_up(ledger: Ledger, tmp_path: Path) -> None:

@@ -135,6 +135,30 @@ def test_the_cut_network_computes_what_the_whole_one_does() -> None:
         np.testing.assert_allclose(got, whole(x)[0], rtol=0, atol=2e-4)
 
 
+def test_the_first_convolutions_are_marked_float32_in_one_bf16_network() -> None:
+    """OpenVINO honours the per-operation mark: one network, whose first ``leading``
+    convolutions (and what lies between them) run in float32 and the rest in BF16."""
+    if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        pytest.skip("this CPU has no BF16 instructions: OpenVINO runs FP32")
+    from segnode.engines.openvino_backend import _compile_leading
+
+    core = ov.Core()
+    model = core.read_model(str(PHANTOM_FOLD))
+    model.reshape({model.inputs[0].get_any_name(): [1, 1, 48, 48, 48]})
+    config = {"INFERENCE_PRECISION_HINT": "bf16", "INFERENCE_NUM_THREADS": 1}
+    for leading in (1, 3):
+        networks = _compile_leading(ov, core, model, leading, config)
+        assert len(networks) == 1
+        runtime = [op.get_rt_info() for op in networks[0].get_runtime_model().get_ordered_ops()]
+        convolutions = [
+            str(info["runtimePrecision"].astype(str))
+            for info in runtime
+            if str(info["layerType"].astype(str)) in ("Convolution", "Deconvolution")
+        ]
+        assert convolutions[:leading] == ["f32"] * leading, convolutions
+        assert set(convolutions[leading:]) == {"bf16"}, convolutions
+
+
 def test_fp32_first_convolutions_bring_bf16_closer_to_fp32(tmp_path: Path) -> None:
     if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
         pytest.skip("this CPU has no BF16 instructions: OpenVINO runs FP32")
@@ -143,13 +167,13 @@ def test_fp32_first_convolutions_bring_bf16_closer_to_fp32(tmp_path: Path) -> No
     manifest = load_manifest(_phantom_manifest(tmp_path))
     x = _tiles()
     out = {}
-    for precision, leading in (("fp32", None), ("bf16", 0), ("bf16", 3)):
+    for precision, leading in (("fp32", None), ("bf16", 0), ("bf16", 1), ("bf16", 3)):
         with OpenVinoEngine(threads=1, precision=precision, fp32_leading=leading) as engine:
             engine.load(manifest)
             assert engine.fp32_leading_used == (leading or 0)
             out[leading] = engine.fold_predictors()[0](x)
-    error = {k: float(np.abs(out[k] - out[None]).max()) for k in (0, 3)}
-    assert 0 < error[3] < 0.75 * error[0], error
+    error = {k: float(np.abs(out[k] - out[None]).mean()) for k in (0, 1, 3)}
+    assert 0 < error[3] < error[1] < error[0], error
 
 
 def test_fp32_leading_errors_say_what_is_wrong(tmp_path: Path) -> None:

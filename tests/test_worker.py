@@ -371,7 +371,7 @@ def test_a_ledger_outage_during_a_job_queues_it_again(
         view = ledger.job(jid)
         assert view is not None and view.state == "done", view
         assert view.attempts == 2 and view.reason is None and view.stages["encoded"] is not None
-        assert worker._thread is not None and worker._thread.is_alive()
+        assert worker.alive()
     finally:
         worker.stop(10)
 

@@ -197,6 +197,15 @@ class EngineConfig:
     #: of it tries again with fewer tiles per call, then in overlapping pieces along the
     #: slice axis, before it fails (:func:`segnode.engines.trained.memory_ladder`).
     gpu_memory_limit: int = setting(0, 0)
+    #: Jobs in progress at once (0: three, fewer where memory is short). While one
+    #: job's model runs, the next jobs' volumes are assembled and their results prepared, and
+    #: the last ones' results encoded and written; the models run one job at a time, the most
+    #: urgent waiting job first. Each job in progress holds its volume and label map: a job
+    #: starts only while the estimated peaks of those in progress fit ``memory_limit``.
+    lanes: int = setting(0, 0, 16)
+    #: Seconds a queued job may wait before it starts ahead of more urgent ones (0: never):
+    #: urgent series go first, but a routine one is not starved by a stream of them.
+    max_wait_s: float = setting(1800.0, 0)
 
 
 @dataclass(frozen=True)

@@ -561,8 +561,7 @@ class Node:
 
         A dead thread stops the pings, so systemd's ``WatchdogSec=`` restarts the node.
         """
-        worker = self.worker._thread
-        alive = worker is not None and worker.is_alive() and self.dispatcher.is_alive()
+        alive = self.worker.alive() and self.dispatcher.is_alive()
         alive = alive and self.completion.alive
         return alive and self.scp.server is not None and self.scp.server.alive
 

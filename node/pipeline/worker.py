@@ -1,10 +1,15 @@
 """The job worker: series -> volume -> label map -> SEG + SR files -> outbox rows.
 
-One worker thread takes the most urgent queued job from the ledger, runs each stage, and
-records each stage's timestamp. Any failure becomes a failed job with a reason; the node keeps
-serving. The result objects are written to ``<data_dir>/results/<job id>/`` atomically before
-the ledger says ``encoded``, so the outbox always sends exactly the bytes that were encoded,
-with UIDs allocated when the job was created.
+Several lanes (``[engine] lanes``, threads) each take the most urgent queued job from the
+ledger, run each stage, and record each stage's timestamp. The models run one job at a time,
+through :class:`segnode.node.pipeline.gate.EngineGate` (the most urgent waiting job next):
+while one job's model runs, the next jobs assemble their volumes and prepare their results, and
+the last ones encode, check and write theirs. A lane starts a job only while the estimated
+peaks of the jobs in progress fit ``[engine] memory_limit`` (:class:`MemoryBudget`). Any
+failure becomes a failed job with a reason; the node keeps serving. The result objects are
+written to ``<data_dir>/results/<job id>/`` atomically before the ledger says ``encoded``, so
+the outbox always sends exactly the bytes that were encoded, with UIDs allocated when the job
+was created.
 
 Everything of the SEG and SR that depends only on the source series (headers, references,
 per-frame geometry, segment descriptions, evidence) is encoded by a helper thread while the
@@ -76,6 +81,7 @@ from segnode.node.ingest.volume import (
 )
 from segnode.node.peers import Peer
 from segnode.node.pipeline.engine_pool import EnginePool
+from segnode.node.pipeline.gate import EngineGate
 from segnode.node.results.build import (
     Equipment,
     NoSegmentsError,
@@ -141,8 +147,48 @@ def _no_space(exc: BaseException) -> bool:
     return False
 
 
+AUTO_LANES = 3
+"""Lanes of ``[engine] lanes = 0``: one job in its model, one preparing, one finishing."""
+
+BEFORE_MODEL = frozenset({"started", "volume", "waiting for the model"})
+"""The stages of a job in progress that has not yet entered its model."""
+
+
+class MemoryBudget:
+    """The memory of the jobs in progress: a job starts its model only while the node's
+    resident memory (``base``) plus every job's share fits ``limit``; otherwise it waits for
+    the jobs ahead to finish. A job alone over the limit is refused before (``_check_memory``).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: dict[int, int] = {}
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def reserve(self, job_id: int, base: int, need: int) -> Iterator[float]:
+        """Hold ``need`` bytes for ``job_id`` inside; yields the seconds waited for them."""
+        t0 = time.monotonic()
+        with self._cond:
+            while self._held and base + sum(self._held.values()) + need > self.limit:
+                self._cond.wait()
+            self._held[job_id] = need
+        try:
+            yield time.monotonic() - t0
+        finally:
+            with self._cond:
+                self._held.pop(job_id, None)
+                self._cond.notify_all()
+
+    def held(self) -> int:
+        """Bytes held by the jobs in progress."""
+        with self._cond:
+            return sum(self._held.values())
+
+
 class Worker:
-    """Runs jobs from the ledger, one at a time, each on its model's engine.
+    """Runs jobs from the ledger, several at once (``lanes``), each on its model's engine,
+    the engines one job at a time.
 
     Parameters
     ----------
@@ -157,6 +203,8 @@ class Worker:
     on_encoded
         Called (on the worker thread) with the job id once its results are encoded (wakes
         the outbox, queues the web preview).
+    lanes
+        Jobs in progress at once; default ``[engine] lanes``, and :data:`AUTO_LANES` for 0.
     """
 
     def __init__(
@@ -167,15 +215,27 @@ class Worker:
         *,
         volumes: Volumes | None = None,
         on_encoded: Callable[[int], None] | None = None,
+        lanes: int | None = None,
     ) -> None:
         self.config = config
+        self.lanes = lanes or config.engine.lanes or AUTO_LANES
+        #: The models, one job at a time, the most urgent waiting job first.
+        self.gate = EngineGate(config.engine.max_wait_s)
         self.ledger = ledger
         self.pool = pool
         self.manifest = pool.default_manifest
         #: The last volume, kept while other models' jobs of the same series version wait.
         self._volume: tuple[str, int, list[Path], Volume] | None = None
-        #: The volume of the job in progress, handed back to the assembler's pool after it.
-        self._prebuilt: Volume | None = None
+        self._volume_lock = threading.Lock()
+        #: Per lane: the volume of its job, handed back to the assembler's pool after it.
+        self._lane = threading.local()
+        #: The jobs in progress, by id: the stage each is in.
+        self.running: dict[int, str] = {}
+        self._priority: dict[int, int] = {}
+        #: Jobs a lane may take ahead of the models (more only for a more urgent one): an
+        #: urgent job is never queued behind routine ones the lanes already hold.
+        self.ahead = max(1, self.lanes - 2)
+        self._running_lock = threading.Lock()
         self.results_dir = config.data_dir / "results"
         # Destinations that take IOCM rejection notes for superseded results.
         self._rejecting = {
@@ -188,13 +248,14 @@ class Worker:
         self.memory_limit = config.engine.memory_limit * MIB or int(
             config.engine.memory_fraction * available_bytes()
         )
+        self.budget = MemoryBudget(self.memory_limit)
         #: The peak resident set of the last job that encoded (bytes; metrics).
         self.last_peak_rss = 0
         self.segmentation_type = config.results.segmentation_type
         self.seg_transfer_syntax = config.results.seg_transfer_syntax_uid
         self.prepare_mode = config.results.prepare
-        # Prepares the SEG and SR of a job while its inference runs.
-        self._helper = ThreadPoolExecutor(1, thread_name_prefix="segnode-prepare")
+        # Prepares the SEG and SR of a job while its inference runs (one per lane).
+        self._helper = ThreadPoolExecutor(self.lanes, thread_name_prefix="segnode-prepare")
         self.wake = threading.Event()
         #: Set once the default model's engine is loaded; jobs wait for it (a node that
         #: loads its engine in the background clears it until then).
@@ -203,18 +264,56 @@ class Worker:
         self._stop = threading.Event()
         #: Jobs a ledger outage interrupted, to put back in the queue (``_run``).
         self._interrupted: list[int] = []
-        self._thread: threading.Thread | None = None
-        self.current_job: int | None = None
+        self._threads: list[threading.Thread] = []
         self.last_result: str = "none yet"
         self.volumes = volumes
         self.on_encoded = on_encoded
 
+    @property
+    def current_job(self) -> int | None:
+        """The job running its model, else one of the jobs in progress, else None."""
+        holder = self.gate.holder()
+        if holder is not None:
+            return holder
+        with self._running_lock:
+            return next(iter(self.running), None)
+
+    def _stage(self, job_id: int, stage: str | None) -> None:
+        with self._running_lock:
+            if stage is None:
+                self.running.pop(job_id, None)
+                self._priority.pop(job_id, None)
+            else:
+                self.running[job_id] = stage
+        if stage in (None, "model"):
+            self.wake.set()  # a lane may take the next job
+
+    def _claim(self) -> JobView | None:
+        """The next job for a lane: the most urgent queued one while fewer than
+        :attr:`ahead` jobs in progress wait for the models, else only a more urgent one."""
+        with self._running_lock:
+            waiting = [self._priority[j] for j, st in self.running.items() if st in BEFORE_MODEL]
+        above = max(waiting) if len(waiting) >= self.ahead else None
+        job = self.ledger.claim_next_job(self.config.engine.max_wait_s, above)
+        if job is not None:
+            with self._running_lock:
+                self.running[job.id], self._priority[job.id] = "started", job.priority
+        return job
+
+    def alive(self) -> bool:
+        """Whether every lane's thread is running."""
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
     def start(self) -> None:
-        """Start the worker thread; the helper thread prepares a tiny result once, so that
+        """Start the lanes' threads; a helper thread prepares a tiny result once, so that
         the default model's SR template is cached before the first job."""
         self._helper.submit(self._warm)
-        self._thread = threading.Thread(target=self._run, name="segnode-worker", daemon=True)
-        self._thread.start()
+        for k in range(self.lanes):
+            name = "segnode-worker" + (f"-{k + 1}" if self.lanes > 1 else "")
+            thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        log.info("worker: %d lane(s), the models one job at a time", self.lanes)
 
     def _warm(self) -> None:
         try:
@@ -225,11 +324,12 @@ class Worker:
             log.debug("preparing the result templates at start failed: %s", exc)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Ask the thread to stop after the job in progress and wait for it."""
+        """Ask the lanes to stop after their jobs in progress and wait for them."""
         self._stop.set()
         self.wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._helper.shutdown(wait=False)
 
     def _run(self) -> None:
@@ -244,6 +344,8 @@ class Worker:
             if not found:
                 self.wake.wait(1.0)
                 self.wake.clear()
+            else:
+                self.wake.set()  # the other lanes look too (more may be queued)
 
     def _requeue_interrupted(self) -> None:
         """Put back in the queue the jobs a ledger outage interrupted (still ``running`` and
@@ -259,10 +361,9 @@ class Worker:
         still loading: jobs stay queued)."""
         if not self.engine_ready.is_set():
             return False
-        job = self.ledger.claim_next_job()
+        job = self._claim()
         if job is None:
             return False
-        self.current_job = job.id
         try:
             self.process(job)
         except SQLAlchemyError:
@@ -281,15 +382,16 @@ class Worker:
             )
             self._stop.wait(NO_SPACE_WAIT_S)
         finally:
-            self.current_job = None
+            self._stage(job.id, None)
             self._recycle_volume()
         return True
 
     def _recycle_volume(self) -> None:
         """Hand the finished job's prebuilt volume back to the streaming assembler's pool,
         unless it is kept for the next model's job of the same series."""
-        volume, self._prebuilt = self._prebuilt, None
-        kept = self._volume[3] if self._volume is not None else None
+        volume, self._lane.prebuilt = getattr(self._lane, "prebuilt", None), None
+        with self._volume_lock:
+            kept = self._volume[3] if self._volume is not None else None
         if volume is not None and volume is not kept and self.volumes is not None:
             self.volumes.recycle(volume)
 
@@ -348,11 +450,13 @@ class Worker:
             volume = self.volumes.take(job.series_instance_uid, paths)
             if volume is not None:
                 log.info("job %d: volume prebuilt while the series arrived", job.id)
-        self._prebuilt = volume
+        self._lane.prebuilt = volume
         if volume is None:
+            self._stage(job.id, "volume")
             volume = assemble_volume(paths, min_slices=self.config.series.min_slices)
         if self.ledger.queued_siblings(job.id):  # another model will need the same volume
-            self._volume = (job.series_instance_uid, job.version, paths, volume)
+            with self._volume_lock:
+                self._volume = (job.series_instance_uid, job.version, paths, volume)
         self.ledger.mark(job.id, "volume_at")
         uids = ResultUIDs(
             seg_series_uid=job.seg_series_uid,
@@ -365,23 +469,56 @@ class Worker:
         queued = job.stages.get("queued") or datetime.now(UTC).replace(tzinfo=None)
         created = queued.replace(tzinfo=UTC).astimezone().replace(tzinfo=None)
         estimate = self._check_memory(engine, manifest, volume)
-        reset_peak()  # the timing line gives this job's peak
+        if estimate is not None:
+            base, need = estimate.base, max(0, estimate.peak - estimate.base)
+        else:  # a version-1 model: the volume in float32, the label map, the SEG's frames
+            base, need = peak_resident_bytes(), 3 * int(volume.hu.nbytes)
+        self.budget.limit = self.memory_limit
+        with self.budget.reserve(job.id, base, need) as budget_wait:
+            self._run_job(job, engine, manifest, volume, uids, created, estimate, budget_wait)
+
+    def _run_job(
+        self,
+        job: JobView,
+        engine: Engine,
+        manifest: ModelManifest,
+        volume: Volume,
+        uids: ResultUIDs,
+        created: datetime,
+        estimate: JobEstimate | None,
+        budget_wait: float,
+    ) -> None:
+        with self._running_lock:
+            alone = len(self.running) == 1
+        if alone:
+            reset_peak()  # the timing line gives this job's peak
         clock = _Clock()
+        queued = job.stages.get("queued")
+        now = datetime.now(UTC).replace(tzinfo=None)
+        queued_s = (now - queued).total_seconds() if queued is not None else 0.0
+        self._stage(job.id, "waiting for the model")
         if self.prepare_mode == "before":
             seg_plan, sr_plan = self._prepare(volume, manifest, uids, created)
             clock.lap("prepare")
-            labels, sums = _segment(engine, manifest, volume)
+            with self.gate.hold(job.id, job.priority, queued_s) as gate_wait:
+                self._stage(job.id, "model")
+                clock.restart()
+                labels, sums = _segment(engine, manifest, volume)
             clock.lap("inference")
         else:
             with _switch_interval(PREPARE_SWITCH_INTERVAL_S):
                 plans = self._helper.submit(self._timed_prepare, volume, manifest, uids, created)
-                try:
-                    labels, sums = _segment(engine, manifest, volume)
-                finally:
-                    clock.lap("inference")
+                with self.gate.hold(job.id, job.priority, queued_s) as gate_wait:
+                    self._stage(job.id, "model")
+                    clock.restart()
+                    try:
+                        labels, sums = _segment(engine, manifest, volume)
+                    finally:
+                        clock.lap("inference")
                 (seg_plan, sr_plan), prepared = plans.result()  # its errors fail the job
                 clock.lap("waited")
                 clock.laps["prepare"] = prepared
+        self._stage(job.id, "results")
         self.ledger.mark(job.id, "inference_at")
         clock.lap("mark")
         seg = seg_plan.encode(labels)
@@ -429,10 +566,13 @@ class Worker:
         ms = {name: seconds * 1e3 for name, seconds in clock.laps.items()}
         after = ("mark", "seg", "check", "statistics", "sr", "files", "notes", "ledger")
         log.info(
-            "job %d: timing ms: inference %.1f, prepare %.1f (%s, inference waited %.1f); "
+            "job %d: timing ms: waited for memory %.1f, for the model %.1f; "
+            "inference %.1f, prepare %.1f (%s, inference waited %.1f); "
             "after inference %.1f = mark %.1f, SEG encode %.1f, check %.1f, statistics %.1f "
             "(%s), SR encode %.1f, files %.1f (%.1f MB), notes %.1f, ledger %.1f; %s",
             job.id,
+            budget_wait * 1e3,
+            gate_wait * 1e3,
             ms["inference"],
             ms["prepare"],
             self.prepare_mode,
@@ -549,7 +689,8 @@ class Worker:
 
     def _sibling_volume(self, job: JobView, paths: list[Path]) -> Volume | None:
         """The volume of the previous job if it was the same series version (another model)."""
-        cached, self._volume = self._volume, None
+        with self._volume_lock:
+            cached, self._volume = self._volume, None
         if cached is None:
             return None
         uid, version, cached_paths, volume = cached
@@ -599,15 +740,26 @@ def warm_up_series(charset: str | None = None) -> list[Dataset]:
     return out
 
 
+_switch_lock = threading.Lock()
+_switch = {"inside": 0.0, "saved": 0.005}  # lanes inside, and the interval before the first
+
+
 @contextmanager
 def _switch_interval(seconds: float) -> Iterator[None]:
-    """Python's thread switch interval set to ``seconds`` inside, restored after."""
-    saved = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
+    """Python's thread switch interval set to ``seconds`` inside, restored after the last of
+    the lanes inside leaves."""
+    with _switch_lock:
+        if not _switch["inside"]:
+            _switch["saved"] = sys.getswitchinterval()
+        _switch["inside"] += 1
+        sys.setswitchinterval(seconds)
     try:
         yield
     finally:
-        sys.setswitchinterval(saved)
+        with _switch_lock:
+            _switch["inside"] -= 1
+            if not _switch["inside"]:
+                sys.setswitchinterval(_switch["saved"])
 
 
 def _segment(
@@ -637,6 +789,10 @@ class _Clock:
 
     def __init__(self) -> None:
         self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        """The next lap counts from now."""
         self._last = time.perf_counter()
 
     def lap(self, name: str) -> None:

@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from pydicom.uid import generate_uid
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from segnode.storage.ledger.connection import utcnow
@@ -228,15 +228,28 @@ class JobStore(Views, NodeStore):
             )
             return int(n or 0)
 
-    def claim_next_job(self) -> JobView | None:
+    def claim_next_job(
+        self, max_wait_s: float = 0.0, above_priority: int | None = None
+    ) -> JobView | None:
         """Take the most urgent queued job (highest priority, then oldest) and mark it running,
-        owned by this node (nodes claiming at once each get another job: ``SKIP LOCKED``)."""
+        owned by this node (nodes claiming at once each get another job: ``SKIP LOCKED``).
+
+        ``max_wait_s`` (``[engine] max_wait_s``; 0: never): a job queued longer than that goes
+        first whatever its priority, the oldest of them first, so routine work is never starved
+        by a stream of urgent series. ``above_priority``: only a job of a higher priority (a
+        worker whose lanes have enough jobs ahead of its models still takes an urgent one).
+        """
         now = utcnow()
+        order = [Job.priority.desc(), Job.created_at, Job.id]
+        if max_wait_s > 0:
+            overdue = Job.created_at < now - timedelta(seconds=max_wait_s)
+            order = [case((overdue, 0), else_=1), case((overdue, Job.created_at)), *order]
         with self._tx() as s:
+            query = select(Job).where(Job.state == JobState.QUEUED)
+            if above_priority is not None:
+                query = query.where(Job.priority > above_priority)
             job = s.scalar(
-                select(Job)
-                .where(Job.state == JobState.QUEUED)
-                .order_by(Job.priority.desc(), Job.created_at, Job.id)
+                query.order_by(*order)
                 .limit(1)
                 .with_for_update(skip_locked=True)
             )
