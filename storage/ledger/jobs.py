@@ -248,11 +248,7 @@ class JobStore(Views, NodeStore):
             query = select(Job).where(Job.state == JobState.QUEUED)
             if above_priority is not None:
                 query = query.where(Job.priority > above_priority)
-            job = s.scalar(
-                query.order_by(*order)
-                .limit(1)
-                .with_for_update(skip_locked=True)
-            )
+            job = s.scalar(query.order_by(*order).limit(1).with_for_update(skip_locked=True))
             if job is None:
                 return None
             on = f" on {self.node_name}" if self.node_name else ""
