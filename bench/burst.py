@@ -1,0 +1,357 @@
+"""A burst of series at once: ``python -m bench.burst`` (``make bench-burst``).
+
+The same node, the same series, twice in one invocation: first one job at a time
+(``[engine] lanes = 1``), then with the lanes of ``--lanes`` (default 0: the node's automatic
+choice). Per variant:
+
+1. ``segnode serve`` starts on a fresh data directory, results to a pynetdicom Storage SCP of
+   this process (everything on ``127.0.0.1``); a warm-up series runs, then the urgent series
+   alone (its *solo* time: last C-STORE response -> SEG and SR acknowledged).
+2. The burst: ``--series`` series of 512 x 512 x ``--slices`` (distinct UIDs, made before
+   anything is timed), sent by ``--senders`` concurrent senders as fast as they go (DCMTK
+   ``storescu`` processes where it is installed, else pynetdicom associations), each series on
+   its own association. ``--bad 1`` makes one of them corrupt (a slice with RescaleSlope 0):
+   its job must fail with the reason, and the others must not notice.
+3. ``--urgent-at S`` seconds into the burst, one more series arrives from the calling AE
+   ``URGENT``, which ``[[series.senders]]`` gives priority 10. Its latency is compared with
+   its solo time plus one job (the one-at-a-time variant's seconds per series).
+
+Reported per variant: series per minute (first C-STORE to the last SEG and SR acknowledged),
+GPU busy % (NVML utilisation, 100 ms samples, over the same span; none on a CPU), the node's
+share of time in its models (the worker's ``timing ms`` lines), jobs failed and why, the
+urgent series' latency, the node's peak RSS and GPU memory, and pages swapped out. The ratio
+of the variants' throughput is the figure of issue 36.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.gpu_e2e import (
+    ResultsSCP,
+    config_text,
+    engine_build,
+    environment,
+    make_series,
+    model_manifest,
+    process_peak_rss,
+    serve,
+    wait_log,
+)
+from bench.ingest import LOOPBACK, free_port, ledger_job, wait
+
+URGENT_AE = "URGENT"
+
+
+class GpuBusy:
+    """NVML utilisation of GPU 0 every 100 ms, and the node process' most GPU memory."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.samples: list[tuple[float, int]] = []
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> bool:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            return False
+
+        def sample() -> None:
+            while not self._stop.wait(0.1):
+                util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+                self.samples.append((time.time(), int(util)))
+                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if proc.pid == self.pid and proc.usedGpuMemory:
+                        self.peak_bytes = max(self.peak_bytes, int(proc.usedGpuMemory))
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def busy(self, start: float, end: float) -> float | None:
+        """Mean utilisation (%) of the samples in ``[start, end]``."""
+        inside = [u for t, u in self.samples if start <= t <= end]
+        return round(statistics.mean(inside), 1) if inside else None
+
+
+def swapped_out() -> int:
+    """Pages swapped out since boot (``/proc/vmstat`` pswpout)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("pswpout "):
+            return int(line.split()[1])
+    return 0
+
+
+def corrupt(datasets: list[Any]) -> list[Any]:
+    """The series with its middle slice's RescaleSlope 0: no volume can be built from it."""
+    middle = datasets[len(datasets) // 2]
+    middle.RescaleSlope = 0
+    return datasets
+
+
+def write_series(folder: Path, datasets: list[Any]) -> Path:
+    folder.mkdir(parents=True)
+    for k, ds in enumerate(datasets):
+        ds.save_as(folder / f"{k:04d}.dcm", enforce_file_format=True)
+    return folder
+
+
+def send_dcmtk(port: int, folder: Path, calling: str) -> float:
+    """``storescu`` of one series folder on one association; epoch of its end."""
+    cmd = ["storescu", "-aet", calling, "-aec", "SEGNODE", "+sd", "-xs", LOOPBACK, str(port)]
+    done = subprocess.run([*cmd, str(folder)], capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"storescu exit {done.returncode}: {done.stderr[-500:]}")
+    return time.time()
+
+
+def send_any(port: int, series: dict[str, Any], calling: str = "MODALITY") -> float:
+    """Send one series on one association as ``calling``; epoch of the last response."""
+    if series.get("folder") is not None:
+        return send_dcmtk(port, series["folder"], calling)
+    from pydicom.uid import ExplicitVRLittleEndian
+    from pynetdicom import AE
+
+    ae = AE(ae_title=calling)
+    ae.maximum_pdu_size = 0
+    ae.add_requested_context(series["datasets"][0].SOPClassUID, ExplicitVRLittleEndian)
+    assoc = ae.associate(LOOPBACK, port, ae_title="SEGNODE")
+    if not assoc.is_established:
+        raise RuntimeError("association rejected")
+    last = 0.0
+    try:
+        for ds in series["datasets"]:
+            status = assoc.send_c_store(ds)
+            last = time.time()
+            if not status or int(status.Status) != 0:
+                raise RuntimeError(f"C-STORE failed: {status}")
+    finally:
+        assoc.release()
+    return last
+
+
+def acked(scp: ResultsSCP, study: str) -> float | None:
+    a = scp.acks(study)
+    return max(a["SEG"], a["SR"]) if "SEG" in a and "SR" in a else None
+
+
+def model_seconds(log: str) -> list[float]:
+    """The worker's inference seconds per job, from its ``timing ms`` lines."""
+    return [float(m) / 1e3 for m in re.findall(r"; inference ([0-9.]+), prepare", log)]
+
+
+def run_variant(
+    args: Any, work: Path, manifest: Path, lanes: int, series: list[dict[str, Any]],
+    warm: dict[str, Any], urgent: dict[str, Any], period_one: float | None,
+) -> dict[str, Any]:  # fmt: skip
+    data = work / f"data-lanes{lanes}"
+    port = free_port()
+    cfg = work / f"config-lanes{lanes}.toml"
+    out: dict[str, Any] = {"lanes_setting": lanes}
+    with ResultsSCP() as scp:
+        text = config_text(data, port, scp.port, manifest, args)
+        text += f"\n[engine]\nlanes = {lanes}\n"
+        text += f'\n[[series.senders]]\nae_title = "{URGENT_AE}"\npriority = 10\n'
+        cfg.write_text(text)
+        if lanes == 1 and args.engine == "torch":
+            out["engine_build"] = engine_build(work, cfg, args)
+        node_log = work / "node.log"
+        offset = node_log.stat().st_size if node_log.exists() else 0
+        with serve(work, cfg, port) as (proc, _ready):
+            gpu = GpuBusy(proc.pid)
+            has_gpu = gpu.start()
+            wait_log(node_log, offset, "; jobs start", 900)
+            for name, one, calling in (
+                ("warm_up", warm, "MODALITY"),
+                ("urgent_solo", urgent, URGENT_AE),
+            ):
+                last = send_any(port, one[name], calling)
+                done = wait(lambda o=one[name]: acked(scp, o["study"]), args.timeout, name)
+                out[f"{name}_s"] = round(done - last, 3)
+            lanes_line = re.findall(
+                r"worker: (\d+) lane", node_log.read_text(errors="replace")[offset:]
+            )
+            out["lanes"] = int(lanes_line[-1]) if lanes_line else None
+            log_mark = node_log.stat().st_size
+            swap0 = swapped_out()
+            print(
+                f"[burst] lanes={lanes}: {len(series)} series from {args.senders} senders",
+                flush=True,
+            )
+            start = time.time()
+            sent: dict[str, float] = {}
+            errors: list[str] = []
+
+            def sender(share: list[dict[str, Any]]) -> None:
+                for s in share:
+                    try:
+                        sent[s["study"]] = send_any(port, s)
+                    except Exception as exc:
+                        errors.append(f"{s['study']}: {exc}")
+
+            threads = [
+                threading.Thread(target=sender, args=(series[k :: args.senders],))
+                for k in range(args.senders)
+            ]
+            for t in threads:
+                t.start()
+            time.sleep(max(0.0, start + args.urgent_at - time.time()))
+            urgent_last = send_any(port, urgent["burst"], URGENT_AE)
+            for t in threads:
+                t.join()
+            good = [s for s in series if not s.get("bad")]
+            deadline = time.time() + args.timeout * len(series)
+            while time.time() < deadline:
+                if all(acked(scp, s["study"]) for s in good) and acked(
+                    scp, urgent["burst"]["study"]
+                ):
+                    break
+                time.sleep(0.1)
+            end = max(acked(scp, s["study"]) or time.time() for s in good)
+            urgent_done = acked(scp, urgent["burst"]["study"])
+            jobs = {
+                s["study"]: wait(
+                    lambda s=s: (
+                        (j := ledger_job(data, s["uid"]))
+                        and j["state"] in ("sent", "failed", "done")
+                        and j
+                    ),
+                    120,
+                    "job state",
+                )
+                for s in series
+            }
+            gpu.stop()
+            out["node_vmhwm_gib"] = process_peak_rss(proc.pid)
+        log = node_log.read_text(errors="replace")[log_mark:]
+    span = end - start
+    inference = model_seconds(log)
+    out.update(
+        series=len(series),
+        senders=args.senders,
+        sender=series[0].get("folder") is not None and "storescu" or "pynetdicom",
+        send_errors=errors,
+        span_s=round(span, 2),
+        series_per_min=round(60 * len(good) / span, 2),
+        seconds_per_series=round(span / len(good), 3),
+        gpu_busy_pct=gpu.busy(start, end) if has_gpu else None,
+        gpu_peak_gib=round(gpu.peak_bytes / 2**30, 2) if has_gpu else None,
+        model_busy_pct=round(100 * sum(inference) / span, 1),
+        model_s_median=round(statistics.median(inference), 3) if inference else None,
+        swapped_out_pages=swapped_out() - swap0,
+        unacknowledged=[s["study"] for s in good if not acked(scp, s["study"])],
+        failed={k: v.get("reason") for k, v in jobs.items() if v["state"] == "failed"},
+        bad_failed_with_reason=[
+            jobs[s["study"]]["state"] == "failed" and bool(jobs[s["study"]].get("reason"))
+            for s in series
+            if s.get("bad")
+        ],
+        urgent_s=round(urgent_done - urgent_last, 3) if urgent_done else None,
+        urgent_sent_at_s=round(urgent_last - start, 2),
+    )
+    if period_one is not None and out["urgent_s"] is not None:
+        out["urgent_bound_s"] = round(out["urgent_solo_s"] + period_one, 3)
+        out["urgent_within_bound"] = out["urgent_s"] <= out["urgent_bound_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="unet", help="unet, tissue, or a manifest path")
+    p.add_argument("--engine", default="torch", help="torch (GPU) or onnxruntime (CPU)")
+    p.add_argument("--precision", default="fp16")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--series", type=int, default=20)
+    p.add_argument("--slices", type=int, default=300)
+    p.add_argument("--senders", type=int, default=4)
+    p.add_argument("--lanes", type=int, default=0, help="the second variant's [engine] lanes")
+    p.add_argument("--urgent-at", type=float, default=10.0)
+    p.add_argument("--bad", type=int, default=1, help="corrupt series in the burst")
+    p.add_argument("--sender", choices=("auto", "storescu", "pynetdicom"), default="auto")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--seed", type=int, default=36000)
+    p.add_argument("--work", type=Path)
+    p.add_argument("--out", type=Path, default=Path("bench/out/burst"))
+    args = p.parse_args(argv)
+    args.wait_compiled, args.cold, args.engine_cache, args.phantom = True, False, None, "synthetic"
+    use_dcmtk = args.sender == "storescu" or (args.sender == "auto" and shutil.which("storescu"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="segnode-burst-"))
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = model_manifest(args.model, work)
+    print(f"[burst] making {args.series + 3} series of {args.slices} slices ...", flush=True)
+
+    def one(seed: int, name: str, bad: bool = False) -> dict[str, Any]:
+        datasets = make_series(args.slices, seed)
+        if bad:
+            corrupt(datasets)
+        s = {"datasets": datasets, "study": str(datasets[0].StudyInstanceUID),
+             "uid": str(datasets[0].SeriesInstanceUID), "bad": bad}  # fmt: skip
+        if use_dcmtk:
+            s["folder"] = write_series(work / "series" / name, datasets)
+            s["datasets"] = None
+        return s
+
+    burst = [
+        one(args.seed + k, f"s{k:02d}", bad=k == 3 and args.bad > 0) for k in range(args.series)
+    ]
+    warm = {"warm_up": one(args.seed + 900, "warm")}
+    urgent = {
+        "urgent_solo": one(args.seed + 901, "urgent-solo"),
+        "burst": one(args.seed + 902, "urgent"),
+    }
+    report: dict[str, Any] = {
+        "environment": environment(),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    variants = []
+    period_one = None
+    for lanes in (1, args.lanes):
+        # the same series for both variants: fresh data directories, so new jobs
+        v = run_variant(args, work, manifest, lanes, burst, warm, urgent, period_one)
+        if lanes == 1:
+            period_one = v["seconds_per_series"]
+        variants.append(v)
+        print(f"[burst] {json.dumps(v)}", flush=True)
+        (args.out / "burst.json").write_text(json.dumps({**report, "variants": variants}, indent=1))
+    one_at_a_time, lanes_run = variants
+    report["variants"] = variants
+    report["throughput_ratio"] = round(
+        lanes_run["series_per_min"] / one_at_a_time["series_per_min"], 2
+    )
+    (args.out / "burst.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(
+        f"[burst] one at a time {one_at_a_time['series_per_min']} series/min, "
+        f"lanes {lanes_run['lanes']} {lanes_run['series_per_min']} series/min: "
+        f"{report['throughput_ratio']}x; GPU busy {one_at_a_time['gpu_busy_pct']} -> "
+        f"{lanes_run['gpu_busy_pct']} %; model busy {one_at_a_time['model_busy_pct']} -> "
+        f"{lanes_run['model_busy_pct']} %; urgent {lanes_run['urgent_s']} s "
+        f"(bound {lanes_run.get('urgent_bound_s')} s)",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

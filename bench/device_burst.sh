@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 36's GPU measurements on a lent GPU machine (the `device` tool of this workplace):
+#
+#   bash bench/device_burst.sh install   # the node's wheels (.whl, .whl_dev) into /tmp/site
+#   bash bench/device_burst.sh unet      # 20 x 300 slices, 4 senders: the 31 M U-Net
+#   bash bench/device_burst.sh total     # the same with the TotalSegmentator `total` stand-ins
+#
+# Each runs bench.burst: one job at a time, then the node's lanes, same series, one call.
+# The machine has no DCMTK: the senders are pynetdicom associations. Logs and JSON in $OUT.
+set -uo pipefail
+OUT=${OUT:-bench/out/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+for d in .whl .whl_dev; do
+    [ -d "$d" ] || continue
+    [ -f "/tmp/site/.installed$d" ] && continue
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$d"/*.whl >/dev/null 2>&1 || { echo "install $d failed"; exit 1; }
+    touch "/tmp/site/.installed$d"
+    echo "installed $d"
+done
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+SERIES=${SERIES:-20}
+SLICES=${SLICES:-300}
+case ${1:-unet} in
+install) ;;
+unet)
+    timeout 580 python3 -m bench.burst --model unet --engine torch --series "$SERIES" \
+        --slices "$SLICES" --senders 4 --work /tmp/burst-unet --out "$OUT/burst-unet" \
+        2>&1 | tee "$OUT/burst-unet.log" | grep -v "^\[gpu-e2e\]" | tail -12
+    tail -40 /tmp/burst-unet/node.log > "$OUT/burst-unet-node-tail.log"
+    ;;
+total)
+    [ -f /tmp/tsa/total.json ] ||
+        python3 -m bench.totalseg_standin --task total --anatomy --out /tmp/tsa | tail -2
+    timeout 560 python3 -m bench.burst --model /tmp/tsa/total.json --engine torch \
+        --series "$SERIES" --slices "$SLICES" --senders 4 --work /tmp/burst-total \
+        --out "$OUT/burst-total" 2>&1 | tee "$OUT/burst-total.log" | tail -12
+    tail -40 /tmp/burst-total/node.log > "$OUT/burst-total-node-tail.log"
+    ;;
+*) echo "unknown stage $1"; exit 2 ;;
+esac
