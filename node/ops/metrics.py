@@ -178,6 +178,12 @@ class _LedgerCollector(Collector):
         for state, n in sorted(counts["jobs"].items()):
             jobs.add_metric([state], n)
         yield jobs
+        queued = GaugeMetricFamily(
+            "segnode_jobs_queued", "Queued jobs by priority", labels=["priority"]
+        )
+        for priority, n in counts["queued_by_priority"].items():
+            queued.add_metric([priority], n)
+        yield queued
         yield GaugeMetricFamily(
             "segnode_series_pending", "Series received, not yet a job", counts["series_pending"]
         )

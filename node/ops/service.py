@@ -32,6 +32,7 @@ from segnode.node.ingest.senders import SenderBook, load_patterns, save_pattern
 from segnode.node.ingest.series import CompletionLoop
 from segnode.node.ingest.streaming import Arrival, StreamingAssembler
 from segnode.node.modelspec import load_spec_manifest
+from segnode.node.ops.gpu import gpu_busy_percent
 from segnode.node.ops.metrics import Metrics
 from segnode.node.ops.notify import Notifier
 from segnode.node.ops.retention import Retention
@@ -53,6 +54,11 @@ if TYPE_CHECKING:
     from segnode.node.web.console import WebConsole
 
 log = logging.getLogger(__name__)
+
+
+def _gpu_ratio() -> float:
+    busy = gpu_busy_percent()
+    return float("nan") if busy is None else busy / 100
 
 
 def open_state(config: Config, *, create: bool = True) -> tuple[Ledger, Spool]:
@@ -260,6 +266,14 @@ class Node:
                         "segnode_streaming_series": lambda: self.streaming.series_in_memory,
                         # the job's peak resident set (VmHWM since it started), last job
                         "segnode_job_peak_rss_bytes": lambda: self.worker.last_peak_rss,
+                        # the share of the last minute the models ran a job (0 to 1)
+                        "segnode_model_busy_ratio": lambda: self.worker.gate.busy_fraction(),
+                        "segnode_jobs_in_progress": lambda: len(self.worker.running),
+                        "segnode_jobs_waiting_for_model": lambda: sum(
+                            self.worker.gate.waiting().values()
+                        ),
+                        # NVML's utilisation of GPU 0 (0 to 1); NaN without NVML
+                        "segnode_gpu_busy_ratio": _gpu_ratio,
                     },
                 )
             self.retention = Retention(config, self.ledger)

@@ -67,6 +67,7 @@ from segnode.engines.memory import (
     estimate_job,
     peak_resident_bytes,
     reset_peak,
+    resident_bytes,
 )
 from segnode.node import __version__
 from segnode.node.config import Config
@@ -249,6 +250,7 @@ class Worker:
             config.engine.memory_fraction * available_bytes()
         )
         self.budget = MemoryBudget(self.memory_limit)
+        self._alone_rss: int | None = None
         #: The peak resident set of the last job that encoded (bytes; metrics).
         self.last_peak_rss = 0
         self.segmentation_type = config.results.segmentation_type
@@ -472,7 +474,7 @@ class Worker:
         if estimate is not None:
             base, need = estimate.base, max(0, estimate.peak - estimate.base)
         else:  # a version-1 model: the volume in float32, the label map, the SEG's frames
-            base, need = peak_resident_bytes(), 3 * int(volume.hu.nbytes)
+            base, need = self._base_bytes(), 3 * int(volume.hu.nbytes)
         self.budget.limit = self.memory_limit
         with self.budget.reserve(job.id, base, need) as budget_wait:
             self._run_job(job, engine, manifest, volume, uids, created, estimate, budget_wait)
@@ -600,6 +602,17 @@ class Worker:
         if self.on_encoded is not None:
             self.on_encoded(job.id)
 
+    def _base_bytes(self) -> int:
+        """The node's resident set without the other jobs in progress: measured now when
+        this job is the only one, else as last measured so (the engines, the caches, the
+        streaming assembler's volumes), so a job is not refused, nor its estimate inflated,
+        for memory that jobs beside it hold and will give back."""
+        with self._running_lock:
+            alone = len(self.running) <= 1
+        if alone or self._alone_rss is None:
+            self._alone_rss = resident_bytes()
+        return self._alone_rss
+
     def _check_memory(
         self, engine: Engine, manifest: ModelManifest, volume: Volume
     ) -> JobEstimate | None:
@@ -617,6 +630,7 @@ class Worker:
             (z, y, x),
             (dz, dy, dx),
             window_batch=int(window_batch()) if callable(window_batch) else 1,
+            base=self._base_bytes(),
         )
         if estimate.peak > self.memory_limit:
             raise JobError(

@@ -159,4 +159,16 @@ def ledger_status(ledger: Ledger, quiet_period_s: float) -> dict[str, Any]:
         }
         for n in ledger.nodes()
     ]
-    return {**counts, "senders": learnt, "nodes": nodes}
+    return {**counts, "expected_wait_s": expected_wait(counts), "senders": learnt, "nodes": nodes}
+
+
+def expected_wait(counts: dict[str, Any]) -> float | None:
+    """Seconds a job queued now would wait before its results are encoded, from the jobs
+    ahead of it (queued and running) and the rate jobs were encoded at in the last 10 minutes
+    (None without a job encoded then: no rate to go by)."""
+    done = counts.get("encoded_last_10_min", 0)
+    if not done:
+        return None
+    jobs = counts.get("jobs", {})
+    ahead = jobs.get("queued", 0) + jobs.get("running", 0)
+    return round(float(ahead) * 600.0 / float(done), 1)

@@ -6,7 +6,8 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from segnode.node import __version__
-from segnode.node.web.facts import ledger_status
+from segnode.node.ops.gpu import gpu_busy_percent
+from segnode.node.web.facts import expected_wait, ledger_status
 
 if TYPE_CHECKING:  # segnode.node.ops.service imports segnode.node.web lazily
     from segnode.node.ops.service import Node
@@ -57,6 +58,8 @@ def node_status(node: Node) -> dict[str, Any]:
             "running": jobs.get("running", 0),
             "current_job": node.worker.current_job,
             "last_result": node.worker.last_result,
+            **worker_figures(node),
+            "queued_by_priority": ledger["queued_by_priority"],
         },
         "outbox": {
             "pending": ledger["deliveries_pending"],
@@ -66,6 +69,31 @@ def node_status(node: Node) -> dict[str, Any]:
         "destinations": destinations,
         "ledger": ledger,
         "node_name": node.ledger.node_name,
+    }
+
+
+def worker_figures(node: Node) -> dict[str, Any]:
+    """The lanes, the jobs in progress and their stages, the share of the last minute the
+    models were busy (and the GPU, where NVML reports it), the jobs waiting for the models by
+    priority, and the expected wait of a job queued now (the models' mean time per job times
+    the jobs ahead of it, or the ledger's rate before the node has run a job)."""
+    worker = node.worker
+    gate = worker.gate
+    jobs = node.ledger.counts()
+    mean = gate.mean_model_s()
+    ahead = jobs["jobs"].get("queued", 0) + len(worker.running)
+    if mean is not None:
+        wait: float | None = round(ahead * mean, 1)
+    else:
+        wait = expected_wait(jobs)
+    return {
+        "lanes": worker.lanes,
+        "in_progress": {str(job): stage for job, stage in sorted(worker.running.items())},
+        "waiting_for_model": {str(p): n for p, n in sorted(gate.waiting().items())},
+        "model_busy_pct": round(100 * gate.busy_fraction(), 1),
+        "model_mean_s": None if mean is None else round(mean, 3),
+        "gpu_busy_pct": gpu_busy_percent(),
+        "expected_wait_s": wait,
     }
 
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from segnode.storage.ledger.connection import LedgerBase
+from segnode.storage.ledger.connection import LedgerBase, utcnow
 from segnode.storage.ledger.states import DeliveryStatus, JobState
 from segnode.storage.models import Delivery, Event, Instance, Job, Result, Series, Study
 
@@ -182,8 +182,20 @@ class Views(LedgerBase):
         with self._read() as s:
             rows = s.execute(select(Job.state, func.count(Job.id)).group_by(Job.state)).all()
             states = {str(k): int(v) for k, v in rows}
+            by_priority = s.execute(
+                select(Job.priority, func.count(Job.id))
+                .where(Job.state == JobState.QUEUED)
+                .group_by(Job.priority)
+            ).all()
             return {
                 "jobs": states,
+                "queued_by_priority": {str(k): int(v) for k, v in sorted(by_priority)},
+                "encoded_last_10_min": s.scalar(
+                    select(func.count(Job.id)).where(
+                        Job.encoded_at >= utcnow() - timedelta(minutes=10)
+                    )
+                )
+                or 0,
                 "instances": s.scalar(select(func.count(Instance.id))) or 0,
                 "series_pending": s.scalar(
                     select(func.count(Series.id)).where(Series.pending_since.is_not(None))
