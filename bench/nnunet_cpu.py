@@ -28,7 +28,9 @@ For each CT (``--shapes``, default a 512 x 512 x 140 head CT and a 512 x 512 x 3
 process), and segnode's :func:`segnode.engines.trained.segment_trained` with ONNX Runtime FP32
 (segnode's CPU path before issue 35), ONNX Runtime INT8 (the model calibrated by
 :func:`segnode.engines.calibrate.calibrate` on phantom series; for the random-weight ``full``
-network the guard is off, its labels are noise), and OpenVINO BF16. Times are medians of
+network the guard is off, its labels are noise), and OpenVINO BF16 (``--paths``: ``bf16``
+alone, ``bf16l1`` with the first convolution in float32, ``bf16cal`` as ``segnode model
+calibrate --precision bf16 --threshold`` ``--bf16-threshold`` chose). Times are medians of
 ``--repeats`` runs after a warm-up on a slab; Dice per label against FP32 and against
 ``nnUNetPredictor``. Writes ``nnunet_cpu.json`` and ``nnunet_cpu.md`` in ``--out``.
 """
@@ -519,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("int8", "segnode ONNX Runtime INT8", OrtEngine, {}, model.get("int8")),
                 ("bf16", "segnode OpenVINO BF16", OpenVinoEngine,
                  {"precision": "bf16", "fp32_leading": 0}, model["manifest"]),
+                ("bf16l1", "segnode OpenVINO BF16, first convolution in FP32",
+                 OpenVinoEngine, {"precision": "bf16", "fp32_leading": 1}, model["manifest"]),
                 ("bf16cal", "segnode OpenVINO BF16, calibrated (first convolutions in FP32 "
                  "as the guard chose)", OpenVinoEngine, {"precision": "bf16"},
                  model.get("bf16cal")),
