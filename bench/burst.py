@@ -51,6 +51,7 @@ from bench.gpu_e2e import (
 from bench.ingest import LOOPBACK, free_port, ledger_job, wait
 
 URGENT_AE = "URGENT"
+SLOWEST = [0.0]  # the slowest C-STORE response of the variant, seconds
 
 
 class GpuBusy:
@@ -135,19 +136,28 @@ def send_any(port: int, series: dict[str, Any], calling: str = "MODALITY") -> fl
 
     ae = AE(ae_title=calling)
     ae.maximum_pdu_size = 0
+    # a modality waits for its responses: pynetdicom's 30 s default aborts a slow one
+    ae.dimse_timeout = ae.network_timeout = ae.acse_timeout = 600
     ae.add_requested_context(series["datasets"][0].SOPClassUID, ExplicitVRLittleEndian)
     assoc = ae.associate(LOOPBACK, port, ae_title="SEGNODE")
     if not assoc.is_established:
         raise RuntimeError("association rejected")
     last = 0.0
     try:
-        for ds in series["datasets"]:
+        for k, ds in enumerate(series["datasets"]):
+            t0 = time.time()
             status = assoc.send_c_store(ds)
             last = time.time()
+            SLOWEST[0] = max(SLOWEST[0], last - t0)
             if not status or int(status.Status) != 0:
-                raise RuntimeError(f"C-STORE failed: {status}")
+                why = "no response (aborted)" if not status else f"0x{int(status.Status):04X}"
+                raise RuntimeError(
+                    f"C-STORE {k} failed after {last - t0:.1f} s: {why}; "
+                    f"association {'aborted' if assoc.is_aborted else 'open'}"
+                )
     finally:
-        assoc.release()
+        if assoc.is_established:
+            assoc.release()
     return last
 
 
@@ -195,6 +205,7 @@ def run_variant(
             out["lanes"] = int(lanes_line[-1]) if lanes_line else None
             log_mark = node_log.stat().st_size
             swap0 = swapped_out()
+            SLOWEST[0] = 0.0
             print(
                 f"[burst] lanes={lanes}: {len(series)} series from {args.senders} senders",
                 flush=True,
@@ -217,7 +228,11 @@ def run_variant(
             for t in threads:
                 t.start()
             time.sleep(max(0.0, start + args.urgent_at - time.time()))
-            urgent_last = send_any(port, urgent["burst"], URGENT_AE)
+            try:
+                urgent_last = send_any(port, urgent["burst"], URGENT_AE)
+            except Exception as exc:
+                errors.append(f"urgent: {exc}")
+                urgent_last = time.time()
             for t in threads:
                 t.join()
             good = [s for s in series if not s.get("bad")]
@@ -252,6 +267,10 @@ def run_variant(
         senders=args.senders,
         sender=series[0].get("folder") is not None and "storescu" or "pynetdicom",
         send_errors=errors,
+        slowest_store_response_s=round(SLOWEST[0], 2),
+        node_warnings=[x[:300] for x in log.splitlines() if " WARNING " in x or " ERROR " in x][
+            :20
+        ],
         span_s=round(span, 2),
         series_per_min=round(60 * len(good) / span, 2),
         seconds_per_series=round(span / len(good), 3),
