@@ -26,12 +26,14 @@ SLICES=${SLICES:-300}
 case ${1:-unet} in
 install) ;;
 unet)
+    rm -rf /tmp/burst-unet
     timeout 580 python3 -m bench.burst --model unet --engine torch --series "$SERIES" \
         --slices "$SLICES" --senders 4 --work /tmp/burst-unet --out "$OUT/burst-unet" \
         2>&1 | tee "$OUT/burst-unet.log" | grep -v "^\[gpu-e2e\]" | tail -12
     tail -40 /tmp/burst-unet/node.log > "$OUT/burst-unet-node-tail.log"
     ;;
 total)
+    rm -rf /tmp/burst-total
     [ -f /tmp/tsa/total.json ] ||
         python3 -m bench.totalseg_standin --task total --anatomy --out /tmp/tsa | tail -2
     timeout 560 python3 -m bench.burst --model /tmp/tsa/total.json --engine torch \
