@@ -310,8 +310,8 @@ def test_start_caches_the_sr_template_that_real_series_use(
     worker, ledger, _ = make(tmp_path, engine)
     worker.start()
     try:
-        wait = worker._helper.submit(lambda: None)
-        wait.result(30)
+        assert worker.warming is not None
+        worker.warming.result(30)
         assert len(sr_encode._TEMPLATES) == 2  # ASCII and Latin-1
         volume = assemble_from_datasets(
             synthetic_datasets(PhantomGeometry(rows=16, columns=16, slices=3))

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from io import BytesIO
@@ -267,6 +267,7 @@ class Worker:
         #: Jobs a ledger outage interrupted, to put back in the queue (``_run``).
         self._interrupted: list[int] = []
         self._threads: list[threading.Thread] = []
+        self.warming: Future[None] | None = None
         self.last_result: str = "none yet"
         self.volumes = volumes
         self.on_encoded = on_encoded
@@ -309,7 +310,7 @@ class Worker:
     def start(self) -> None:
         """Start the lanes' threads; a helper thread prepares a tiny result once, so that
         the default model's SR template is cached before the first job."""
-        self._helper.submit(self._warm)
+        self.warming = self._helper.submit(self._warm)
         for k in range(self.lanes):
             name = "segnode-worker" + (f"-{k + 1}" if self.lanes > 1 else "")
             thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -352,11 +353,17 @@ class Worker:
     def _requeue_interrupted(self) -> None:
         """Put back in the queue the jobs a ledger outage interrupted (still ``running`` and
         this node's), now that the ledger answers."""
-        while self._interrupted:
-            job_id = self._interrupted[0]
+        while True:
+            with self._running_lock:  # every lane runs this: one takes each job
+                if not self._interrupted:
+                    return
+                job_id = self._interrupted[0]
+            # (a ledger still away raises here: the job stays in the list for the next look)
             if self.ledger.requeue_job(job_id, "the ledger could not be reached while it ran"):
                 log.info("job %d queued again after a ledger outage", job_id)
-            self._interrupted.pop(0)
+            with self._running_lock:
+                if self._interrupted and self._interrupted[0] == job_id:
+                    self._interrupted.pop(0)
 
     def run_once(self) -> bool:
         """Take and run one job; return False when the queue was empty (or the engine is
@@ -369,7 +376,8 @@ class Worker:
         try:
             self.process(job)
         except SQLAlchemyError:
-            self._interrupted.append(job.id)
+            with self._running_lock:
+                self._interrupted.append(job.id)
             raise
         except NoSpace as exc:
             # Its results could not be written: the job waits in the queue, and the worker
