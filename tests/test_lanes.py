@@ -254,4 +254,8 @@ def test_lanes_setting(tmp_path: Path, lanes: int) -> None:
     worker, _, _ = worker_on(
         tmp_path, OrtEngine(), load_manifest(DEFAULT_MODEL), {"engine": {"lanes": lanes}}
     )
+    assert worker.lanes == (lanes or 2)  # 0: two for onnxruntime, a CPU engine
+    gpu = {"engine": {"lanes": lanes}, "model": {"engine": "torch"}}
+    (tmp_path / "gpu").mkdir()
+    worker, _, _ = worker_on(tmp_path / "gpu", OrtEngine(), load_manifest(DEFAULT_MODEL), gpu)
     assert worker.lanes == (lanes or 3)

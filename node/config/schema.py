@@ -197,7 +197,8 @@ class EngineConfig:
     #: of it tries again with fewer tiles per call, then in overlapping pieces along the
     #: slice axis, before it fails (:func:`segnode.engines.trained.memory_ladder`).
     gpu_memory_limit: int = setting(0, 0)
-    #: Jobs in progress at once (0: three, fewer where memory is short). While one
+    #: Jobs in progress at once (0: three for a GPU engine, two for ``onnxruntime`` and
+    #: ``openvino``, which share the CPU with the work around the model). While one
     #: job's model runs, the next jobs' volumes are assembled and their results prepared, and
     #: the last ones' results encoded and written; the models run one job at a time, the most
     #: urgent waiting job first. Each job in progress holds its volume and label map: a job

@@ -149,10 +149,24 @@ def _no_space(exc: BaseException) -> bool:
 
 
 AUTO_LANES = 3
-"""Lanes of ``[engine] lanes = 0``: one job in its model, one preparing, one finishing."""
+"""Lanes of ``[engine] lanes = 0`` for a GPU engine: one job in its model, one preparing,
+one finishing."""
+
+CPU_LANES = 2
+"""Lanes of ``[engine] lanes = 0`` for an engine that computes on this machine's CPU
+(:data:`CPU_ENGINES`): the model shares the cores with the work around it, and a third lane
+slowed the model more than it gained (docs/performance.md, issue 36)."""
+
+CPU_ENGINES = frozenset({"onnxruntime", "openvino"})
 
 BEFORE_MODEL = frozenset({"started", "volume", "waiting for the model"})
 """The stages of a job in progress that has not yet entered its model."""
+
+
+def auto_lanes(config: Config) -> int:
+    """The lanes of ``[engine] lanes = 0``: :data:`CPU_LANES` where the default model's engine
+    computes on this machine's CPU, else :data:`AUTO_LANES`."""
+    return CPU_LANES if config.model.engine in CPU_ENGINES else AUTO_LANES
 
 
 class MemoryBudget:
@@ -205,7 +219,7 @@ class Worker:
         Called (on the worker thread) with the job id once its results are encoded (wakes
         the outbox, queues the web preview).
     lanes
-        Jobs in progress at once; default ``[engine] lanes``, and :data:`AUTO_LANES` for 0.
+        Jobs in progress at once; default ``[engine] lanes``, and :func:`auto_lanes` for 0.
     """
 
     def __init__(
@@ -219,7 +233,7 @@ class Worker:
         lanes: int | None = None,
     ) -> None:
         self.config = config
-        self.lanes = lanes or config.engine.lanes or AUTO_LANES
+        self.lanes = lanes or config.engine.lanes or auto_lanes(config)
         #: The models, one job at a time, the most urgent waiting job first.
         self.gate = EngineGate(config.engine.max_wait_s)
         self.ledger = ledger
