@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench-total-gpu bench-total-cpu run test lint typecheck venv tools readers model bench bench-gpu bench-gpu-e2e bench-torch-warm clean
+.PHONY: bench-burst bench-burst-gpu bench-total-gpu bench-total-cpu run test lint typecheck venv tools readers model bench bench-gpu bench-gpu-e2e bench-torch-warm clean
 
 $(BIN)/segnode: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -81,6 +81,18 @@ bench-gpu: venv
 bench-gpu-e2e: venv
 	$(BIN)/pip install -q -e '.[bench,gpu]'
 	$(BIN)/python -m bench.gpu_e2e --out bench/out
+
+# A burst of series at once, one job at a time against the lanes (issue 36): on this machine's
+# CPU the bundled model, 20 series of 128 slices from 4 DCMTK senders; on a GPU workstation the
+# 31 M U-Net, 20 series of 300 slices.
+bench-burst: venv tools
+	$(BIN)/python -m bench.burst --model tissue --engine onnxruntime --series 20 --slices 128 \
+		--out bench/out/burst
+
+bench-burst-gpu: venv
+	$(BIN)/pip install -q -e '.[bench,gpu]'
+	$(BIN)/python -m bench.burst --model unet --engine torch --series 20 --slices 300 \
+		--out bench/out/burst-gpu
 
 # TotalSegmentator's total task on a CUDA GPU (issue 34; docs/performance.md): the engine alone
 # on the five 1.5 mm parts of the real shape (random weights), then segnode end to end with the
