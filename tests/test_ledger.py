@@ -184,6 +184,30 @@ def test_outbox_lifecycle(ledger: Ledger, tmp_path: Path) -> None:
     assert ledger.is_own_result("9.9", job.sr_series_uid)
 
 
+def test_urgent_results_leave_before_routine_ones_waiting_in_the_outbox(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    """Two jobs encoded, the routine one first: the outbox takes the urgent one's results
+    first (issue 36: its results leave before routine results waiting in the outbox)."""
+    ids = []
+    for n, prio in enumerate((0, 10)):
+        ledger.record_instance(rec(f"8.{n}", series=f"1.2.8.{n}"), tmp_path / f"8{n}", 1)
+        jid = ledger.create_job(f"1.2.8.{n}", trigger="t", model="m", engine="e", priority=prio)
+        assert jid is not None
+        ids.append(jid)
+    for _ in ids:  # the urgent job is claimed (and encoded) first; the routine one after it
+        job = ledger.claim_next_job()
+        assert job is not None
+        ledger.save_results(
+            job.id,
+            [("SEG", "1.2.840.10008.5.1.4.1.1.66.4", job.seg_sop_uid, job.seg_series_uid,
+              tmp_path / f"s{job.id}")],
+            ["A@h:1"],
+        )  # fmt: skip
+    due = ledger.due_deliveries()
+    assert [d.job_id for d in due] == [ids[1], ids[0]]
+
+
 def test_cancel_and_retry(ledger: Ledger, tmp_path: Path) -> None:
     ledger.record_instance(rec("5.1"), tmp_path / "x", 1)
     jid = ledger.create_job("1.2.3.1", trigger="t", model="m", engine="e")
