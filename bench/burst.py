@@ -203,6 +203,8 @@ def run_variant(
     out: dict[str, Any] = {"lanes_setting": lanes}
     with ResultsSCP() as scp:
         text = config_text(data, port, scp.port, manifest, args)
+        if lanes != 1 and args.lane_threads:
+            text = text.replace("[model]\n", f"[model]\nthreads = {args.lane_threads}\n", 1)
         text += f"\n[engine]\nlanes = {lanes}\n"
         text += f'\n[[series.senders]]\nae_title = "{URGENT_AE}"\npriority = 10\n'
         cfg.write_text(text)
@@ -258,7 +260,7 @@ def run_variant(
             for t in threads:
                 t.join()
             good = [s for s in series if not s.get("bad")]
-            deadline = time.time() + args.timeout * len(series)
+            deadline = time.time() + args.timeout  # after the last series was sent
             while time.time() < deadline:
                 if all(acked(scp, s["study"]) for s in good) and acked(
                     scp, urgent["burst"]["study"]
@@ -331,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--senders", type=int, default=4)
     p.add_argument("--lanes", type=int, default=0, help="the second variant's [engine] lanes")
     p.add_argument("--urgent-at", type=float, default=10.0)
+    p.add_argument(
+        "--lane-threads", type=int, default=0, help="[model] threads of the lanes' variant"
+    )
     p.add_argument("--bad", type=int, default=1, help="corrupt series in the burst")
     p.add_argument("--sender", choices=("auto", "storescu", "pynetdicom"), default="auto")
     p.add_argument("--timeout", type=float, default=300)
@@ -387,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         variants.append(v)
         print(f"[burst] {json.dumps(v)}", flush=True)
         (args.out / "burst.json").write_text(json.dumps({**report, "variants": variants}, indent=1))
+    if args.work is None:  # the series and the two data folders: gigabytes
+        shutil.rmtree(work, ignore_errors=True)
     one_at_a_time, lanes_run = variants
     report["variants"] = variants
     report["throughput_ratio"] = round(
