@@ -17,7 +17,7 @@ choice). Per variant:
    its solo time plus one job (the one-at-a-time variant's seconds per series).
 
 Reported per variant: series per minute (first C-STORE to the last SEG and SR acknowledged),
-GPU busy % (NVML utilisation, 100 ms samples, over the same span; none on a CPU), the node's
+GPU busy % (NVML utilisation, 50 ms samples, over the same span; none on a CPU), the node's
 share of time in its models (the worker's ``timing ms`` lines), jobs failed and why, the
 urgent series' latency, the node's peak RSS and GPU memory, and pages swapped out. The ratio
 of the variants' throughput is the figure of issue 36.
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu_e2e import (
+    GpuMemory,
     ResultsSCP,
     config_text,
     engine_build,
@@ -53,48 +54,6 @@ from bench.ingest import LOOPBACK, free_port, ledger_job, wait
 
 URGENT_AE = "URGENT"
 SLOWEST = [0.0]  # the slowest C-STORE response of the variant, seconds
-
-
-class GpuBusy:
-    """NVML utilisation of GPU 0 every 100 ms, and the node process' most GPU memory."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.samples: list[tuple[float, int]] = []
-        self.peak_bytes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> bool:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        except Exception:
-            return False
-
-        def sample() -> None:
-            while not self._stop.wait(0.1):
-                util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
-                self.samples.append((time.time(), int(util)))
-                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if proc.pid == self.pid and proc.usedGpuMemory:
-                        self.peak_bytes = max(self.peak_bytes, int(proc.usedGpuMemory))
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return True
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def busy(self, start: float, end: float) -> float | None:
-        """Mean utilisation (%) of the samples in ``[start, end]``."""
-        inside = [u for t, u in self.samples if start <= t <= end]
-        return round(statistics.mean(inside), 1) if inside else None
 
 
 def swapped_out() -> int:
@@ -213,7 +172,7 @@ def run_variant(
         node_log = work / "node.log"
         offset = node_log.stat().st_size if node_log.exists() else 0
         with serve(work, cfg, port) as (proc, _ready):
-            gpu = GpuBusy(proc.pid)
+            gpu = GpuMemory(proc.pid)
             has_gpu = gpu.start()
             wait_log(node_log, offset, "; jobs start", 900)
             for name, one, calling in (
@@ -281,7 +240,7 @@ def run_variant(
                 )
                 for s in series
             }
-            gpu.stop()
+            gpu_peak = gpu.stop()
             out["node_vmhwm_gib"] = process_peak_rss(proc.pid)
         log = node_log.read_text(errors="replace")[log_mark:]
     span = end - start
@@ -299,7 +258,7 @@ def run_variant(
         series_per_min=round(60 * len(good) / span, 2),
         seconds_per_series=round(span / len(good), 3),
         gpu_busy_pct=gpu.busy(start, end) if has_gpu else None,
-        gpu_peak_gib=round(gpu.peak_bytes / 2**30, 2) if has_gpu else None,
+        gpu_peak_gib=gpu_peak,
         model_busy_pct=round(100 * sum(inference) / span, 1),
         model_s_median=round(statistics.median(inference), 3) if inference else None,
         swapped_out_pages=swapped_out() - swap0,

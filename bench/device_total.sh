@@ -21,15 +21,7 @@ set -uo pipefail
 OUT=${OUT:-bench/out/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-for d in .whl .whl_*; do
-    [ -d "$d" ] || continue
-    [ -f "/tmp/site/.installed$d" ] && continue
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "$d"/*.whl >/dev/null 2>&1 || { echo "install $d failed"; exit 1; }
-    touch "/tmp/site/.installed$d"
-    echo "installed $d"
-done
-export PYTHONPATH=/tmp/site:$PWD
+source bench/device_wheels.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 stage=${1:-parity}
 

@@ -184,10 +184,13 @@ class GpuMemory:
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak = pid, None
+        #: ``(epoch, NVML utilisation %)`` of GPU 0 at each sample.
+        self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Start sampling; False without NVML."""
         try:
             import pynvml
 
@@ -195,16 +198,24 @@ class GpuMemory:
             handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         except Exception as exc:  # no NVML: no figure, and the bench goes on
             print(f"[gpu-e2e] no GPU memory figures: {exc}", flush=True)
-            return
+            return False
 
         def sample() -> None:
             while not self._stop.wait(0.05):
+                util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+                self.samples.append((time.time(), int(util)))
                 for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                     if proc.pid == self.pid and proc.usedGpuMemory:
                         self.peak = max(self.peak or 0, int(proc.usedGpuMemory))
 
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
+        return True
+
+    def busy(self, start: float, end: float) -> float | None:
+        """Mean utilisation (%) of the samples in ``[start, end]``."""
+        inside = [u for t, u in self.samples if start <= t <= end]
+        return round(statistics.mean(inside), 1) if inside else None
 
     def stop(self) -> float | None:
         """Stop sampling; the peak in GiB."""

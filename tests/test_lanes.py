@@ -166,6 +166,18 @@ def _lanes_worker(tmp_path: Path, seconds: float, lanes: int) -> tuple[Worker, L
     return worker, ledger, engine
 
 
+def _queue(ledger: Ledger, uids: list[str], priority: int = 0) -> list[int]:
+    """One tissue job per series; their ids."""
+    ids = []
+    for uid in uids:
+        jid = ledger.create_job(
+            uid, trigger="t", model="tissue", engine="onnxruntime", priority=priority
+        )
+        assert jid is not None
+        ids.append(jid)
+    return ids
+
+
 def _wait_done(ledger: Ledger, ids: list[int], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -181,11 +193,7 @@ def test_lanes_overlap_jobs_and_run_the_model_one_job_at_a_time(tmp_path: Path) 
     worker, ledger, engine = _lanes_worker(tmp_path, 0.4, lanes=3)
     assert worker.lanes == 3 and worker.ahead == 1
     uids = _series(tmp_path, ledger, worker, 4, seed=60)
-    ids = [
-        j
-        for uid in uids
-        if (j := ledger.create_job(uid, trigger="t", model="tissue", engine="onnxruntime"))
-    ]
+    ids = _queue(ledger, uids)
     worker.start()
     try:
         _wait_done(ledger, ids)
@@ -204,21 +212,14 @@ def test_an_urgent_job_runs_next_behind_the_job_in_the_model(tmp_path: Path) -> 
     (beyond the jobs ahead) and enters the model right after the job in it."""
     worker, ledger, engine = _lanes_worker(tmp_path, 1.5, lanes=3)
     uids = _series(tmp_path, ledger, worker, 5, seed=70)
-    routine = [
-        j
-        for uid in uids[:4]
-        if (j := ledger.create_job(uid, trigger="t", model="tissue", engine="onnxruntime"))
-    ]
+    routine = _queue(ledger, uids[:4])
     worker.start()
     try:
         deadline = time.monotonic() + 30
         while len(engine.order) < 1 or not worker.gate.waiting():
             assert time.monotonic() < deadline, "no job waits for the model"
             time.sleep(0.01)
-        urgent = ledger.create_job(
-            uids[4], trigger="t", model="tissue", engine="onnxruntime", priority=10
-        )
-        assert urgent is not None
+        (urgent,) = _queue(ledger, uids[4:], priority=10)
         worker.wake.set()
         while worker.running.get(urgent) != "waiting for the model":
             assert time.monotonic() < deadline, worker.running
@@ -236,11 +237,7 @@ def test_one_lane_is_one_job_at_a_time(tmp_path: Path) -> None:
     worker, ledger, engine = _lanes_worker(tmp_path, 0.1, lanes=1)
     assert worker.ahead == 1
     uids = _series(tmp_path, ledger, worker, 2, seed=80)
-    ids = [
-        j
-        for uid in uids
-        if (j := ledger.create_job(uid, trigger="t", model="tissue", engine="onnxruntime"))
-    ]
+    ids = _queue(ledger, uids)
     worker.start()
     try:
         _wait_done(ledger, ids)
