@@ -24,11 +24,11 @@ run: venv
 # installed when missing and we are root, otherwise those tests say what is missing.
 # NodeSource's nodejs carries npm and conflicts with Debian's npm: each only where missing.
 DEBIAN_TOOLS := dcmtk orthanc orthanc-dicomweb dicom3tools openssl systemd postgresql \
-	chromium chromium-driver fuse3
+	chromium chromium-driver fuse3 rsyslog rsyslog-gnutls
 tools:
 	@command -v storescu >/dev/null && command -v Orthanc >/dev/null && command -v dciodvfy >/dev/null && [ -e /usr/share/orthanc/plugins/libOrthancDicomWeb.so ] && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  && command -v openssl >/dev/null && command -v systemd-analyze >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v fusermount3 >/dev/null \
-	  && command -v node >/dev/null && command -v npm >/dev/null \
+	  && command -v node >/dev/null && command -v npm >/dev/null && command -v rsyslogd >/dev/null && ls /usr/lib/*/rsyslog/lmnsd_gtls.so >/dev/null 2>&1 \
 	  || { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	       apt-get install -y -qq $(DEBIAN_TOOLS) >/dev/null \
 	       && { command -v node >/dev/null || apt-get install -y -qq nodejs >/dev/null; } \

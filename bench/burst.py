@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -62,6 +63,54 @@ def swapped_out() -> int:
         if line.startswith("pswpout "):
             return int(line.split()[1])
     return 0
+
+
+class HostCpu:
+    """The host's CPU use and one process's CPU time, sampled every 0.25 s on a thread
+    (``/proc/stat`` and ``/proc/PID/stat``), so that a span's figures can be read afterwards:
+    on a CPU-only machine they say whether a burst is bound by the cores."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        #: ``(epoch, host busy ticks, host total ticks, process ticks)``.
+        self.samples: list[tuple[float, int, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="host-cpu", daemon=True)
+
+    def _sample(self) -> tuple[float, int, int, int]:
+        cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)  # idle + iowait
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            own = int(fields[11]) + int(fields[12])  # utime + stime
+        except (OSError, IndexError, ValueError):
+            own = self.samples[-1][3] if self.samples else 0
+        return time.time(), sum(cpu) - idle, sum(cpu), own
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self._sample())
+            self._stop.wait(0.25)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def figures(self, start: float, end: float) -> dict[str, float | None]:
+        """Host CPU busy % and the process's CPU seconds between ``start`` and ``end``."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return {"host_cpu_busy_pct": None, "node_cpu_s": None}
+        first, last = inside[0], inside[-1]
+        hz = os.sysconf("SC_CLK_TCK")
+        total = last[2] - first[2]
+        return {
+            "host_cpu_busy_pct": round(100 * (last[1] - first[1]) / total, 1) if total else None,
+            "node_cpu_s": round((last[3] - first[3]) / hz, 2),
+        }
 
 
 def corrupt(datasets: list[Any]) -> list[Any]:
@@ -174,6 +223,8 @@ def run_variant(
         with serve(work, cfg, port) as (proc, _ready):
             gpu = GpuMemory(proc.pid)
             has_gpu = gpu.start()
+            host = HostCpu(proc.pid)
+            host.start()
             wait_log(node_log, offset, "; jobs start", 900)
             for name, one, calling in (
                 ("warm_up", warm, "MODALITY"),
@@ -241,6 +292,7 @@ def run_variant(
                 for s in series
             }
             gpu_peak = gpu.stop()
+            host.stop()
             out["node_vmhwm_gib"] = process_peak_rss(proc.pid)
         log = node_log.read_text(errors="replace")[log_mark:]
     span = end - start
@@ -262,6 +314,7 @@ def run_variant(
         model_busy_pct=round(100 * sum(inference) / span, 1),
         model_s_median=round(statistics.median(inference), 3) if inference else None,
         swapped_out_pages=swapped_out() - swap0,
+        **host.figures(start, end),
         unacknowledged=[s["study"] for s in good if not acked(scp, s["study"])],
         failed={k: v.get("reason") for k, v in jobs.items() if v["state"] == "failed"},
         bad_failed_with_reason=[
@@ -364,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         f"lanes {lanes_run['lanes']} {lanes_run['series_per_min']} series/min: "
         f"{report['throughput_ratio']}x; GPU busy {one_at_a_time['gpu_busy_pct']} -> "
         f"{lanes_run['gpu_busy_pct']} %; model busy {one_at_a_time['model_busy_pct']} -> "
-        f"{lanes_run['model_busy_pct']} %; urgent {lanes_run['urgent_s']} s "
+        f"{lanes_run['model_busy_pct']} %; host CPU {one_at_a_time['host_cpu_busy_pct']} -> "
+        f"{lanes_run['host_cpu_busy_pct']} %; urgent {lanes_run['urgent_s']} s "
         f"(bound {lanes_run.get('urgent_bound_s')} s)",
         flush=True,
     )

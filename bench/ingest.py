@@ -324,7 +324,13 @@ def wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 SYNCED_STORESCP = "pynetdicom storescp (defaults), then sync"
 
 
-def ingest(folder: Path, runs: int, tmp: Path) -> list[dict[str, Any]]:
+def audited(work: Path) -> str:
+    """``[audit]`` on, to a file in ``work`` (RFC 5424 lines; the messages go through the
+    durable queue and a delivery thread as to a repository)."""
+    return f'[audit]\nenabled = true\ndestinations = ["file:{work / "audit.log"}"]\n'
+
+
+def ingest(folder: Path, runs: int, tmp: Path, only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Throughput of every receiver; runs are interleaved (run 1 of each target, then run 2
     of each, ...) so that a change in the machine's load affects all targets alike."""
     paths = files_of(folder)
@@ -359,7 +365,17 @@ def ingest(folder: Path, runs: int, tmp: Path) -> list[dict[str, Any]]:
         ("pynetdicom, no-op handler (ceiling)", noop_scp, "NOOP", None),
         ("segnode, 4 associations", segnode, "SEGNODE", quarters),
         ("pynetdicom storescp (defaults), 4 associations", storescp, "STORESCP", quarters),
+        # [audit] on against off (issue 33: >= 0.97x)
+        ("segnode, audit on", lambda w: segnode(w, audited(w)), "SEGNODE", None),
+        (
+            "segnode, audit on, 4 associations",
+            lambda w: segnode(w, audited(w)),
+            "SEGNODE",
+            quarters,
+        ),
     ]
+    if only:  # --targets: the exact names given
+        targets = [t for t in targets if t[0] in only]
     times: dict[str, list[float]] = {t[0]: [] for t in targets}
     cpus: dict[str, list[float]] = {t[0]: [] for t in targets}
     for r in range(runs):
@@ -692,6 +708,10 @@ def markdown(res: dict[str, Any]) -> str:
         if f"segnode{suffix}" in by and f"{ref}{suffix}" in by:
             ratio = by[f"segnode{suffix}"] / by[f"{ref}{suffix}"]
             lines.append(f"segnode / {ref}{suffix}: **{ratio:.2f}x**  ")
+    for suffix in ("", ", 4 associations"):
+        on, off = f"segnode, audit on{suffix}", f"segnode{suffix}"
+        if on in by and off in by:
+            lines.append(f"{on} / {off}: **{by[on] / by[off]:.2f}x**  ")
     cold = next((t for t in by if t.startswith("segnode, nothing warm")), None)
     if cold and ref in by:
         lines.append(f"{cold} / {ref}: {by[cold] / by[ref]:.2f}x  ")
@@ -763,6 +783,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["ingest", "completion", "end_to_end", "memory", "per_instance"],
         help="run one section and print its JSON (no tables written)",
     )
+    p.add_argument(
+        "--targets",
+        default="",
+        help="with --only ingest: the ingest targets to run, by name, separated by '|' "
+        "(e.g. 'segnode|segnode, audit on')",
+    )
     args = p.parse_args(argv)
     for tool in ("storescu", "Orthanc"):
         if shutil.which(tool) is None:
@@ -777,7 +803,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.only:
         sections: dict[str, Callable[[Path], Any]] = {
-            "ingest": lambda tmp: ingest(ct256, args.runs, tmp),
+            "ingest": lambda tmp: ingest(
+                ct256, args.runs, tmp, tuple(t for t in args.targets.split("|") if t)
+            ),
             "completion": lambda tmp: [
                 completion(ct256, args.runs, tmp, "512x512x256, no count hint"),
                 completion(ct256h, args.runs, tmp, "512x512x256, Images in Acquisition"),

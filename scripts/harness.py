@@ -100,11 +100,12 @@ class CountingSCP:
 
     def _handle_store(self, event: evt.Event) -> int:
         ds = event.dataset
+        request: Any = event.request  # a C-STORE-RQ (pynetdicom types it as any DIMSE message)
         with self._lock:
             self.receipts.append(
                 Receipt(
-                    str(event.request.AffectedSOPClassUID),
-                    str(event.request.AffectedSOPInstanceUID),
+                    str(request.AffectedSOPClassUID),
+                    str(request.AffectedSOPInstanceUID),
                     str(ds.get("StudyInstanceUID", "")),
                     str(event.assoc.requestor.ae_title).strip(),
                     time.time(),

@@ -71,6 +71,23 @@ def postgres_cluster() -> Iterator[Any]:
 
 
 @pytest.fixture
+def rsyslog(tmp_path: Path) -> Iterator[Any]:
+    """Debian's ``rsyslogd`` receiving syslog over TLS on a loopback port, with a test PKI in
+    ``tmp_path / "pki"`` (tests/fixtures/rsyslog.py); skipped without rsyslog and its TLS
+    driver, unless SEGNODE_REQUIRE_TOOLS is set."""
+    from tests.fixtures.rsyslog import Rsyslog, make_pki, require_rsyslog_tls
+
+    require_rsyslog_tls()
+    make_pki(tmp_path / "pki")
+    server = Rsyslog(tmp_path, tmp_path / "pki")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
 def pg_url(postgres_cluster: Any) -> str:
     """The URL of a new, empty PostgreSQL database on the session's cluster."""
     return str(postgres_cluster.database())

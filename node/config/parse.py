@@ -162,6 +162,7 @@ _TOP_LEVEL_KEYS = {
     "dispatch",
     "tls",
     "retention",
+    "audit",
     "streaming",
     "metrics",
     "engine",
@@ -224,6 +225,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None) -> schema.Confi
         job_max_attempts=_int(raw.get("job_max_attempts", 3), "job_max_attempts", 1, 100),
         tls=tls,
         retention=_plain(raw, "retention", d.retention),
+        audit=_audit(_section(raw, "audit", d.audit), path, tls),
         streaming=_plain(raw, "streaming", d.streaming),
         metrics=_plain(raw, "metrics", d.metrics),
         engine=_plain(raw, "engine", d.engine),
@@ -409,6 +411,44 @@ def _tls(t: _Table, path: PathFn) -> schema.TLSConfig:
         p = getattr(cfg, name)
         if p is not None and not p.exists():
             raise ConfigError(f"tls.{name}: file not found: {p}")
+    return cfg
+
+
+def _audit(t: _Table, path: PathFn, tls: schema.TLSConfig) -> schema.AuditConfig:
+    """``[audit]``: its destinations checked (a URL each), the TLS files found."""
+    from segnode.node.audit.syslog import parse_destination
+
+    raw = t.get("destinations", [])
+    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+        raise ConfigError("audit.destinations: must be a list of strings (URLs)")
+    destinations: list[str] = []
+    for k, url in enumerate(raw):
+        if url.startswith("file:") and not url.startswith("file://"):
+            url = "file://" + str(path(url[len("file:") :], f"audit.destinations[{k}]"))
+        try:
+            parse_destination(url)
+        except ValueError as exc:
+            raise ConfigError(f"audit.destinations[{k}]: {exc}") from None
+        destinations.append(url)
+    cfg = schema.AuditConfig(
+        destinations=tuple(destinations),
+        cert_file=t.path("cert_file", path) or tls.cert_file,
+        key_file=t.path("key_file", path) or tls.key_file,
+        ca_file=t.path("ca_file", path),
+        **_settings(t, schema.AuditConfig),
+    )
+    if not cfg.enabled:
+        return cfg
+    if not cfg.destinations:
+        raise ConfigError("audit.destinations: at least one is required when audit.enabled")
+    if any(d.startswith("syslog+tls://") for d in cfg.destinations) and cfg.ca_file is None:
+        raise ConfigError("audit.ca_file: required for a syslog+tls:// destination")
+    if (cfg.cert_file is None) != (cfg.key_file is None):
+        raise ConfigError("audit.cert_file and audit.key_file: give both or neither")
+    for name in ("cert_file", "key_file", "ca_file"):
+        p = getattr(cfg, name)
+        if p is not None and not p.exists():
+            raise ConfigError(f"audit.{name}: file not found: {p}")
     return cfg
 
 

@@ -132,6 +132,33 @@ class TLSConfig:
     handshake_timeout_s: float = setting(10.0, 0.1)
 
 
+#: What ``[audit] on_full`` may say: drop the oldest queued message, or refuse new
+#: associations until the audit record repository has taken some.
+AUDIT_ON_FULL = ("drop_oldest", "refuse")
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """``[audit]``: IHE ATNA audit messages (DICOM PS3.15 Annex A.5) by syslog (RFC 5424)
+    over TLS (RFC 5425) or UDP (RFC 5426), or to a file; off by default
+    (:mod:`segnode.node.audit`, ``docs/operations.md``).
+
+    ``cert_file`` and ``key_file`` default to ``[tls]``'s (the node's certificate);
+    ``ca_file`` (the repository's CA) is required for a ``syslog+tls://`` destination.
+    ``source_id`` is the AuditSourceID (default: the node's name).
+    """
+
+    enabled: bool = setting(False)
+    destinations: tuple[str, ...] = ()
+    max_queued: int = setting(100000, 100, 100_000_000)
+    on_full: str = setting("drop_oldest", choices=AUDIT_ON_FULL)
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    ca_file: Path | None = None
+    source_id: str = setting("")
+    enterprise_site: str = setting("")
+
+
 @dataclass(frozen=True)
 class RetentionConfig:
     """``[retention]``: deleting spooled instances and results after delivery."""
@@ -344,6 +371,7 @@ class Config:
     job_max_attempts: int = 3
     tls: TLSConfig = field(default_factory=TLSConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -69,6 +69,7 @@ import time
 
 from pynetdicom.presentation import PresentationContext, build_context
 
+from segnode.node.dicom.requestor_outcome import describe_rejection
 from segnode.node.dicom.ul_association import _Association
 from segnode.node.dicom.ul_fsm import Event, State
 from segnode.node.dicom.ul_pdu import (
@@ -95,6 +96,7 @@ from segnode.node.dicom.ul_types import (
     ProtocolError,
     StoreOutcome,
     StoreRequest,
+    tell,
 )
 
 log = logging.getLogger(__name__)
@@ -354,6 +356,7 @@ class Acceptor:
 
     def _evict(self, assoc: _Association, why: str) -> None:
         """Expire a held connection's ARTIM now (Evt18: AA-2, close)."""
+        tell(self.handlers, "cut_off", assoc.info, f"closed: pending-connection limit ({why})")
         self._evicted(
             "closing a connection from %s in %s: pending-connection limit (%s)",
             assoc.info.address,
@@ -402,6 +405,12 @@ class Acceptor:
                     "no complete A-ASSOCIATE-RQ from %s within %.0f s; closing",
                     assoc.info.address,
                     self.options.acse_timeout,
+                )
+                tell(
+                    self.handlers,
+                    "cut_off",
+                    assoc.info,
+                    f"no complete A-ASSOCIATE-RQ within {self.options.acse_timeout:.0f} s",
                 )
             self._release_held(assoc)
             assoc.fire(Event.EVT18)
@@ -466,6 +475,7 @@ class Acceptor:
                 rejection = (0x02, 0x03, 0x02)  # transient, provider (presentation), local limit
         if rejection is not None:
             assoc.rejection = rejection
+            tell(self.handlers, "refused", assoc.info, describe_rejection(*rejection))
             try:
                 assoc.fire(Event.EVT8)
             except OSError:

@@ -69,6 +69,7 @@ from segnode.node.dicom.ul_types import (
     PeerClosed,
     ProtocolError,
     StoreRequest,
+    tell,
 )
 
 if TYPE_CHECKING:
@@ -196,6 +197,10 @@ class _Association:
             self.handlers.closed(self.info, self.released)
         return action
 
+    def _cut(self, reason: str) -> None:
+        """The node is about to abort or close this peer for what it sent (or did not)."""
+        tell(self.handlers, "cut_off", self.info, reason)
+
     # -- actions (PS3.8 §9.2.3) ------------------------------------------------------------
 
     def _requestor_only(self, _: Any) -> State:
@@ -215,6 +220,7 @@ class _Association:
         self.info.called_ae = str(rq.called_ae_title or "").strip()
         if not (self._rq_version & 0x0001):
             self.rejection = (0x01, 0x02, 0x02)  # protocol version not supported
+            tell(self.handlers, "refused", self.info, "protocol version not supported")
             self._send(reject_pdu(*self.rejection))
             self._start_artim()
             return State.STA13
@@ -427,6 +433,7 @@ class _Association:
         event = _PDU_EVENTS.get(pdu_type)
         if event is None:
             self.abort_reason = 0x01
+            self._cut(f"unrecognised PDU type 0x{pdu_type:02X} instead of an A-ASSOCIATE-RQ")
             self.fire(Event.EVT19)
             return
         if event is not Event.EVT6:
@@ -436,6 +443,7 @@ class _Association:
         if length > MAX_ASSOCIATE_RQ:
             self.abort_reason = 0x06
             log.warning("A-ASSOCIATE-RQ from %s of %d bytes refused", self.info.address, length)
+            self._cut(f"an A-ASSOCIATE-RQ of {length} bytes")
             self.fire(Event.EVT19)
             return
         if len(self._inbox) < 6 + length:
@@ -453,11 +461,13 @@ class _Association:
                 "undecodable A-ASSOCIATE-RQ from %s (%s)", self.info.address, type(exc).__name__
             )
             self.abort_reason = 0x06
+            self._cut(f"an undecodable A-ASSOCIATE-RQ ({type(exc).__name__})")
             self.fire(Event.EVT19)
             return
         fault = _context_fault(rq.presentation_context_definition_list)
         if fault:
             log.warning("invalid A-ASSOCIATE-RQ from %s (%s); aborting", self.info.address, fault)
+            self._cut(f"an invalid A-ASSOCIATE-RQ ({fault})")
             self.abort_reason = 0x06
             self.fire(Event.EVT19)
             return
@@ -537,11 +547,9 @@ class _Association:
             self.abort_source, self.abort_reason = 0x00, 0x00
             event, payload = Event.EVT15, None
         except _Timeout:
-            log.warning(
-                "association with %s timed out (%s); aborting",
-                self.info.address,
-                "a message in progress arrives too slowly" if self._busy else "no data",
-            )
+            why = "a message in progress arrives too slowly" if self._busy else "no data"
+            log.warning("association with %s timed out (%s); aborting", self.info.address, why)
+            self._cut(f"timed out ({why})")
             self.abort_source, self.abort_reason = 0x00, 0x00
             event, payload = Event.EVT15, None
         except (PeerClosed, OSError):
@@ -566,6 +574,7 @@ class _Association:
         if self._dimse_error is not None and self.state not in (State.STA1, State.STA13):
             exc, self._dimse_error = self._dimse_error, None
             log.warning("aborting association with %s: %s", self.info.address, exc)
+            self._cut(f"DIMSE protocol error: {exc}")
             self.abort_source, self.abort_reason = 0x02, exc.reason
             self.fire(Event.EVT15)
         if self.state in (State.STA8, State.STA12):
@@ -582,6 +591,7 @@ class _Association:
         if event is None:
             self.abort_reason = 0x01
             log.warning("unrecognised PDU type 0x%02X from %s", pdu_type, self.info.address)
+            self._cut(f"unrecognised PDU type 0x{pdu_type:02X}")
             return Event.EVT19, None
         if event is Event.EVT10:
             if length > self.options.max_pdu:
@@ -592,6 +602,7 @@ class _Association:
                     self.info.address,
                     self.options.max_pdu,
                 )
+                self._cut(f"a P-DATA-TF of {length} bytes over the maximum {self.options.max_pdu}")
                 return Event.EVT19, None
             body = self._read(length)
             try:
@@ -599,6 +610,7 @@ class _Association:
             except ProtocolError as exc:
                 self.abort_reason = exc.reason
                 log.warning("invalid P-DATA-TF from %s: %s", self.info.address, exc)
+                self._cut(f"an invalid P-DATA-TF: {exc}")
                 return Event.EVT19, None
         if event in (Event.EVT12, Event.EVT13, Event.EVT16):
             if length != 4:

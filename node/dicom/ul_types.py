@@ -14,6 +14,7 @@ signatures only and imports nothing of the node. Import these from
 from __future__ import annotations
 
 import itertools
+import logging
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,6 +101,20 @@ class Handlers(Protocol):
 
     def closed(self, info: AssociationInfo, released: bool) -> None:
         """The association ended: released normally, or aborted/dropped (released=False)."""
+
+
+def tell(handlers: Handlers, name: str, info: AssociationInfo, reason: str) -> None:
+    """Call the handlers' optional ``refused(info, reason)`` (an A-ASSOCIATE-RJ was sent) or
+    ``cut_off(info, reason)`` (the node aborted or closed a peer for what it did: a timeout,
+    a malformed or oversized PDU, a pending-connection limit), if it has one. Never raises:
+    these are notices (the audit trail), and the connection is being dealt with anyway."""
+    notice = getattr(handlers, name, None)
+    if notice is None:
+        return
+    try:
+        notice(info, reason)
+    except Exception:  # a notice must not break the connection's handling
+        logging.getLogger(__name__).exception("%s notice failed", name)
 
 
 # -- options ---------------------------------------------------------------------------------

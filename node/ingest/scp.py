@@ -34,6 +34,7 @@ from pynetdicom.sop_class import (  # type: ignore[attr-defined]
     Verification,
 )
 
+from segnode.node.audit.trail import AuditTrail
 from segnode.node.config import Config, NodeConfig
 from segnode.node.dicom import tls
 from segnode.node.dicom.guards import AccessPolicy, DiskGuard, SeriesBudget
@@ -127,6 +128,9 @@ class StoreSCP:
     busy_elsewhere
         True while other work runs that a staging-pool refill must not slow down (the
         service passes "a job is running"); never when None.
+    audit
+        The audit trail (:class:`~segnode.node.audit.trail.AuditTrail`): told of refusals,
+        peers cut off, instances stored and associations ended; off when None.
 
     The ``on_*`` hooks run on the association's thread as follow-ups of the C-STORE
     response (:class:`~segnode.node.dicom.ul.StoreOutcome`).
@@ -141,8 +145,10 @@ class StoreSCP:
         *,
         on_instance: Callable[[Arrival], None] | None = None,
         busy_elsewhere: Callable[[], bool] | None = None,
+        audit: AuditTrail | None = None,
     ) -> None:
         self.config = config
+        self.audit = audit or AuditTrail.off()
         self.ledger = ledger
         self.spool = spool
         self.tracker = tracker
@@ -347,7 +353,22 @@ class StoreSCP:
                 self.config.node.min_free_disk_mb,
             )
             return (0x02, 0x03, 0x01)
+        if not self.audit.admits():
+            log.error(
+                "association from %r refused: the audit queue is full (audit.on_full = "
+                '"refuse"); the audit record repository must take messages first',
+                info.calling_ae,
+            )
+            return (0x02, 0x03, 0x01)
         return None
+
+    def refused(self, info: AssociationInfo, reason: str) -> None:
+        """An A-ASSOCIATE-RJ went to the peer (the acceptor's notice): audited."""
+        self.audit.refused(info.calling_ae, info.address, reason)
+
+    def cut_off(self, info: AssociationInfo, reason: str) -> None:
+        """The acceptor aborted or closed the peer for what it did: audited."""
+        self.audit.cut_off(info.calling_ae, info.address, reason)
 
     def accepted(self, info: AssociationInfo) -> None:
         """Track the new association."""
@@ -362,6 +383,7 @@ class StoreSCP:
             staging.abandon()
         self._refill.set()
         self.tracker.closed(info.id, released=released)
+        self.audit.association_closed(info.id)
 
     # -- C-STORE ---------------------------------------------------------------------------
 
@@ -458,6 +480,9 @@ class StoreSCP:
         if outcome.restored:
             self._restored.add(series_uid)
         self.budget.add(series_uid, staged.size)
+        self.audit.received(
+            info.id, info.calling_ae, info.address, series_uid, outcome.header.dataset
+        )
         span = outcome.header.pixel_span
         arrival = Arrival(
             series_uid,

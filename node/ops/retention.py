@@ -17,6 +17,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from segnode.node.audit.trail import AuditTrail, StudyFacts
 from segnode.node.config import Config
 from segnode.storage.ledger import Ledger, PurgeCandidate, utcnow
 
@@ -30,9 +31,12 @@ class Retention:
     ----------
     config, ledger
         Node configuration and durable state.
+    audit
+        The audit trail: each purge is a DICOM Study Deleted (off when None).
     """
 
-    def __init__(self, config: Config, ledger: Ledger) -> None:
+    def __init__(self, config: Config, ledger: Ledger, audit: AuditTrail | None = None) -> None:
+        self.audit = audit or AuditTrail.off()
         self.days = config.retention.spool_days
         self.interval = config.retention.check_interval_s
         self.spool_root = config.data_dir / "spool"
@@ -82,6 +86,12 @@ class Retention:
     def _purge(self, c: PurgeCandidate) -> int:
         files = size = 0
         folders: set[Path] = set()
+        # Who and what it was, read before the files go (an audit message names them).
+        facts = None
+        if self.audit.enabled:
+            for text in c.instance_paths:
+                if Path(text).is_file() and (facts := StudyFacts.of_file(text)) is not None:
+                    break
         for text in c.instance_paths:
             p = Path(text)
             if not self._inside(p, self.spool_root):
@@ -108,4 +118,11 @@ class Retention:
                     files += 1
                 shutil.rmtree(out, ignore_errors=True)
         self.ledger.record_purge(c.series_id, files, size)
+        if files:
+            self.audit.deleted(
+                facts,
+                len(c.instance_paths),
+                f"retention: series {c.series_instance_uid} delivered more than {self.days:g} "
+                f"day(s) ago; its {files} file(s) deleted",
+            )
         return files

@@ -25,6 +25,7 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
 from segnode.engines.base import Engine, EngineError, create_engine
 from segnode.engines.manifest import ModelManifest, check_runnable
+from segnode.node.audit.trail import AuditTrail
 from segnode.node.config import Config
 from segnode.node.errors import ConfigError, SegnodeError, log_failure
 from segnode.node.ingest.scp import StoreSCP, record_from_file
@@ -236,6 +237,8 @@ class Node:
                 decode_pixels=sc.enabled,
                 warm_bytes=sc.warm_mb * 2**20,
             )
+            # [audit]: ATNA messages in a durable queue of their own (off: does nothing)
+            self.audit = AuditTrail.from_config(config, node_name(config))
             self.scp = StoreSCP(
                 config,
                 self.ledger,
@@ -243,6 +246,7 @@ class Node:
                 self.completion,
                 on_instance=self._instance_stored,
                 busy_elsewhere=lambda: self.worker.current_job is not None,
+                audit=self.audit,
             )
             self.worker = Worker(
                 config,
@@ -251,7 +255,7 @@ class Node:
                 volumes=self.streaming,  # (geometry-only when disabled: take() is None)
                 on_encoded=self._encoded,
             )
-            self.dispatcher = Dispatcher(config, self.ledger)
+            self.dispatcher = Dispatcher(config, self.ledger, audit=self.audit)
             self.web: WebConsole | None = None  # [web]: the console and the result previews
             if config.web.enabled:
                 from segnode.node.web.console import WebConsole  # needs the web extra
@@ -276,7 +280,7 @@ class Node:
                         "segnode_gpu_busy_ratio": _gpu_ratio,
                     },
                 )
-            self.retention = Retention(config, self.ledger)
+            self.retention = Retention(config, self.ledger, audit=self.audit)
             self.notifier = Notifier()
             self._stop = threading.Event()
             self._create_lock = threading.Lock()
@@ -442,6 +446,8 @@ class Node:
         if staged:
             log.info("removed %d unacknowledged staged file(s) left by a restart", staged)
         self._record_lost_rows()
+        self.audit.start()
+        self.audit.started(self.config)
         self.scp.fill_staging_pool()
         self.completion.start()
         self.streaming.start()
@@ -623,6 +629,8 @@ class Node:
             except SQLAlchemyError as exc:
                 log.warning("could not record the stop in the ledger: %s", exc)
             self.ledger.close()
+            self.audit.stopped()
+            self.audit.stop()
             self.notifier.close()
             self.data_dir_lock.release()
         log.info("segnode stopped")

@@ -68,11 +68,13 @@ from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydicom.errors import InvalidDicomError
 from pydicom.filereader import read_file_meta_info
 from pydicom.uid import UID, ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
+from segnode.node.audit.trail import AuditTrail
 from segnode.node.config import Config
 from segnode.node.dicom.requestor import Association, Requestor
 from segnode.node.dicom.requestor_outcome import (
@@ -123,11 +125,20 @@ class Dispatcher:
         Node configuration and durable state.
     rng
         Source of jitter (tests pass a seeded one).
+    audit
+        The audit trail: each pass's outcomes per job (off when None).
     """
 
-    def __init__(self, config: Config, ledger: Ledger, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        ledger: Ledger,
+        rng: random.Random | None = None,
+        audit: AuditTrail | None = None,
+    ) -> None:
         self.config = config
         self.ledger = ledger
+        self.audit = audit or AuditTrail.off()
         self.wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -359,6 +370,7 @@ class Dispatcher:
             return 0
         sent = 0
         order = InOrder()
+        batch = self.audit.batch(peer.ae_title, peer.host)
         try:
             for d in items:
                 if self._stop.is_set():
@@ -389,12 +401,15 @@ class Dispatcher:
                 untried = False
                 accepted = self._settle(d, outcome)
                 order.outcome(d, accepted)
+                if outcome is not None:
+                    batch.add(d.job_id, d.path, d.sop_class_uid, _failure(outcome, accepted))
                 sent += accepted
                 if isinstance(outcome, Failure):
                     break  # the association is over; the rest waits for the next pass
         finally:
             if assoc is not None:
                 self.kept.put(dest, assoc)
+            batch.close()
         return sent
 
     def _settle(self, d: DueDelivery, outcome: Response | Failure | None) -> bool:
@@ -508,16 +523,21 @@ class Dispatcher:
         bookkeeping."""
         sent = 0
         order = InOrder()
-        for d in items:
-            if self._stop.is_set():
-                break
-            if not order.may_send(d):
-                continue
-            outcome = self._stow_one(target, d)
-            if outcome is None:
-                break
-            order.outcome(d, outcome)
-            sent += outcome
+        batch = self.audit.batch("", urlsplit(target.url).hostname or target.url)
+        try:
+            for d in items:
+                if self._stop.is_set():
+                    break
+                if not order.may_send(d):
+                    continue
+                outcome = self._stow_one(target, d)
+                if outcome is None:
+                    break
+                order.outcome(d, outcome)
+                batch.add(d.job_id, d.path, d.sop_class_uid, None if outcome else "STOW-RS failed")
+                sent += outcome
+        finally:
+            batch.close()
         return sent
 
     def _stow_one(self, target: StowTarget, d: DueDelivery) -> bool | None:
@@ -573,6 +593,15 @@ class Dispatcher:
             return explicit_file(d.path)
         except (OSError, InvalidDicomError):
             return None
+
+
+def _failure(outcome: Response | Failure, accepted: bool) -> str | None:
+    """Why an object was not stored, for the audit trail (None: it was)."""
+    if accepted:
+        return None
+    if isinstance(outcome, Failure):
+        return str(outcome)
+    return f"destination answered {outcome.describe()}"
 
 
 def echo(peer: Peer, calling_ae: str = "SEGNODE", timeout: float = 10.0) -> int:

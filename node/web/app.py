@@ -37,6 +37,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from segnode.node.audit.trail import AuditTrail
 from segnode.node.web.facts import JOB_STATES, ignored_facts, job_facts, job_page, waiting_facts
 from segnode.node.web.preview import preview_path
 from segnode.storage.ledger import Ledger
@@ -101,6 +102,9 @@ class Console:
         ``(ready, reason)`` for ``/readyz``; called in a thread.
     requeued
         Called after a successful retry (wakes the worker and the outbox).
+    audit
+        The audit trail: a refused token (User Authentication, failed) and each action done
+        (Security Alert, Use of Restricted Function); off when None.
     hosts
         The ``Host`` header values accepted (lower case, without the port); None accepts
         any. A console on loopback accepts only loopback names, so that a web page that
@@ -114,6 +118,7 @@ class Console:
     ready: Callable[[], tuple[bool, str]]
     requeued: Callable[[], None] = lambda: None
     hosts: frozenset[str] | None = None
+    audit: AuditTrail | None = None
 
 
 #: The ``Host`` names of a console on loopback.
@@ -236,6 +241,10 @@ def create_app(console: Console) -> Starlette:
         The node's side: ledger, access rules, live status.
     """
     access, ledger = console.access, console.ledger
+    audit = console.audit or AuditTrail.off()
+
+    def client(request: Request) -> str:
+        return request.client.host if request.client is not None else "(unknown)"
 
     def guarded(fn: Endpoint, *, action: bool = False) -> Endpoint:
         """``fn`` behind the token rules; a bad query parameter answers 400, a path that
@@ -244,8 +253,14 @@ def create_app(console: Console) -> Starlette:
         async def endpoint(request: Request) -> Response:
             if (action or access.reads_need_token) and not access.allows(request):
                 if access.token is None:
-                    return _error(401, "actions need a bearer token: set web.token_file")
-                return _error(401, "missing or wrong bearer token")
+                    why = "actions need a bearer token: set web.token_file"
+                elif request.headers.get("authorization") is None:
+                    why = "missing bearer token"
+                else:
+                    why = "wrong bearer token"
+                what = f"{request.method} {request.url.path[:200]}: {why}"
+                await run_in_threadpool(audit.auth_failure, client(request), what)
+                return _error(401, why if access.token is None else "missing or wrong bearer token")
             try:
                 return await fn(request)
             except _BadRequest as exc:
@@ -331,11 +346,17 @@ def create_app(console: Console) -> Starlette:
             if state is None:
                 return _error(404, f"job {jid} does not exist")
             if not ok:
+                await run_in_threadpool(
+                    audit.console_action, name, jid, client(request), f"refused: job is {state}"
+                )
                 return JSONResponse(
                     {"error": f"job {jid} {refusal}", "id": jid, "state": state},
                     status_code=409,
                 )
             log.info("web: job %d: %s (now %s)", jid, name, state)
+            await run_in_threadpool(
+                audit.console_action, name, jid, client(request), f"done, now {state}"
+            )
             if name == "retry":
                 await run_in_threadpool(console.requeued)
             return JSONResponse({"id": jid, "action": name, "ok": True, "state": state})

@@ -61,6 +61,7 @@ class WebConsole:
                 ready=lambda: node_ready(node),
                 requeued=requeued,
                 hosts=LOOPBACK_HOSTS | {own} if cfg.loopback else None,
+                audit=node.audit,
             )
         )
         tls = https_context(node.config.tls) if cfg.tls else None
