@@ -6,6 +6,7 @@ DICOM audit message schema (PS3.15 A.5.1) by libxml2."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 import urllib.error
@@ -155,6 +156,10 @@ def test_a_series_end_to_end_is_audited_to_rsyslog_over_tls(
         timeout=30,
     )
     assert echo.returncode != 0
+    # a peer that sends garbage instead of an A-ASSOCIATE-RQ: cut off (Security Alert)
+    with socket.create_connection((LOOPBACK, node.port), timeout=10) as raw:
+        raw.sendall(b"\x09\x00\x00\x00\x00\x04junk")
+        raw.recv(64)  # the node's A-ABORT, or the close
     # a console retry without the token: 401 (User Authentication, failed)
     assert post(f"http://{LOOPBACK}:{web_port}/api/v1/jobs/1/retry") == 401
     # with it: refused, the job is not failed (Use of Restricted Function, the outcome said)
@@ -191,7 +196,10 @@ def test_a_series_end_to_end_is_audited_to_rsyslog_over_tls(
         assert objects(r)["110180"].get("ParticipantObjectID") == study_uid
         assert roles(r)["110152"] == orthanc.aet and outcome(r) == "0"
 
-    refusal = next(r for r in got if kind(r) == "110113/110126")
+    alerts = [r for r in got if kind(r) == "110113/110126"]
+    refusal = next(r for r in alerts if "INTRUDER" in ET.tostring(r).decode())
+    cut = next(r for r in alerts if "cut off" in description(r))
+    assert "unrecognised PDU type 0x09" in description(cut) and outcome(cut) == "4"
     assert outcome(r) == "0" and outcome(refusal) == "4"
     assert "INTRUDER" in ET.tostring(refusal).decode()
     assert "calling AE title not recognised (1/1/3)" in description(refusal)

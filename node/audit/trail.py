@@ -332,9 +332,9 @@ class AuditTrail:
     def received(
         self, assoc_id: int, calling_ae: str, address: str, series_uid: str, header: Any
     ) -> None:
-        """A CT instance was stored: counted for its association and series (cheap: the
-        C-STORE response waits for this)."""
-        if not self.enabled:
+        """A CT instance was stored: counted for its association and series (after its
+        response went: the SCP calls this as a follow-up)."""
+        if not self.enabled or header is None:
             return
         key = (assoc_id, series_uid)
         with self._lock:

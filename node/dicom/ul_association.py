@@ -578,6 +578,9 @@ class _Association:
             self.abort_source, self.abort_reason = 0x02, exc.reason
             self.fire(Event.EVT15)
         if self.state in (State.STA8, State.STA12):
+            # Before the A-RELEASE-RP: what the service user must make durable about this
+            # association (the audit trail's record of the instances it received).
+            tell(self.handlers, "releasing", self.info, "A-RELEASE-RQ")
             self.fire(Event.EVT14)
         if self.state is State.STA6 and not self._busy:
             self._idle_deadline = time.monotonic() + self.options.network_timeout

@@ -104,10 +104,12 @@ class Handlers(Protocol):
 
 
 def tell(handlers: Handlers, name: str, info: AssociationInfo, reason: str) -> None:
-    """Call the handlers' optional ``refused(info, reason)`` (an A-ASSOCIATE-RJ was sent) or
+    """Call the handlers' optional ``refused(info, reason)`` (an A-ASSOCIATE-RJ was sent),
     ``cut_off(info, reason)`` (the node aborted or closed a peer for what it did: a timeout,
-    a malformed or oversized PDU, a pending-connection limit), if it has one. Never raises:
-    these are notices (the audit trail), and the connection is being dealt with anyway."""
+    a malformed or oversized PDU, a pending-connection limit) or ``releasing(info, reason)``
+    (the peer asked to release; the A-RELEASE-RP goes when this returns), if it has one.
+    Never raises: these are notices (the audit trail), and the connection is being dealt
+    with anyway."""
     notice = getattr(handlers, name, None)
     if notice is None:
         return

@@ -366,6 +366,12 @@ class StoreSCP:
         """An A-ASSOCIATE-RJ went to the peer (the acceptor's notice): audited."""
         self.audit.refused(info.calling_ae, info.address, reason)
 
+    def releasing(self, info: AssociationInfo, _reason: str) -> None:
+        """The peer asked to release: the audit record of what it delivered is made durable
+        before the A-RELEASE-RP (a sender that saw its release confirmed is audited, even if
+        the node dies the next moment)."""
+        self.audit.association_closed(info.id)
+
     def cut_off(self, info: AssociationInfo, reason: str) -> None:
         """The acceptor aborted or closed the peer for what it did: audited."""
         self.audit.cut_off(info.calling_ae, info.address, reason)
@@ -414,7 +420,9 @@ class StoreSCP:
                     # Metrics and the streaming decoder hear of it once the response is on
                     # its way: a decoding thread woken now would hold the GIL while this
                     # thread wants to send.
-                    return StoreOutcome(SUCCESS, after=(*preopen, partial(self._stored, result)))
+                    return StoreOutcome(
+                        SUCCESS, after=(*preopen, partial(self._stored, result, info))
+                    )
                 return _outcome(result, preopen)
             # Nothing to write: another SOP class (accepted and ignored) or no room on disk.
             status = self._admit(info, request, incoming, room=False)
@@ -480,9 +488,6 @@ class StoreSCP:
         if outcome.restored:
             self._restored.add(series_uid)
         self.budget.add(series_uid, staged.size)
-        self.audit.received(
-            info.id, info.calling_ae, info.address, series_uid, outcome.header.dataset
-        )
         span = outcome.header.pixel_span
         arrival = Arrival(
             series_uid,
@@ -710,9 +715,13 @@ class StoreSCP:
         with suppress(SpoolError):
             self._ready[info.id] = self.spool.open_staged()
 
-    def _stored(self, arrival: Arrival) -> None:
-        """After the response: tell metrics and the streaming decoder; a series with an
+    def _stored(self, arrival: Arrival, info: AssociationInfo) -> None:
+        """After the response: tell metrics, the streaming decoder and the audit trail (which
+        counts it for the association's DICOM Instances Transferred); a series with an
         instance stored again may have a job to resume (:meth:`_resume`)."""
+        self.audit.received(
+            info.id, info.calling_ae, info.address, arrival.series_uid, arrival.header
+        )
         if self.on_instance is not None:
             self.on_instance(arrival)
         if arrival.series_uid in self._restored:

@@ -45,6 +45,8 @@ def node_status(node: Node) -> dict[str, Any]:
             "tls_port": node.scp.tls_port,
         },
         "healthy": node.healthy(),
+        # [audit]: queued, sent, dropped; per audit repository connected, last error
+        "audit": node.audit.status(),
         "engine": {
             "name": cfg.model.engine,
             "loading": node.engine_loading,
