@@ -164,6 +164,8 @@ def test_a_series_end_to_end_is_audited_to_rsyslog_over_tls(
     assert post(f"http://{LOOPBACK}:{web_port}/api/v1/jobs/1/retry") == 401
     # with it: refused, the job is not failed (Use of Restricted Function, the outcome said)
     assert post(f"http://{LOOPBACK}:{web_port}/api/v1/jobs/1/retry", TOKEN) == 409
+    # the command line's cancel (the job is sent: refused), audited through the node's queue
+    assert node.cli("cancel", "1").returncode == 1
     pid = str(node.pid)  # the node's UserID in its messages
     node.stop()
 
@@ -205,8 +207,9 @@ def test_a_series_end_to_end_is_audited_to_rsyslog_over_tls(
     assert "calling AE title not recognised (1/1/3)" in description(refusal)
     login = next(r for r in got if kind(r) == "110114/110122")
     assert outcome(login) == "4" and "missing bearer token" in description(login)
-    action = next(r for r in got if kind(r) == "110113/110132")
-    assert "job 1: retry: refused" in description(action)
+    actions = [description(r) for r in got if kind(r) == "110113/110132"]
+    assert any("job 1: retry: refused" in d for d in actions), actions
+    assert any("job 1: cancel: refused" in d for d in actions), actions
     config = next(r for r in got if kind(r) == "110113/110131")
     assert "first start with auditing" in description(config)
     # the node's log names no patient (the audit repository does)

@@ -493,6 +493,33 @@ class AuditTrail:
             job()
 
 
+def record_command(config: Config, node: str, name: str, description: str) -> None:
+    """A command-line action on the ledger (``segnode retry``, ``segnode cancel``): a Security
+    Alert, Use of Restricted Function, by the OS user, put in the node's audit queue. The
+    running node's senders look at the queue every few seconds and send it; a stopped node
+    sends it at its next start. ``node`` is the node's name (AuditSourceID unless
+    ``[audit] source_id``). Nothing when ``[audit]`` is off; never raises."""
+    if not config.audit.enabled:
+        return
+    try:
+        auditor = Auditor(settings_of(config), config.data_dir)
+    except Exception as exc:  # the command's change is made; say what was not audited
+        log.error("audit: cannot open the audit queue: %s", exc)
+        return
+    try:
+        auditor.emit(
+            m.security_alert(
+                node_identity(config, node),
+                kind="restricted_function",
+                user=f"{_os_user()} (segnode {name})",
+                address=None,
+                description=description,
+            )
+        )
+    finally:
+        auditor.queue.close()
+
+
 def _os_user() -> str:
     """The operating-system user the node runs as (the Application Launcher)."""
     try:

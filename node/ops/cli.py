@@ -369,20 +369,26 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_retry(args: argparse.Namespace) -> int:
     """Requeue a job, or every failed job with ``--failed``."""
-    from segnode.node.ops.service import open_state
+    from segnode.node.audit.trail import record_command
+    from segnode.node.ops.service import node_name, open_state
 
     if (args.job is None) == (not args.failed):
         print("segnode retry: give either a JOB id or --failed", file=sys.stderr)
         return 2
-    ledger, _ = open_state(_config(args), create=False)
+    cfg = _config(args)
+    ledger, _ = open_state(cfg, create=False)
     try:
         if args.failed:
             ids = [j for j in ledger.failed_jobs() if ledger.retry_job(j)]
             print(f"requeued {len(ids)} failed job(s)" + (f": {ids}" if ids else ""))
+            what = f"retry --failed: {len(ids)} job(s) requeued {ids}"
+            record_command(cfg, node_name(cfg), "retry", what)
             return 0
         ok = ledger.retry_job(args.job)
     finally:
         ledger.close()
+    what = f"job {args.job}: retry: {'done' if ok else 'refused'}"
+    record_command(cfg, node_name(cfg), "retry", what)
     print(
         f"job {args.job} "
         + ("requeued" if ok else "is not failed or cancelled (or does not exist)")
@@ -392,13 +398,17 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancel a job."""
-    from segnode.node.ops.service import open_state
+    from segnode.node.audit.trail import record_command
+    from segnode.node.ops.service import node_name, open_state
 
-    ledger, _ = open_state(_config(args), create=False)
+    cfg = _config(args)
+    ledger, _ = open_state(cfg, create=False)
     try:
         ok = ledger.cancel_job(args.job)
     finally:
         ledger.close()
+    what = f"job {args.job}: cancel: {'done' if ok else 'refused'}"
+    record_command(cfg, node_name(cfg), "cancel", what)
     print(f"job {args.job} " + ("cancelled" if ok else "is not active (or does not exist)"))
     return 0 if ok else 1
 
