@@ -5,6 +5,7 @@ DICOM audit message schema (PS3.15 A.5.1) by libxml2."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -237,6 +238,10 @@ def test_an_outage_and_a_kill_lose_no_message(
     assert queued.exists()
     node.kill()  # during the outage, with the messages queued
     node.start()
+    status = node.cli("status")
+    assert status.returncode == 0, status.stderr
+    [waiting] = json.loads(status.stdout)["audit"]["waiting"].values()
+    assert waiting["messages"] >= 5 + 2 and waiting["oldest_s"] > 0, waiting
     time.sleep(max(0.0, outage - (time.monotonic() - down)))
     rsyslog.start()
     # 2 at the first start; 5 transfers; start and configuration of the second run

@@ -32,6 +32,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -518,6 +519,34 @@ def record_command(config: Config, node: str, name: str, description: str) -> No
         )
     finally:
         auditor.queue.close()
+
+
+def queue_facts(config: Config) -> dict[str, Any]:
+    """What ``segnode status`` says of the audit queue, read from ``audit.sqlite`` without
+    the node: messages waiting per destination, and the oldest one's age."""
+    if not config.audit.enabled:
+        return {"enabled": False}
+    path = config.data_dir / "audit.sqlite"
+    if not path.exists():
+        return {"enabled": True, "waiting": {}}
+    import sqlite3
+
+    try:
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as db:
+            rows = db.execute(
+                "SELECT c.destination, COUNT(m.seq), MIN(m.created) FROM cursors c "
+                "LEFT JOIN messages m ON m.seq > c.last_seq GROUP BY c.destination"
+            ).fetchall()
+    except sqlite3.Error as exc:
+        return {"enabled": True, "error": str(exc)}
+    now = time.time()
+    return {
+        "enabled": True,
+        "waiting": {
+            dest: {"messages": n, "oldest_s": round(now - oldest, 1) if oldest else None}
+            for dest, n, oldest in rows
+        },
+    }
 
 
 def _os_user() -> str:

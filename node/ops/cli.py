@@ -363,6 +363,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         facts = ledger_status(ledger, cfg.series.quiet_period_s)
     finally:
         ledger.close()
+    from segnode.node.audit.trail import queue_facts
+
+    facts["audit"] = queue_facts(cfg)
     print(json.dumps({"data_dir": str(cfg.data_dir), **facts}, indent=2))
     return 0
 
