@@ -386,7 +386,7 @@ def test_store_outcome_follow_ups_run_after_the_response_preopen_first(
         raise RuntimeError("spool gone")
 
     h.scp._preopen = preopen  # type: ignore[method-assign]
-    h.scp._stored = lambda _arrival: events.append("stored")  # type: ignore[method-assign]
+    h.scp._stored = lambda _arrival, _info: events.append("stored")  # type: ignore[method-assign]
     _Association._send = send  # type: ignore[method-assign]
     try:
         a = h.assoc()
