@@ -417,9 +417,9 @@ class _Association:
         except (OSError, ValueError) as exc:
             from segnode.node.dicom.tls import describe_tls_error
 
-            log.warning(
-                "TLS handshake with %s failed: %s", self.info.address, describe_tls_error(exc)
-            )
+            why = describe_tls_error(exc)
+            log.warning("TLS handshake with %s failed: %s", self.info.address, why)
+            self._cut(f"TLS handshake failed: {why}")
             self.fire(Event.EVT17)
             return False
         self._handshaking = False
