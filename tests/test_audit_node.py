@@ -266,3 +266,54 @@ def test_an_outage_and_a_kill_lose_no_message(
         f"PID-{k}" for k in range(5)
     ]
     assert "unchanged since the last start" in description(got[8])
+
+
+def test_a_failed_tls_handshake_and_a_flood_of_refusals_are_alerts(
+    make_node: Any, tmp_path: Path
+) -> None:
+    """To a file destination: a TLS client without a certificate is a Security Alert; twenty
+    refusals of one host within the interval are one alert, and the stop says how many more."""
+    import ssl
+
+    from tests.fixtures.rsyslog import make_pki
+
+    pki = tmp_path / "pki"
+    make_pki(pki)
+    log = tmp_path / "audit.log"
+    port = free_port()
+    node = make_node(
+        audit={"enabled": True, "destinations": [f"file:{log}"]},
+        tls={
+            "enabled": True,
+            "port": port,
+            "cert_file": str(pki / "server.pem"),
+            "key_file": str(pki / "server.key"),
+            "ca_file": str(pki / "ca.pem"),
+            "require_client_cert": True,
+        },
+        node={"allowed_calling_aes": ["MODALITY"]},
+    )
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    with (
+        pytest.raises((ssl.SSLError, ConnectionError, OSError)),
+        socket.create_connection((LOOPBACK, port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        tls.sendall(b"\x01\x00")
+        tls.recv(16)  # TLS 1.3: the refusal of the missing certificate comes here
+    for _ in range(20):
+        subprocess.run(
+            [require_tool("echoscu"), "-aet", "INTRUDER", LOOPBACK, str(node.port)],
+            capture_output=True,
+            timeout=30,
+        )
+    node.stop()
+    lines = [parse_message(x) for x in log.read_bytes().splitlines()]
+    for p in lines:
+        assert validate(p.msg) == [], p.msg.decode()
+    got = [ET.fromstring(p.msg) for p in lines]
+    alerts = [description(r) for r in got if kind(r) == "110113/110126"]
+    assert any("TLS handshake failed" in d for d in alerts), alerts
+    refusals = [d for d in alerts if "calling AE title not recognised" in d]
+    assert len(refusals) == 1, alerts  # one per interval; the rest counted
+    assert any("19 more refusal of 127.0.0.1" in d for d in alerts), alerts
