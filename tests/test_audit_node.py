@@ -317,3 +317,30 @@ def test_a_failed_tls_handshake_and_a_flood_of_refusals_are_alerts(
     refusals = [d for d in alerts if "calling AE title not recognised" in d]
     assert len(refusals) == 1, alerts  # one per interval; the rest counted
     assert any("19 more refusal of 127.0.0.1" in d for d in alerts), alerts
+
+
+def test_retention_deleting_a_series_is_a_study_deleted(make_node: Any, tmp_path: Path) -> None:
+    log = tmp_path / "audit.log"
+    node = make_node(
+        audit={"enabled": True, "destinations": [f"file:{log}"]},
+        retention={"spool_days": 1e-5, "check_interval_s": 1},  # about a second
+    )
+    files = write_synthetic_series(tmp_path / "series", SERIES, seed=71, patient_id=PATIENT_ID)
+    study_uid = str(dcmread(files[0], stop_before_pixels=True).StudyInstanceUID)
+    send(node.port, tmp_path / "series")
+
+    def deleted() -> list[ET.Element]:
+        if not log.exists():
+            return []
+        got = [ET.fromstring(parse_message(x).msg) for x in log.read_bytes().splitlines()]
+        return [r for r in got if kind(r) == "110105"]
+
+    [r] = wait_for(deleted, 60, "the Study Deleted message")
+    node.stop()
+    assert validate(ET.tostring(r)) == []
+    assert action_code(r) == "D" and outcome(r) == "0"
+    assert objects(r)["2"].get("ParticipantObjectID") == PATIENT_ID
+    assert objects(r)["110180"].get("ParticipantObjectID") == study_uid
+    assert sop_classes(r) == {CT: SERIES.slices}
+    assert "retention: series" in description(r) and "file(s) deleted" in description(r)
+    assert not list((node.data_dir / "spool").rglob("*.dcm"))
