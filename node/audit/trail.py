@@ -238,17 +238,7 @@ class AuditTrail:
             left = [(k, n) for k, (_, n) in self._alerts.items() if n]
             self._alerts.clear()
         for (kind, address), n in left:
-            self._emit(
-                partial(
-                    m.security_alert,
-                    self._node,
-                    kind="node_authentication",
-                    user=None,
-                    address=address,
-                    description=f"{n} more {kind} of {address} in the last interval",
-                    outcome=m.MINOR_FAILURE,
-                )
-            )
+            self._emit(partial(self._left_out, kind, address, n))
         self.auditor.stop(timeout)
 
     def admits(self) -> bool:
@@ -468,20 +458,19 @@ class AuditTrail:
                 self._alerts = {k: v for k, v in self._alerts.items() if now - v[0] < self.interval}
             self._alerts[key] = (now, 0)
         if left_out:
-            self._later.put(
-                lambda: self._emit(
-                    lambda: m.security_alert(
-                        self._node,
-                        kind="node_authentication",
-                        user=None,
-                        address=address,
-                        description=f"{left_out} more {kind} of {address} in the last "
-                        f"{self.interval:.0f} s",
-                        outcome=m.MINOR_FAILURE,
-                    )
-                )
-            )
+            self._later.put(lambda: self._emit(partial(self._left_out, kind, address, left_out)))
         return True
+
+    def _left_out(self, kind: str, address: str, n: int) -> m.AuditMessage:
+        """The Security Alert that counts the alerts of an interval that were not sent."""
+        return m.security_alert(
+            self._node,
+            kind="node_authentication",
+            user=None,
+            address=address,
+            description=f"{n} more {kind} of {address} in the last {self.interval:.0f} s",
+            outcome=m.MINOR_FAILURE,
+        )
 
     def _emit(self, make: Callable[[], m.AuditMessage]) -> None:
         try:

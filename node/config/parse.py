@@ -407,10 +407,7 @@ def _tls(t: _Table, path: PathFn) -> schema.TLSConfig:
             raise ConfigError(f"tls.{name}: required when tls.enabled = true")
     if cfg.require_client_cert and cfg.ca_file is None:
         raise ConfigError("tls.ca_file: required when tls.require_client_cert = true")
-    for name in ("cert_file", "key_file", "ca_file"):
-        p = getattr(cfg, name)
-        if p is not None and not p.exists():
-            raise ConfigError(f"tls.{name}: file not found: {p}")
+    _files_found(cfg, "tls")
     return cfg
 
 
@@ -445,11 +442,16 @@ def _audit(t: _Table, path: PathFn, tls: schema.TLSConfig) -> schema.AuditConfig
         raise ConfigError("audit.ca_file: required for a syslog+tls:// destination")
     if (cfg.cert_file is None) != (cfg.key_file is None):
         raise ConfigError("audit.cert_file and audit.key_file: give both or neither")
+    _files_found(cfg, "audit")
+    return cfg
+
+
+def _files_found(cfg: schema.TLSConfig | schema.AuditConfig, table: str) -> None:
+    """Each of the table's ``cert_file``, ``key_file`` and ``ca_file`` that is set exists."""
     for name in ("cert_file", "key_file", "ca_file"):
         p = getattr(cfg, name)
         if p is not None and not p.exists():
-            raise ConfigError(f"audit.{name}: file not found: {p}")
-    return cfg
+            raise ConfigError(f"{table}.{name}: file not found: {p}")
 
 
 def _senders(raw: Any) -> tuple[schema.SenderPolicy, ...]:
