@@ -30,12 +30,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +193,28 @@ def send_datasets(port: int, datasets: list[Any], calling: str) -> float:
     return last
 
 
+def stage_offsets(job: dict[str, Any], since: float) -> dict[str, float]:
+    """A ledger job's stage timestamps (``*_at``, UTC) as seconds after the epoch ``since``."""
+    out = {}
+    for key, value in job.items():
+        if key.endswith("_at") and value:
+            at = datetime.fromisoformat(str(value)).replace(tzinfo=UTC).timestamp()
+            out[key] = round(at - since, 3)
+    return out
+
+
+def profile_node(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
+    """``py-spy record --gil`` of the node (only the threads holding the GIL: what the
+    threads compete for), collapsed stacks into ``out``; None where py-spy is missing."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("[burst] --profile: py-spy not found", flush=True)
+        return None
+    cmd = [exe, "record", "--gil", "--threads", "--nonblocking", "--rate", "200"]
+    cmd += ["--format", "raw", "--output", str(out), "--pid", str(pid)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def acked(scp: ResultsSCP, study: str) -> float | None:
     a = scp.acks(study)
     return max(a["SEG"], a["SR"]) if "SEG" in a and "SR" in a else None
@@ -202,21 +226,24 @@ def model_seconds(log: str) -> list[float]:
 
 
 def run_variant(
-    args: Any, work: Path, manifest: Path, lanes: int, series: list[dict[str, Any]],
+    args: Any, work: Path, manifest: Path, variant: str, series: list[dict[str, Any]],
     warm: dict[str, Any], urgent: dict[str, Any], period_one: float | None,
 ) -> dict[str, Any]:  # fmt: skip
-    data = work / f"data-lanes{lanes}"
+    lanes, _, slots_text = variant.partition(":")
+    lanes_n, slots = int(lanes), int(slots_text or 0)
+    tag = variant.replace(":", "-")
+    data = work / f"data-lanes{tag}"
     port = free_port()
-    cfg = work / f"config-lanes{lanes}.toml"
-    out: dict[str, Any] = {"lanes_setting": lanes}
+    cfg = work / f"config-lanes{tag}.toml"
+    out: dict[str, Any] = {"lanes_setting": lanes_n, "model_slots_setting": slots}
     with ResultsSCP() as scp:
         text = config_text(data, port, scp.port, manifest, args)
-        if lanes != 1 and args.lane_threads:
+        if lanes_n != 1 and args.lane_threads:
             text = text.replace("[model]\n", f"[model]\nthreads = {args.lane_threads}\n", 1)
-        text += f"\n[engine]\nlanes = {lanes}\n"
+        text += f"\n[engine]\nlanes = {lanes_n}\nmodel_slots = {slots}\n"
         text += f'\n[[series.senders]]\nae_title = "{URGENT_AE}"\npriority = 10\n'
         cfg.write_text(text)
-        if lanes == 1 and args.engine == "torch":
+        if variant == "1" and args.engine == "torch":
             out["engine_build"] = engine_build(work, cfg, args)
         node_log = work / "node.log"
         offset = node_log.stat().st_size if node_log.exists() else 0
@@ -233,17 +260,20 @@ def run_variant(
                 last = send_any(port, one[name], calling)
                 done = wait(lambda o=one[name]: acked(scp, o["study"]), args.timeout, name)
                 out[f"{name}_s"] = round(done - last, 3)
-            lanes_line = re.findall(
-                r"worker: (\d+) lane", node_log.read_text(errors="replace")[offset:]
-            )
+            started = node_log.read_text(errors="replace")[offset:]
+            lanes_line = re.findall(r"worker: (\d+) lane", started)
             out["lanes"] = int(lanes_line[-1]) if lanes_line else None
+            slots_line = re.findall(r"(\d+) model slot", started)
+            out["model_slots"] = int(slots_line[-1]) if slots_line else None
             log_mark = node_log.stat().st_size
             swap0 = swapped_out()
             SLOWEST[0] = 0.0
             print(
-                f"[burst] lanes={lanes}: {len(series)} series from {args.senders} senders",
+                f"[burst] lanes={variant}: {len(series)} series from {args.senders} senders",
                 flush=True,
             )
+            profile = args.out / f"pyspy-lanes{tag}.txt"
+            spy = profile_node(proc.pid, profile) if args.profile else None
             start = time.time()
             sent: dict[str, float] = {}
             errors: list[str] = []
@@ -291,6 +321,10 @@ def run_variant(
                 )
                 for s in series
             }
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+                spy.wait(30)
+            urgent_job = ledger_job(data, urgent["burst"]["uid"]) or {}
             gpu_peak = gpu.stop()
             host.stop()
             out["node_vmhwm_gib"] = process_peak_rss(proc.pid)
@@ -307,6 +341,8 @@ def run_variant(
             :20
         ],
         span_s=round(span, 2),
+        # the senders' last response: after it the node only catches up
+        sent_span_s=round(max(sent.values(), default=start) - start, 2),
         series_per_min=round(60 * len(good) / span, 2),
         seconds_per_series=round(span / len(good), 3),
         gpu_busy_pct=gpu.busy(start, end) if has_gpu else None,
@@ -324,6 +360,16 @@ def run_variant(
         ],
         urgent_s=round(urgent_done - urgent_last, 3) if urgent_done else None,
         urgent_sent_at_s=round(urgent_last - start, 2),
+        # the urgent job's stages, seconds after its last instance was acknowledged
+        urgent_stages=stage_offsets(urgent_job, urgent_last),
+        urgent_timing=next(
+            (
+                x.split("timing ms: ", 1)[1]
+                for x in log.splitlines()
+                if f"job {urgent_job.get('id')}: timing ms" in x
+            ),
+            None,
+        ),  # fmt: skip
     )
     if period_one is not None and out["urgent_s"] is not None:
         out["urgent_bound_s"] = round(out["urgent_solo_s"] + period_one, 3)
@@ -343,7 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--series", type=int, default=20)
     p.add_argument("--slices", type=int, default=300)
     p.add_argument("--senders", type=int, default=4)
-    p.add_argument("--lanes", type=int, default=0, help="the second variant's [engine] lanes")
+    p.add_argument(
+        "--lanes",
+        default="0",
+        help="[engine] lanes of the variants after the one at a time, comma-separated, each "
+        "LANES or LANES:MODEL_SLOTS (0: the node's automatic choice)",
+    )
     p.add_argument("--urgent-at", type=float, default=10.0)
     p.add_argument(
         "--lane-threads", type=int, default=0, help="[model] threads of the lanes' variant"
@@ -351,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bad", type=int, default=1, help="corrupt series in the burst")
     p.add_argument("--sender", choices=("auto", "storescu", "pynetdicom"), default="auto")
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument(
+        "--profile", action="store_true", help="py-spy --gil of the node during each burst"
+    )
     p.add_argument("--seed", type=int, default=36000)
     p.add_argument("--work", type=Path)
     p.add_argument("--out", type=Path, default=Path("bench/out/burst"))
@@ -396,32 +450,36 @@ def main(argv: list[str] | None = None) -> int:
     }
     variants = []
     period_one = None
-    for lanes in (1, args.lanes):
-        # the same series for both variants: fresh data directories, so new jobs
-        v = run_variant(args, work, manifest, lanes, burst, warm, urgent, period_one)
-        if lanes == 1:
+    for variant in ("1", *str(args.lanes).split(",")):
+        # the same series for every variant: fresh data directories, so new jobs
+        v = run_variant(args, work, manifest, variant, burst, warm, urgent, period_one)
+        if variant == "1":
             period_one = v["seconds_per_series"]
         variants.append(v)
         print(f"[burst] {json.dumps(v)}", flush=True)
         (args.out / "burst.json").write_text(json.dumps({**report, "variants": variants}, indent=1))
     if args.work is None:  # the series and the two data folders: gigabytes
         shutil.rmtree(work, ignore_errors=True)
-    one_at_a_time, lanes_run = variants
+    one_at_a_time = variants[0]
     report["variants"] = variants
-    report["throughput_ratio"] = round(
-        lanes_run["series_per_min"] / one_at_a_time["series_per_min"], 2
-    )
+    ratios = [round(v["series_per_min"] / one_at_a_time["series_per_min"], 2) for v in variants]
+    for v, ratio in zip(variants[1:], ratios[1:], strict=True):
+        v["throughput_ratio"] = ratio
+    report["throughput_ratio"] = max(ratios[1:])
     (args.out / "burst.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(
-        f"[burst] one at a time {one_at_a_time['series_per_min']} series/min, "
-        f"lanes {lanes_run['lanes']} {lanes_run['series_per_min']} series/min: "
-        f"{report['throughput_ratio']}x; GPU busy {one_at_a_time['gpu_busy_pct']} -> "
-        f"{lanes_run['gpu_busy_pct']} %; model busy {one_at_a_time['model_busy_pct']} -> "
-        f"{lanes_run['model_busy_pct']} %; host CPU {one_at_a_time['host_cpu_busy_pct']} -> "
-        f"{lanes_run['host_cpu_busy_pct']} %; urgent {lanes_run['urgent_s']} s "
-        f"(bound {lanes_run.get('urgent_bound_s')} s)",
-        flush=True,
-    )
+    for lanes_run in variants[1:]:
+        print(
+            f"[burst] one at a time {one_at_a_time['series_per_min']} series/min, "
+            f"lanes {lanes_run['lanes']} (model slots {lanes_run['model_slots']}) "
+            f"{lanes_run['series_per_min']} series/min: "
+            f"{lanes_run['throughput_ratio']}x; GPU busy {one_at_a_time['gpu_busy_pct']} -> "
+            f"{lanes_run['gpu_busy_pct']} %; model busy {one_at_a_time['model_busy_pct']} -> "
+            f"{lanes_run['model_busy_pct']} %; host CPU {one_at_a_time['host_cpu_busy_pct']} -> "
+            f"{lanes_run['host_cpu_busy_pct']} %; sent by {lanes_run['sent_span_s']} s of "
+            f"{lanes_run['span_s']} s; urgent {lanes_run['urgent_s']} s "
+            f"(bound {lanes_run.get('urgent_bound_s')} s)",
+            flush=True,
+        )
     return 0
 
 

@@ -6,13 +6,24 @@
 #   bash bench/device_burst.sh total     # the same with the TotalSegmentator `total` stand-ins
 #
 # Each runs bench.burst: one job at a time, then the node's lanes, same series, one call.
-# The machine has no DCMTK: the senders are pynetdicom associations. Logs and JSON in $OUT.
+# The machine has no DCMTK: bench/dcmtk_bundle.sh packs this machine's storescu with its
+# libraries and loader into .dcmtk/dcmtk.tar.xz (carry .dcmtk); without it the senders are
+# pynetdicom associations. LANES: the lanes variants (bench.burst --lanes). Logs and JSON in $OUT.
 set -uo pipefail
 OUT=${OUT:-bench/out/device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-WHEEL_DIRS=".whl .whl_dev"
+WHEEL_DIRS=${WHEEL_DIRS:-".whl .whl_dev"}
 source bench/device_wheels.sh
+if [ -f .dcmtk/dcmtk.tar.xz ] && [ ! -x /tmp/dcmtkb/bin/storescu ]; then
+    tar xJf .dcmtk/dcmtk.tar.xz -C /tmp
+fi
+[ -x /tmp/dcmtkb/bin/storescu ] && export PATH=/tmp/dcmtkb/bin:$PATH
+command -v storescu >/dev/null && storescu --version | head -1
+LANES=${LANES:-0}
+export PATH=$PATH:/tmp/site/bin  # py-spy, where its wheel travelled (PROFILE=1)
+PROFILE_ARG=""
+[ "${PROFILE:-0}" = 1 ] && PROFILE_ARG="--profile"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 SERIES=${SERIES:-20}
 SLICES=${SLICES:-300}
@@ -21,7 +32,7 @@ install) ;;
 unet)
     rm -rf /tmp/burst-unet
     timeout 580 python3 -m bench.burst --model unet --engine torch --series "$SERIES" \
-        --slices "$SLICES" --senders 4 --work /tmp/burst-unet --out "$OUT/burst-unet" \
+        --slices "$SLICES" --senders 4 --lanes "$LANES" $PROFILE_ARG --work /tmp/burst-unet --out "$OUT/burst-unet" \
         2>&1 | tee "$OUT/burst-unet.log" | grep -v "^\[gpu-e2e\]" | tail -12
     tail -40 /tmp/burst-unet/node.log > "$OUT/burst-unet-node-tail.log"
     ;;
@@ -30,7 +41,7 @@ total)
     [ -f /tmp/tsa/total.json ] ||
         python3 -m bench.totalseg_standin --task total --anatomy --out /tmp/tsa | tail -2
     timeout 560 python3 -m bench.burst --model /tmp/tsa/total.json --engine torch \
-        --series "$SERIES" --slices "$SLICES" --senders 4 --work /tmp/burst-total \
+        --series "$SERIES" --slices "$SLICES" --senders 4 --lanes "$LANES" $PROFILE_ARG --work /tmp/burst-total \
         --out "$OUT/burst-total" 2>&1 | tee "$OUT/burst-total.log" | tail -12
     tail -40 /tmp/burst-total/node.log > "$OUT/burst-total-node-tail.log"
     ;;

@@ -140,6 +140,21 @@ class SumsEngine(Protocol):
 
 
 @runtime_checkable
+class SlotEngine(Protocol):
+    """A backend that can run several jobs in its models at once, each in a scope of its own
+    (optional; the torch backend: a CUDA stream per job). The worker's gate lets a job in
+    beside others only while :meth:`has_room` says yes."""
+
+    def has_room(self) -> bool:
+        """Whether the device has the memory for one more job beside those running now
+        (False where the backend cannot run a second job at all)."""
+
+    def job_scope(self, shared: Callable[[], bool]) -> AbstractContextManager[None]:
+        """The scope one job's model runs in; ``shared()``, asked at its end, says whether
+        another job ran beside it (its memory peak is then not that of a job alone)."""
+
+
+@runtime_checkable
 class DeviceSumsEngine(Protocol):
     """A trained-model backend that sums the HU per label on its own device (optional):
     :func:`segnode.engines.trained.segment_trained_with_sums` hands it the label map and the

@@ -73,6 +73,12 @@ GPU_BATCH_VOXELS = 1 << 24
 slices of 512 x 512, or 8 patches of 128^3)."""
 
 
+ROOM_MARGIN = 1.25
+"""A second job enters the GPU beside another only where this many times the peak of a job
+alone is free (:meth:`TorchEngine.has_room`): the allocator rounds blocks up and a stream's
+cached blocks serve only that stream."""
+
+
 def default_batch(manifest: ModelManifest, on_gpu: bool) -> int:
     """Patches per forward pass when none is configured (see :class:`TorchEngine`)."""
     opt = max(1, manifest.batch_opt)
@@ -215,6 +221,12 @@ class TorchEngine:
         self._batch = 1
         #: Version 2: one loaded engine per fold file (``manifest.model_files()``).
         self.fold_engines: list[TorchEngine] = []
+        #: Per thread (a worker lane): the CUDA stream its jobs run on (:meth:`job_scope`).
+        self._local = threading.local()
+        #: The most GPU memory a job took above what was allocated before it, among the
+        #: jobs that ran alone (bytes; None before the first): what :meth:`has_room` needs.
+        self.solo_peak: int | None = None
+        self._peak_lock = threading.Lock()
 
     @property
     def half(self) -> bool:
@@ -539,10 +551,11 @@ class TorchEngine:
 
     def _adopt_compiled(self) -> None:
         """Between segmentations: put a compiled predictor that became ready in use."""
-        future = self._compiling
-        if future is None or not future.done():
-            return
-        self._compiling = None
+        with self._peak_lock:  # two jobs starting at once adopt it once
+            future = self._compiling
+            if future is None or not future.done():
+                return
+            self._compiling = None
         try:
             compiled = future.result()
         except Exception as exc:
@@ -791,6 +804,52 @@ class TorchEngine:
         torch.cuda.current_stream(labels.device).synchronize()
         array = host.numpy()
         return array
+
+    def has_room(self) -> bool:
+        """Whether the GPU has the memory for one more job beside those running now
+        (:class:`segnode.engines.base.SlotEngine`): its free memory, with what PyTorch's
+        allocator holds unused (it hands that back before it fails an allocation), and under
+        ``gpu_memory_limit``, at least :data:`ROOM_MARGIN` times the largest peak a job of
+        this model took running alone. False before such a job, off a CUDA GPU, and with CUDA
+        graphs (one set of static buffers)."""
+        torch, dev = self._torch, self._dev
+        need = self.solo_peak
+        if torch is None or dev is None or dev.type != "cuda" or self.cuda_graphs:
+            return False
+        if need is None:
+            return False
+        free, _ = torch.cuda.mem_get_info(dev)
+        allocated = torch.cuda.memory_allocated(dev)
+        room = free + torch.cuda.memory_reserved(dev) - allocated
+        if self.gpu_memory_limit:
+            room = min(room, self.gpu_memory_limit - allocated)
+        return bool(room >= ROOM_MARGIN * need)
+
+    @contextlib.contextmanager
+    def job_scope(self, shared: Callable[[], bool]) -> Iterator[None]:
+        """One job's model on this lane's own CUDA stream
+        (:class:`segnode.engines.base.SlotEngine`), so that two jobs' kernels interleave on
+        the GPU. A job that started alone has the allocator's peak reset; if no other job ran
+        beside it by its end, its peak above the memory allocated before it becomes
+        :attr:`solo_peak` (the largest of them). Off a CUDA GPU: nothing."""
+        torch, dev = self._torch, self._dev
+        if torch is None or dev is None or dev.type != "cuda":
+            yield
+            return
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(device=dev)
+        base = torch.cuda.memory_allocated(dev)
+        if not shared():
+            torch.cuda.reset_peak_memory_stats(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
+        if not shared():
+            peak = torch.cuda.max_memory_allocated(dev) - base
+            with self._peak_lock:
+                self.solo_peak = max(self.solo_peak or 0, peak)
 
     def _cap_memory(self) -> None:
         """Cap PyTorch's allocator at ``gpu_memory_limit`` bytes of the GPU

@@ -3,8 +3,10 @@ and the worker's lanes on a real ledger, spool and ONNX Runtime engine."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +79,126 @@ def test_a_job_queued_past_max_wait_enters_before_urgent_ones() -> None:
 def test_busy_share_and_expected_model_time() -> None:
     gate = EngineGate()
     assert gate.busy_fraction() == 0.0 and gate.mean_model_s() is None
-    with gate.hold(1) as waited:
-        assert waited < 0.5
+    with gate.hold(1) as held:
+        assert held.waited < 0.5 and not held.shared
         time.sleep(0.2)
         assert gate.holder() == 1 and gate.busy_fraction() > 0
     busy = gate.busy_fraction()
     assert 0.2 / 60 <= busy < 0.5 / 60, busy
     mean = gate.mean_model_s()
     assert mean is not None and 0.2 <= mean < 0.5
+
+
+def _hold_in_thread(
+    gate: EngineGate, job_id: int, entered: list[int], release: threading.Event, **kw: Any
+) -> threading.Thread:
+    def run() -> None:
+        with gate.hold(job_id, **kw):
+            entered.append(job_id)
+            release.wait(10)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def _until(check: Callable[[], bool], timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_two_slots_let_a_second_job_in_only_with_room() -> None:
+    """Two slots: a job enters beside the holder only while ``room()`` says yes (asked
+    again as it waits); without ``room`` (an engine that cannot share) it waits to be
+    alone; a third never enters two slots; the busy share counts overlapping holds once."""
+    gate = EngineGate(slots=2)
+    room = {"now": False}
+    entered: list[int] = []
+    first_out, second_out, third_out = threading.Event(), threading.Event(), threading.Event()
+    first = _hold_in_thread(gate, 1, entered, first_out)
+    _until(lambda: entered == [1])
+    second = _hold_in_thread(gate, 2, entered, second_out, room=lambda: room["now"])
+    _until(lambda: gate.waiting() == {0: 1})
+    time.sleep(0.3)
+    assert entered == [1]  # no room yet
+    room["now"] = True
+    _until(lambda: entered == [1, 2])  # asked again while waiting: now beside the first
+    assert gate.holders() == [1, 2] and gate.most_at_once == 2
+    third = _hold_in_thread(gate, 3, entered, third_out, room=lambda: True)
+    time.sleep(0.3)
+    assert entered == [1, 2]  # both slots taken
+    first_out.set()
+    first.join(5)
+    _until(lambda: entered == [1, 2, 3])
+    second_out.set()
+    third_out.set()
+    second.join(5)
+    third.join(5)
+    busy = gate.busy_fraction() * 60  # seconds: one span, not the sum of three holds
+    assert 0.6 <= busy < 1.5, busy
+    alone_only: list[int] = []
+    out = threading.Event()
+    holder = _hold_in_thread(gate, 4, alone_only, out)
+    _until(lambda: alone_only == [4])
+    waiter = _hold_in_thread(gate, 5, alone_only, out)  # no room(): waits to be alone
+    time.sleep(0.3)
+    assert alone_only == [4]
+    out.set()
+    holder.join(5)
+    waiter.join(5)
+    assert alone_only == [4, 5]
+
+
+def test_two_slots_the_most_urgent_enters_the_free_slot_and_a_failing_probe_waits() -> None:
+    gate = EngineGate(slots=2)
+    entered: list[int] = []
+    out = [threading.Event() for _ in range(4)]
+    a = _hold_in_thread(gate, 1, entered, out[0])
+    b = _hold_in_thread(gate, 2, entered, out[1], room=lambda: True)
+    _until(lambda: sorted(entered) == [1, 2])
+
+    def broken() -> bool:
+        raise RuntimeError("NVML gone")
+
+    routine = _hold_in_thread(gate, 3, entered, out[2], room=lambda: True)
+    _until(lambda: gate.waiting() == {0: 1})
+    urgent = _hold_in_thread(gate, 9, entered, out[3], priority=10, room=broken)
+    _until(lambda: gate.waiting() == {0: 1, 10: 1})
+    out[0].set()
+    a.join(5)
+    time.sleep(0.3)  # a slot is free, but the urgent job's probe fails: it waits, and
+    assert sorted(entered) == [1, 2]  # the routine job behind it does not pass it
+    out[1].set()
+    b.join(5)
+    _until(lambda: len(entered) >= 3)
+    assert entered[2] == 9  # alone now: the urgent job first
+    for e in out:
+        e.set()
+    for t in (routine, urgent):
+        t.join(5)
+    assert entered[3] == 3
+
+
+def test_no_job_enters_beside_a_more_urgent_one_unless_overdue() -> None:
+    gate = EngineGate(max_wait_s=60, slots=2)
+    entered: list[int] = []
+    out = [threading.Event() for _ in range(3)]
+    urgent = _hold_in_thread(gate, 1, entered, out[0], priority=10)
+    _until(lambda: entered == [1])
+    routine = _hold_in_thread(gate, 2, entered, out[1], room=lambda: True)
+    time.sleep(0.3)
+    assert entered == [1]  # a free slot, room, but the urgent job runs alone
+    overdue = _hold_in_thread(gate, 3, entered, out[2], queued_s=90.0, room=lambda: True)
+    _until(lambda: entered == [1, 3])  # waited past max_wait_s: it goes beside
+    out[0].set()
+    urgent.join(5)
+    _until(lambda: entered == [1, 3, 2])
+    for e in out:
+        e.set()
+    for t in (routine, overdue):
+        t.join(5)
 
 
 def test_memory_budget_waits_for_the_jobs_ahead() -> None:
@@ -154,12 +268,33 @@ def _series(tmp_path: Path, ledger: Ledger, worker: Worker, n: int, seed: int) -
 worker_spool: dict[int, Any] = {}
 
 
-def _lanes_worker(tmp_path: Path, seconds: float, lanes: int) -> tuple[Worker, Ledger, SlowEngine]:
+class SlotSlowEngine(SlowEngine):
+    """:class:`SlowEngine` that the gate may let in beside another job while ``room`` says so
+    (:class:`segnode.engines.base.SlotEngine`), recording whether each job was shared."""
+
+    def __init__(self, seconds: float, worker: list[Worker]) -> None:
+        super().__init__(seconds, worker)
+        self.room = True
+        self.shared: list[bool] = []
+
+    def has_room(self) -> bool:
+        return self.room
+
+    @contextlib.contextmanager
+    def job_scope(self, shared: Callable[[], bool]) -> Iterator[None]:
+        yield
+        self.shared.append(shared())
+
+
+def _lanes_worker(
+    tmp_path: Path, seconds: float, lanes: int, slots: int = 0
+) -> tuple[Worker, Ledger, SlowEngine]:
     holder: list[Worker] = []
-    engine = SlowEngine(seconds, holder)
+    engine = (SlotSlowEngine if slots else SlowEngine)(seconds, holder)
     engine.load(load_manifest(DEFAULT_MODEL))
+    settings = {"lanes": lanes, "model_slots": slots}
     worker, ledger, spool = worker_on(
-        tmp_path, engine, load_manifest(DEFAULT_MODEL), {"engine": {"lanes": lanes}}
+        tmp_path, engine, load_manifest(DEFAULT_MODEL), {"engine": settings}
     )
     holder.append(worker)
     worker_spool[id(worker)] = spool
@@ -205,6 +340,28 @@ def test_lanes_overlap_jobs_and_run_the_model_one_job_at_a_time(tmp_path: Path) 
     assert sorted(engine.order) == sorted(ids)
     assert any(beside for beside in engine.beside), engine.beside
     assert worker.gate.mean_model_s() is not None and worker.gate.busy_fraction() > 0
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_two_model_slots_run_two_jobs_at_once_where_there_is_room(
+    tmp_path: Path, room: bool
+) -> None:
+    """``model_slots = 2``: with room on the device two jobs run their models at once (and
+    each knows it shared them); without, one at a time, as with one slot."""
+    worker, ledger, engine = _lanes_worker(tmp_path, 0.5, lanes=4, slots=2)
+    assert isinstance(engine, SlotSlowEngine)
+    engine.room = room
+    assert worker.gate.slots == 2 and worker.ahead == 1
+    ids = _queue(ledger, _series(tmp_path, ledger, worker, 4, seed=65))
+    worker.start()
+    try:
+        _wait_done(ledger, ids)
+    finally:
+        worker.stop(10)
+    assert [ledger.job_state(j) for j in ids] == ["done"] * 4
+    assert engine.most_inside == (2 if room else 1)
+    assert any(engine.shared) == room and len(engine.shared) == 4
+    assert worker.gate.most_at_once == engine.most_inside
 
 
 def test_an_urgent_job_runs_next_behind_the_job_in_the_model(tmp_path: Path) -> None:
@@ -255,4 +412,5 @@ def test_lanes_setting(tmp_path: Path, lanes: int) -> None:
     gpu = {"engine": {"lanes": lanes}, "model": {"engine": "torch"}}
     (tmp_path / "gpu").mkdir()
     worker, _, _ = worker_on(tmp_path / "gpu", OrtEngine(), load_manifest(DEFAULT_MODEL), gpu)
-    assert worker.lanes == (lanes or 3)
+    assert worker.lanes == (lanes or 4)  # 0: two jobs in the model, one preparing, one finishing
+    assert worker.gate.slots == 2 and worker.ahead == max(1, (lanes or 4) - 3)

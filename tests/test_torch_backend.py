@@ -448,3 +448,63 @@ def test_first_segmentation_does_not_compile_again(unet: ModelManifest, tmp_path
         engine.segment(hu)
         assert counters["stats"]["unique_graphs"] == graphs, f"{start}: compiled again"
         engine.close()
+
+
+def test_off_a_gpu_a_job_has_no_second_slot(unet: ModelManifest) -> None:
+    engine = TorchEngine(device="cpu", precision="fp32")
+    assert not engine.has_room()  # not loaded
+    engine.load(unet)
+    hu = np.random.default_rng(5).normal(0, 300, (40, 48, 36)).astype(np.float32)
+    with engine.job_scope(lambda: False):
+        labels = engine.segment(hu)
+    np.testing.assert_array_equal(labels, engine.segment(hu))
+    assert not engine.has_room() and engine.solo_peak is None  # the CPU: one job at a time
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_two_jobs_on_their_own_streams_match_one_at_a_time(unet: ModelManifest) -> None:
+    """Two lanes' jobs in the model at once, each on its thread's CUDA stream, give the label
+    maps and sums the same jobs give one at a time; a job alone sets the peak that
+    ``has_room`` asks for, and a job beside another does not."""
+    import threading
+
+    engine = TorchEngine(precision="fp16")
+    engine.load(unet)
+    rng = np.random.default_rng(6)
+    volumes = [rng.normal(0, 300, (96, 128, 128)).astype(np.float32) for _ in range(2)]
+    assert not engine.has_room()  # no job has run alone yet
+    alone = []
+    for hu in volumes:
+        with engine.job_scope(lambda: False):
+            alone.append(engine.segment_with_sums(hu))
+    peak = engine.solo_peak
+    assert peak is not None and peak > 0
+    assert engine.has_room()  # a GPU of tens of GiB holds a second job of this small model
+    together: list[Any] = [None, None]
+    start = threading.Barrier(2)
+    streams: list[Any] = [None, None]
+
+    def lane(k: int) -> None:
+        start.wait()
+        with engine.job_scope(lambda: True):
+            streams[k] = torch.cuda.current_stream()
+            together[k] = engine.segment_with_sums(volumes[k])
+
+    threads = [threading.Thread(target=lane, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert streams[0] != streams[1] and torch.cuda.default_stream() not in streams
+    for (labels, sums), (got, got_sums) in zip(alone, together, strict=True):
+        # cuDNN may pick other FP16 kernels with two jobs at once: noise-level ties may flip;
+        # a race between the jobs' buffers would not leave 99.9 % of the labels in place
+        agree = float(np.mean(got == labels))
+        assert agree >= 0.999, agree
+        counts = got_sums.counts.astype(np.float64)
+        np.testing.assert_allclose(counts, sums.counts, rtol=2e-3, atol=labels.size * 1e-3)
+    assert engine.solo_peak == peak  # jobs beside another do not change it
+    engine.gpu_memory_limit = torch.cuda.memory_allocated() + peak  # no room for 1.25 peaks
+    assert not engine.has_room()
+    engine.close()

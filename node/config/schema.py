@@ -231,6 +231,11 @@ class EngineConfig:
     #: urgent waiting job first. Each job in progress holds its volume and label map: a job
     #: starts only while the estimated peaks of those in progress fit ``memory_limit``.
     lanes: int = setting(0, 0, 16)
+    #: Jobs in their models at once (0: two for the ``torch`` engine on a CUDA GPU, each on a
+    #: CUDA stream of its own, else one). A second job enters only while the GPU's free
+    #: memory holds the peak a job of its model reached alone; a CPU engine, and the torch
+    #: engine with ``cuda_graphs`` (one set of static buffers), always run one job at a time.
+    model_slots: int = setting(0, 0, 4)
     #: Seconds a queued job may wait before it starts ahead of more urgent ones (0: never):
     #: urgent series go first, but a routine one is not starved by a stream of them.
     max_wait_s: float = setting(1800.0, 0)

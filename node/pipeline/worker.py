@@ -59,7 +59,7 @@ from pydicom.dataset import FileMetaDataset
 from pydicom.uid import UID, ExplicitVRLittleEndian, generate_uid
 from sqlalchemy.exc import SQLAlchemyError
 
-from segnode.engines.base import Engine, EngineError, LabelSums, SumsEngine
+from segnode.engines.base import Engine, EngineError, LabelSums, SlotEngine, SumsEngine
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.memory import (
     JobEstimate,
@@ -82,7 +82,7 @@ from segnode.node.ingest.volume import (
 )
 from segnode.node.peers import Peer
 from segnode.node.pipeline.engine_pool import EnginePool
-from segnode.node.pipeline.gate import EngineGate
+from segnode.node.pipeline.gate import EngineGate, Hold
 from segnode.node.results.build import (
     Equipment,
     NoSegmentsError,
@@ -148,9 +148,9 @@ def _no_space(exc: BaseException) -> bool:
     return False
 
 
-AUTO_LANES = 3
-"""Lanes of ``[engine] lanes = 0`` for a GPU engine: one job in its model, one preparing,
-one finishing."""
+GPU_SLOTS = 2
+"""Jobs in their models at once for ``[engine] model_slots = 0`` with the torch engine: each
+on a CUDA stream of its own (where the device has the memory for a second job)."""
 
 CPU_LANES = 2
 """Lanes of ``[engine] lanes = 0`` for an engine that computes on this machine's CPU
@@ -163,10 +163,19 @@ BEFORE_MODEL = frozenset({"started", "volume", "waiting for the model"})
 """The stages of a job in progress that has not yet entered its model."""
 
 
+def model_slots(config: Config) -> int:
+    """The slots of ``[engine] model_slots = 0``: :data:`GPU_SLOTS` for the torch engine (it
+    uses the second only on a CUDA GPU with the memory for it), else one."""
+    if config.engine.model_slots:
+        return config.engine.model_slots
+    return GPU_SLOTS if config.model.engine == "torch" else 1
+
+
 def auto_lanes(config: Config) -> int:
     """The lanes of ``[engine] lanes = 0``: :data:`CPU_LANES` where the default model's engine
-    computes on this machine's CPU, else :data:`AUTO_LANES`."""
-    return CPU_LANES if config.model.engine in CPU_ENGINES else AUTO_LANES
+    computes on this machine's CPU, else the model slots plus one job preparing and one
+    finishing."""
+    return CPU_LANES if config.model.engine in CPU_ENGINES else model_slots(config) + 2
 
 
 class MemoryBudget:
@@ -235,7 +244,7 @@ class Worker:
         self.config = config
         self.lanes = lanes or config.engine.lanes or auto_lanes(config)
         #: The models, one job at a time, the most urgent waiting job first.
-        self.gate = EngineGate(config.engine.max_wait_s)
+        self.gate = EngineGate(config.engine.max_wait_s, model_slots(config))
         self.ledger = ledger
         self.pool = pool
         self.manifest = pool.default_manifest
@@ -249,7 +258,7 @@ class Worker:
         self._priority: dict[int, int] = {}
         #: Jobs a lane may take ahead of the models (more only for a more urgent one): an
         #: urgent job is never queued behind routine ones the lanes already hold.
-        self.ahead = max(1, self.lanes - 2)
+        self.ahead = max(1, self.lanes - self.gate.slots - 1)
         self._running_lock = threading.Lock()
         self.results_dir = config.data_dir / "results"
         # Destinations that take IOCM rejection notes for superseded results.
@@ -330,7 +339,12 @@ class Worker:
             thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._threads.append(thread)
             thread.start()
-        log.info("worker: %d lane(s), the models one job at a time", self.lanes)
+        log.info(
+            "worker: %d lane(s), %d model slot(s)%s",
+            self.lanes,
+            self.gate.slots,
+            " (a second job only on a GPU with room for it)" if self.gate.slots > 1 else "",
+        )
 
     def _warm(self) -> None:
         try:
@@ -524,19 +538,21 @@ class Worker:
         if self.prepare_mode == "before":
             seg_plan, sr_plan = self._prepare(volume, manifest, uids, created)
             clock.lap("prepare")
-            with self.gate.hold(job.id, job.priority, queued_s) as gate_wait:
+            with self.gate.hold(job.id, job.priority, queued_s, self._room(engine)) as held:
                 self._stage(job.id, "model")
                 clock.restart()
-                labels, sums = _segment(engine, manifest, volume)
+                with _job_scope(engine, held):
+                    labels, sums = _segment(engine, manifest, volume)
             clock.lap("inference")
         else:
             with _switch_interval(PREPARE_SWITCH_INTERVAL_S):
                 plans = self._helper.submit(self._timed_prepare, volume, manifest, uids, created)
-                with self.gate.hold(job.id, job.priority, queued_s) as gate_wait:
+                with self.gate.hold(job.id, job.priority, queued_s, self._room(engine)) as held:
                     self._stage(job.id, "model")
                     clock.restart()
                     try:
-                        labels, sums = _segment(engine, manifest, volume)
+                        with _job_scope(engine, held):
+                            labels, sums = _segment(engine, manifest, volume)
                     finally:
                         clock.lap("inference")
                 (seg_plan, sr_plan), prepared = plans.result()  # its errors fail the job
@@ -596,7 +612,7 @@ class Worker:
             "(%s), SR encode %.1f, files %.1f (%.1f MB), notes %.1f, ledger %.1f; %s",
             job.id,
             budget_wait * 1e3,
-            gate_wait * 1e3,
+            held.waited * 1e3,
             ms["inference"],
             ms["prepare"],
             self.prepare_mode,
@@ -662,6 +678,13 @@ class Worker:
                 f"{self.memory_limit / GIB:.1f} GiB"
             )
         return estimate
+
+    def _room(self, engine: Engine) -> Callable[[], bool] | None:
+        """What the gate asks before this engine's job enters beside others: the device's
+        room for it (:meth:`SlotEngine.has_room`); None (alone only) for other engines."""
+        if self.gate.slots > 1 and isinstance(engine, SlotEngine):
+            return engine.has_room
+        return None
 
     def _timed_prepare(
         self, volume: Volume, manifest: ModelManifest, uids: ResultUIDs, created: datetime
@@ -818,6 +841,14 @@ def _segment(
     if isinstance(engine, SumsEngine):
         return engine.segment_with_sums(volume.hu)
     return engine.segment(volume.hu), None
+
+
+def _job_scope(engine: Engine, held: Hold) -> contextlib.AbstractContextManager[None]:
+    """The engine's scope for one job in its model (:meth:`SlotEngine.job_scope`: its own
+    CUDA stream, and its memory peak measured where it ran alone); nothing for others."""
+    if isinstance(engine, SlotEngine):
+        return engine.job_scope(lambda: held.shared)
+    return contextlib.nullcontext()
 
 
 class _Clock:

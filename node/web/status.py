@@ -90,6 +90,8 @@ def worker_figures(node: Node) -> dict[str, Any]:
         wait = expected_wait(jobs)
     return {
         "lanes": worker.lanes,
+        "model_slots": gate.slots,
+        "in_model": gate.holders(),
         "in_progress": {str(job): stage for job, stage in sorted(worker.running.items())},
         "waiting_for_model": {str(p): n for p, n in sorted(gate.waiting().items())},
         "model_busy_pct": round(100 * gate.busy_fraction(), 1),
