@@ -175,7 +175,7 @@ def test_metrics_endpoint_and_delivery_ack_times(
     assert abs(m["segnode_received_bytes_total"] - size) < 0.01 * size  # file meta re-encoded
     assert m['segnode_jobs{state="sent"}'] == 1
     assert 0 < m["segnode_model_busy_ratio"] <= 1 and m["segnode_jobs_in_progress"] == 0
-    assert m["segnode_jobs_waiting_for_model"] == 0
+    assert m["segnode_jobs_waiting_for_model"] == 0 and m["segnode_jobs_in_model"] == 0
     for stage in ("completion", "queue", "volume", "inference", "encode", "total"):
         assert m[f'segnode_stage_seconds_count{{stage="{stage}"}}'] == 1, stage
     assert m['segnode_stage_seconds_count{stage="delivery"}'] == 2

@@ -161,6 +161,7 @@ def test_status_probes_and_preview(make_node: Any, tmp_path: Path) -> None:
     assert status["queue"]["depth"] == 0 and status["ledger"]["jobs"] == {"done": 1}
     queue = status["queue"]  # the lanes' figures (issue 36)
     assert queue["lanes"] == 2 and queue["in_progress"] == {} and queue["waiting_for_model"] == {}
+    assert queue["model_slots"] == 1 and queue["in_model"] == []  # onnxruntime: one at a time
     assert 0 < queue["model_busy_pct"] <= 100 and queue["model_mean_s"] > 0
     assert queue["expected_wait_s"] == 0.0 and queue["queued_by_priority"] == {}
     assert queue["gpu_busy_pct"] is None or 0 <= queue["gpu_busy_pct"] <= 100

@@ -273,6 +273,8 @@ class Node:
                         # the share of the last minute the models ran a job (0 to 1)
                         "segnode_model_busy_ratio": lambda: self.worker.gate.busy_fraction(),
                         "segnode_jobs_in_progress": lambda: len(self.worker.running),
+                        # jobs running their models now (up to [engine] model_slots)
+                        "segnode_jobs_in_model": lambda: len(self.worker.gate.holders()),
                         "segnode_jobs_waiting_for_model": lambda: sum(
                             self.worker.gate.waiting().values()
                         ),

@@ -163,7 +163,7 @@ function renderStatus(s) {
     ["model", `${e.model.name} ${e.model.version}`],
     ["queue", `${s.queue.depth} (running: ${s.queue.current_job ?? "none"})`],
     ["by priority", Object.entries(s.queue.queued_by_priority || {}).map(([p, n]) => `${n} at ${p}`).join(", ") || "none queued"],
-    ["models", `busy ${s.queue.model_busy_pct} % of the last minute` + (s.queue.gpu_busy_pct != null ? `, GPU ${s.queue.gpu_busy_pct} %` : "") + `, ${s.queue.lanes} lane(s)`],
+    ["models", `busy ${s.queue.model_busy_pct} % of the last minute` + (s.queue.gpu_busy_pct != null ? `, GPU ${s.queue.gpu_busy_pct} %` : "") + `, ${s.queue.lanes} lane(s), ${s.queue.model_slots} model slot(s)` + (s.queue.in_model && s.queue.in_model.length ? `, in the models: job ${s.queue.in_model.join(", ")}` : "")],
     ["expected wait", s.queue.expected_wait_s != null ? `${s.queue.expected_wait_s} s` : "unknown yet"],
     ["last result", s.queue.last_result],
     ["outbox", `${s.outbox.pending} pending, ${s.outbox.failed} failed`],
