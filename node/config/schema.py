@@ -233,8 +233,8 @@ class EngineConfig:
     lanes: int = setting(0, 0, 16)
     #: Jobs in their models at once (0: two for the ``torch`` engine on a CUDA GPU, each on a
     #: CUDA stream of its own, else one). A second job enters only while the GPU's free
-    #: memory holds the peak a job of its model reached alone; a CPU engine, and the torch
-    #: engine with ``cuda_graphs`` (one set of static buffers), always run one job at a time.
+    #: memory holds the peak a job of its model reached alone; a CPU engine always runs one
+    #: job at a time. 1: one job at a time on every engine.
     model_slots: int = setting(0, 0, 4)
     #: Seconds a queued job may wait before it starts ahead of more urgent ones (0: never):
     #: urgent series go first, but a routine one is not starved by a stream of them.
