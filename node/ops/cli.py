@@ -366,6 +366,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     from segnode.node.audit.trail import queue_facts
 
     facts["audit"] = queue_facts(cfg)
+    from segnode.node.ops.gpu import gpu_busy_percent
+
+    # the GPU's utilisation now (NVML; null without NVML or an NVIDIA GPU): device-wide, so
+    # it needs no running node; the node's own figures are in /api/v1/status
+    facts["gpu_busy_pct"] = gpu_busy_percent()
     print(json.dumps({"data_dir": str(cfg.data_dir), **facts}, indent=2))
     return 0
 
