@@ -25,6 +25,7 @@ export PATH=$PATH:/tmp/site/bin  # py-spy, where its wheel travelled (PROFILE=1)
 PROFILE_ARG=""
 [ "${PROFILE:-0}" = 1 ] && PROFILE_ARG="--profile"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m bench.sync_probe /tmp | tee "$OUT/sync-probe.json"  # the disk's time per instance
 SERIES=${SERIES:-20}
 SLICES=${SLICES:-300}
 case ${1:-unet} in
