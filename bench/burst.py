@@ -240,7 +240,7 @@ def run_variant(
         text = config_text(data, port, scp.port, manifest, args)
         if lanes_n != 1 and args.lane_threads:
             text = text.replace("[model]\n", f"[model]\nthreads = {args.lane_threads}\n", 1)
-        text += f"\n[engine]\nlanes = {lanes_n}\nmodel_slots = {slots}\n"
+        text += f"\n[engine]\nlanes = {lanes_n}\n" + (f"model_slots = {slots}\n" if slots else "")
         text += f'\n[[series.senders]]\nae_title = "{URGENT_AE}"\npriority = 10\n'
         cfg.write_text(text)
         if variant == "1" and args.engine == "torch":

@@ -20,7 +20,7 @@ if [ -f .dcmtk/dcmtk.tar.xz ] && [ ! -x /tmp/dcmtkb/bin/storescu ]; then
 fi
 [ -x /tmp/dcmtkb/bin/storescu ] && export PATH=/tmp/dcmtkb/bin:$PATH
 command -v storescu >/dev/null && storescu --version | head -1
-LANES=${LANES:-0}
+LANES=${LANES:-0,4:2}  # the default lanes (one model slot), and two slots
 export PATH=$PATH:/tmp/site/bin  # py-spy, where its wheel travelled (PROFILE=1)
 PROFILE_ARG=""
 [ "${PROFILE:-0}" = 1 ] && PROFILE_ARG="--profile"

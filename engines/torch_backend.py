@@ -73,6 +73,9 @@ GPU_BATCH_VOXELS = 1 << 24
 slices of 512 x 512, or 8 patches of 128^3)."""
 
 
+_FLAGS_LOCK = threading.Lock()
+_FLAGS: dict[str, Any] = {"inside": 0, "saved": None}  # calls inside, the switches before
+
 ROOM_MARGIN = 1.25
 """A second job enters the GPU beside another only where this many times the peak of a job
 alone is free (:meth:`TorchEngine.has_room`): the allocator rounds blocks up and a stream's
@@ -235,15 +238,25 @@ class TorchEngine:
 
     @contextlib.contextmanager
     def _flags(self) -> Iterator[None]:
-        """Process-wide cuDNN/TF32 switches, set for this engine's calls and restored after."""
+        """Process-wide cuDNN/TF32 switches, set for this engine's calls and restored after
+        the last call inside ends: two jobs in the models at once (each on its own thread)
+        must not have one's restore change the other's kernels halfway."""
         b = self._torch.backends
-        saved = (b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32)
-        b.cudnn.benchmark = True
-        b.cudnn.allow_tf32 = b.cuda.matmul.allow_tf32 = self.tf32
+        with _FLAGS_LOCK:
+            if not _FLAGS["inside"]:
+                _FLAGS["saved"] = (b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32)
+            _FLAGS["inside"] += 1
+            b.cudnn.benchmark = True
+            b.cudnn.allow_tf32 = b.cuda.matmul.allow_tf32 = self.tf32
         try:
             yield
         finally:
-            b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32 = saved
+            with _FLAGS_LOCK:
+                _FLAGS["inside"] -= 1
+                if not _FLAGS["inside"]:
+                    b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32 = _FLAGS[
+                        "saved"
+                    ]
 
     def load(self, manifest: ModelManifest) -> None:
         """Convert the model, move it to the device and warm it up (compile, graphs).

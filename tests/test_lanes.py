@@ -292,7 +292,7 @@ def _lanes_worker(
     holder: list[Worker] = []
     engine = (SlotSlowEngine if slots else SlowEngine)(seconds, holder)
     engine.load(load_manifest(DEFAULT_MODEL))
-    settings = {"lanes": lanes, "model_slots": slots}
+    settings = {"lanes": lanes, "model_slots": slots or 1}
     worker, ledger, spool = worker_on(
         tmp_path, engine, load_manifest(DEFAULT_MODEL), {"engine": settings}
     )
@@ -412,5 +412,9 @@ def test_lanes_setting(tmp_path: Path, lanes: int) -> None:
     gpu = {"engine": {"lanes": lanes}, "model": {"engine": "torch"}}
     (tmp_path / "gpu").mkdir()
     worker, _, _ = worker_on(tmp_path / "gpu", OrtEngine(), load_manifest(DEFAULT_MODEL), gpu)
-    assert worker.lanes == (lanes or 4)  # 0: two jobs in the model, one preparing, one finishing
-    assert worker.gate.slots == 2 and worker.ahead == max(1, (lanes or 4) - 3)
+    assert worker.lanes == (lanes or 3)  # 0: one job in the model, one preparing, one finishing
+    assert worker.gate.slots == 1 and worker.ahead == max(1, (lanes or 3) - 2)
+    two = {"engine": {"lanes": lanes, "model_slots": 2}, "model": {"engine": "torch"}}
+    (tmp_path / "two").mkdir()
+    worker, _, _ = worker_on(tmp_path / "two", OrtEngine(), load_manifest(DEFAULT_MODEL), two)
+    assert worker.lanes == (lanes or 4) and worker.gate.slots == 2  # 0: the slots + 2

@@ -508,3 +508,23 @@ def test_two_jobs_on_their_own_streams_match_one_at_a_time(unet: ModelManifest) 
     engine.gpu_memory_limit = torch.cuda.memory_allocated() + peak  # no room for 1.25 peaks
     assert not engine.has_room()
     engine.close()
+
+
+def test_the_cudnn_switches_stay_set_while_another_job_is_inside() -> None:
+    """Two jobs' calls overlap: the first one out must not restore the switches under the
+    second (its kernels would change halfway); the last one out restores them."""
+    b = torch.backends
+    before = b.cudnn.benchmark
+    b.cudnn.benchmark = False
+    try:
+        first, second = TorchEngine(device="cpu"), TorchEngine(device="cpu")
+        first._torch = second._torch = torch
+        outer = first._flags()
+        outer.__enter__()
+        with second._flags():
+            assert b.cudnn.benchmark is True
+        assert b.cudnn.benchmark is True  # the first call is still inside
+        outer.__exit__(None, None, None)
+        assert b.cudnn.benchmark is False  # restored by the last one out
+    finally:
+        b.cudnn.benchmark = before

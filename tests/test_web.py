@@ -171,6 +171,8 @@ def test_status_probes_and_preview(make_node: Any, tmp_path: Path) -> None:
     # the ledger part is what `segnode status` prints
     cli = json.loads(node.cli("status").stdout)
     assert cli.pop("audit") == {"enabled": False}  # the audit queue, read from its file
+    busy = cli.pop("gpu_busy_pct")  # NVML's utilisation now (none without an NVIDIA GPU)
+    assert (busy is None) == (queue["gpu_busy_pct"] is None) and (busy is None or busy <= 100)
     assert {k: v for k, v in cli.items() if k != "data_dir"} == status["ledger"]
 
     detail = wait_for(

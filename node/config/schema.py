@@ -231,11 +231,13 @@ class EngineConfig:
     #: urgent waiting job first. Each job in progress holds its volume and label map: a job
     #: starts only while the estimated peaks of those in progress fit ``memory_limit``.
     lanes: int = setting(0, 0, 16)
-    #: Jobs in their models at once (0: two for the ``torch`` engine on a CUDA GPU, each on a
-    #: CUDA stream of its own, else one). A second job enters only while the GPU's free
-    #: memory holds the peak a job of its model reached alone; a CPU engine always runs one
-    #: job at a time. 1: one job at a time on every engine.
-    model_slots: int = setting(0, 0, 4)
+    #: Jobs in their models at once. 2 (the ``torch`` engine on a CUDA GPU): a second job
+    #: runs beside the first, each on a CUDA stream of its own, while the GPU's free memory
+    #: holds the peak a job of its model reached alone (1.28x -> 1.62x the throughput of one
+    #: job at a time in a burst on an H100, docs/performance.md); other engines always run
+    #: one job at a time. Default 1 until the agreement of two jobs at once with one at a
+    #: time has been checked on a GPU.
+    model_slots: int = setting(1, 1, 4)
     #: Seconds a queued job may wait before it starts ahead of more urgent ones (0: never):
     #: urgent series go first, but a routine one is not starved by a stream of them.
     max_wait_s: float = setting(1800.0, 0)

@@ -148,10 +148,6 @@ def _no_space(exc: BaseException) -> bool:
     return False
 
 
-GPU_SLOTS = 2
-"""Jobs in their models at once for ``[engine] model_slots = 0`` with the torch engine: each
-on a CUDA stream of its own (where the device has the memory for a second job)."""
-
 CPU_LANES = 2
 """Lanes of ``[engine] lanes = 0`` for an engine that computes on this machine's CPU
 (:data:`CPU_ENGINES`): the model shares the cores with the work around it, and a third lane
@@ -164,11 +160,9 @@ BEFORE_MODEL = frozenset({"started", "volume", "waiting for the model"})
 
 
 def model_slots(config: Config) -> int:
-    """The slots of ``[engine] model_slots = 0``: :data:`GPU_SLOTS` for the torch engine (it
-    uses the second only on a CUDA GPU with the memory for it), else one."""
-    if config.engine.model_slots:
-        return config.engine.model_slots
-    return GPU_SLOTS if config.model.engine == "torch" else 1
+    """``[engine] model_slots``: jobs in the models at once (a second one only for an engine
+    that can share its device, :class:`segnode.engines.base.SlotEngine`, with room for it)."""
+    return config.engine.model_slots
 
 
 def auto_lanes(config: Config) -> int:
