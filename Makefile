@@ -92,7 +92,7 @@ bench-burst: venv tools
 bench-burst-gpu: venv
 	$(BIN)/pip install -q -e '.[bench,gpu]'
 	$(BIN)/python -m bench.burst --model unet --engine torch --series 20 --slices 300 \
-		--out bench/out/burst-gpu
+		--lanes 0,4:2 --out bench/out/burst-gpu
 
 # TotalSegmentator's total task on a CUDA GPU (issue 34; docs/performance.md): the engine alone
 # on the five 1.5 mm parts of the real shape (random weights), then segnode end to end with the
