@@ -237,7 +237,7 @@ class Worker:
     ) -> None:
         self.config = config
         self.lanes = lanes or config.engine.lanes or auto_lanes(config)
-        #: The models, one job at a time, the most urgent waiting job first.
+        #: The models, ``model_slots`` jobs at a time, the most urgent waiting job first.
         self.gate = EngineGate(config.engine.max_wait_s, model_slots(config))
         self.ledger = ledger
         self.pool = pool
