@@ -18,7 +18,8 @@ OURS = re.compile(r"(segnode|/node/|/engines/|/storage/)")
 
 
 def thread_kind(frame: str) -> str:
-    name = re.sub(r"^(thread|process) \(?", "", frame).strip("()\"' ")
+    """``thread (22803): segnode-prepare_0`` -> ``segnode-prepare``."""
+    name = re.sub(r"^(thread|process) \([^)]*\):?\s*", "", frame).strip("\"' ")
     name = re.sub(r"0x[0-9a-f]+", "", name)
     return re.sub(r"[-_ ]?\d+\b", "", name).strip() or "main"
 
