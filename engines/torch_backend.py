@@ -229,7 +229,7 @@ class TorchEngine:
         #: The most GPU memory a job took above what was allocated before it, among the
         #: jobs that ran alone (bytes; None before the first): what :meth:`has_room` needs.
         self.solo_peak: int | None = None
-        self._peak_lock = threading.Lock()
+        self._lock = threading.Lock()  # solo_peak, and adopting the compiled model
 
     @property
     def half(self) -> bool:
@@ -564,7 +564,7 @@ class TorchEngine:
 
     def _adopt_compiled(self) -> None:
         """Between segmentations: put a compiled predictor that became ready in use."""
-        with self._peak_lock:  # two jobs starting at once adopt it once
+        with self._lock:  # two jobs starting at once adopt it once
             future = self._compiling
             if future is None or not future.done():
                 return
@@ -827,9 +827,7 @@ class TorchEngine:
         graphs (one set of static buffers)."""
         torch, dev = self._torch, self._dev
         need = self.solo_peak
-        if torch is None or dev is None or dev.type != "cuda" or self.cuda_graphs:
-            return False
-        if need is None:
+        if need is None or dev is None or dev.type != "cuda" or self.cuda_graphs:
             return False
         free, _ = torch.cuda.mem_get_info(dev)
         allocated = torch.cuda.memory_allocated(dev)
@@ -857,11 +855,10 @@ class TorchEngine:
             torch.cuda.reset_peak_memory_stats(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            yield
-        stream.synchronize()
+            yield  # the job's results reach the host through a synchronised copy
         if not shared():
             peak = torch.cuda.max_memory_allocated(dev) - base
-            with self._peak_lock:
+            with self._lock:
                 self.solo_peak = max(self.solo_peak or 0, peak)
 
     def _cap_memory(self) -> None:

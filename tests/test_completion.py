@@ -630,31 +630,23 @@ def test_a_decoder_that_never_catches_up_is_waited_for_a_bounded_time(
     assert [(s, trig) for s, trig, _ in r.done] == [("s", RELEASE)]
 
 
-def test_cli_status_gives_the_queue_and_the_gpu(tmp_path: Path) -> None:
+def test_cli_status_gives_the_queue_and_the_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``segnode status``: the ledger's counts, the expected wait, and the GPU's utilisation
     (NVML; null on a machine without an NVIDIA GPU, as here in CI)."""
     import json
-    import subprocess
-    import sys
 
-    from tests.conftest import ROOT
+    from segnode.node.config.parse import load_config
+    from segnode.node.ops.cli import main
+    from segnode.node.ops.service import open_state
 
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'data_dir = "{tmp_path / "data"}"\n')
-    from segnode.node.config.parse import load_config
-    from segnode.node.ops.service import open_state
-
     ledger, _ = open_state(load_config(cfg))  # a node's state, as after its first start
     ledger.close()
-    out = subprocess.run(
-        [sys.executable, "-m", "segnode.node.ops.cli", "status", "--config", str(cfg)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    facts = json.loads(out.stdout)
+    assert main(["status", "--config", str(cfg)]) == 0
+    facts = json.loads(capsys.readouterr().out)
     assert "expected_wait_s" in facts and facts["data_dir"] == str(tmp_path / "data")
     busy = facts["gpu_busy_pct"]
     assert busy is None or 0 <= busy <= 100

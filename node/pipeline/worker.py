@@ -159,17 +159,11 @@ BEFORE_MODEL = frozenset({"started", "volume", "waiting for the model"})
 """The stages of a job in progress that has not yet entered its model."""
 
 
-def model_slots(config: Config) -> int:
-    """``[engine] model_slots``: jobs in the models at once (a second one only for an engine
-    that can share its device, :class:`segnode.engines.base.SlotEngine`, with room for it)."""
-    return config.engine.model_slots
-
-
 def auto_lanes(config: Config) -> int:
     """The lanes of ``[engine] lanes = 0``: :data:`CPU_LANES` where the default model's engine
     computes on this machine's CPU, else the model slots plus one job preparing and one
     finishing."""
-    return CPU_LANES if config.model.engine in CPU_ENGINES else model_slots(config) + 2
+    return CPU_LANES if config.model.engine in CPU_ENGINES else config.engine.model_slots + 2
 
 
 class MemoryBudget:
@@ -238,7 +232,7 @@ class Worker:
         self.config = config
         self.lanes = lanes or config.engine.lanes or auto_lanes(config)
         #: The models, ``model_slots`` jobs at a time, the most urgent waiting job first.
-        self.gate = EngineGate(config.engine.max_wait_s, model_slots(config))
+        self.gate = EngineGate(config.engine.max_wait_s, config.engine.model_slots)
         self.ledger = ledger
         self.pool = pool
         self.manifest = pool.default_manifest
