@@ -50,6 +50,7 @@ from bench.gpu_e2e import (
     make_series,
     model_manifest,
     process_peak_rss,
+    process_tree,
     serve,
     wait_log,
 )
@@ -68,7 +69,7 @@ def swapped_out() -> int:
 
 
 class HostCpu:
-    """The host's CPU use and one process's CPU time, sampled every 0.25 s on a thread
+    """The host's CPU use and one process's CPU time (with its children's), sampled every 0.25 s on a thread
     (``/proc/stat`` and ``/proc/PID/stat``), so that a span's figures can be read afterwards:
     on a CPU-only machine they say whether a burst is bound by the cores."""
 
@@ -82,11 +83,15 @@ class HostCpu:
     def _sample(self) -> tuple[float, int, int, int]:
         cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)  # idle + iowait
-        try:
-            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            own = int(fields[11]) + int(fields[12])  # utime + stime
-        except (OSError, IndexError, ValueError):
-            own = self.samples[-1][3] if self.samples else 0
+        own = 0
+        for pid in process_tree(self.pid):  # the node and its model processes
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                own += int(fields[11]) + int(fields[12])  # utime + stime
+            except (OSError, IndexError, ValueError):
+                pass
+        if not own and self.samples:
+            own = self.samples[-1][3]
         return time.time(), sum(cpu) - idle, sum(cpu), own
 
     def _run(self) -> None:
@@ -229,18 +234,24 @@ def run_variant(
     args: Any, work: Path, manifest: Path, variant: str, series: list[dict[str, Any]],
     warm: dict[str, Any], urgent: dict[str, Any], period_one: float | None,
 ) -> dict[str, Any]:  # fmt: skip
-    lanes, _, slots_text = variant.partition(":")
+    process = variant.endswith("p")  # [engine] model_process = true
+    lanes, _, slots_text = variant.removesuffix("p").partition(":")
     lanes_n, slots = int(lanes), int(slots_text or 0)
     tag = variant.replace(":", "-")
     data = work / f"data-lanes{tag}"
     port = free_port()
     cfg = work / f"config-lanes{tag}.toml"
-    out: dict[str, Any] = {"lanes_setting": lanes_n, "model_slots_setting": slots}
+    out: dict[str, Any] = {
+        "lanes_setting": lanes_n,
+        "model_slots_setting": slots,
+        "model_process": process,
+    }
     with ResultsSCP() as scp:
         text = config_text(data, port, scp.port, manifest, args)
         if lanes_n != 1 and args.lane_threads:
             text = text.replace("[model]\n", f"[model]\nthreads = {args.lane_threads}\n", 1)
         text += f"\n[engine]\nlanes = {lanes_n}\n" + (f"model_slots = {slots}\n" if slots else "")
+        text += "model_process = true\n" if process else ""
         text += f'\n[[series.senders]]\nae_title = "{URGENT_AE}"\npriority = 10\n'
         cfg.write_text(text)
         if variant == "1" and args.engine == "torch":
@@ -328,6 +339,8 @@ def run_variant(
             gpu_peak = gpu.stop()
             host.stop()
             out["node_vmhwm_gib"] = process_peak_rss(proc.pid)
+            children = [process_peak_rss(pid) for pid in process_tree(proc.pid)[1:]]
+            out["model_process_vmhwm_gib"] = max((c for c in children if c), default=None)
         log = node_log.read_text(errors="replace")[log_mark:]
     span = end - start
     inference = model_seconds(log)
@@ -393,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         "--lanes",
         default="0",
         help="[engine] lanes of the variants after the one at a time, comma-separated, each "
-        "LANES or LANES:MODEL_SLOTS (0: the node's automatic choice)",
+        "LANES or LANES:MODEL_SLOTS (0: the node's automatic choice), with a trailing p: "
+        "the models in a process of their own ([engine] model_process)",
     )
     p.add_argument("--urgent-at", type=float, default=10.0)
     p.add_argument(
@@ -470,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     for lanes_run in variants[1:]:
         print(
             f"[burst] one at a time {one_at_a_time['series_per_min']} series/min, "
-            f"lanes {lanes_run['lanes']} (model slots {lanes_run['model_slots']}) "
+            f"lanes {lanes_run['lanes']} (model slots {lanes_run['model_slots']}"
+            f"{', model process' if lanes_run['model_process'] else ''}) "
             f"{lanes_run['series_per_min']} series/min: "
             f"{lanes_run['throughput_ratio']}x; GPU busy {one_at_a_time['gpu_busy_pct']} -> "
             f"{lanes_run['gpu_busy_pct']} %; model busy {one_at_a_time['model_busy_pct']} -> "

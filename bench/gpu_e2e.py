@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -177,10 +177,23 @@ def serve(work: Path, cfg: Path, port: int) -> Iterator[tuple[subprocess.Popen[b
         yield proc, time.monotonic() - t0
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (``/proc/PID/task/*/children``; the node's model
+    processes, ``[engine] model_process``)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            with suppress(OSError, ValueError):
+                todo.extend(int(c) for c in task.read_text().split())
+    return found
+
+
 class GpuMemory:
-    """The most GPU memory a process held (NVML's per-process figure, what ``nvidia-smi``
-    shows: the CUDA context, PyTorch's reserved blocks, cuDNN's workspace), sampled every
-    50 ms on a thread between ``start`` and ``stop``; ``peak`` is None without NVML."""
+    """The most GPU memory a process and its children held (NVML's per-process figures,
+    what ``nvidia-smi`` shows: the CUDA context, PyTorch's reserved blocks, cuDNN's
+    workspace), sampled every 50 ms on a thread between ``start`` and ``stop``; ``peak`` is None without NVML."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak = pid, None
@@ -204,9 +217,14 @@ class GpuMemory:
             while not self._stop.wait(0.05):
                 util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
                 self.samples.append((time.time(), int(util)))
-                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if proc.pid == self.pid and proc.usedGpuMemory:
-                        self.peak = max(self.peak or 0, int(proc.usedGpuMemory))
+                ours = set(process_tree(self.pid))  # the node and its model processes
+                held = sum(
+                    int(proc.usedGpuMemory or 0)
+                    for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                    if proc.pid in ours
+                )
+                if held:
+                    self.peak = max(self.peak or 0, held)
 
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()

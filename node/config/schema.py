@@ -238,6 +238,12 @@ class EngineConfig:
     #: one job at a time. Default 1 until the agreement of two jobs at once with one at a
     #: time has been checked on a GPU.
     model_slots: int = setting(1, 1, 4)
+    #: Each model's engine in a process of its own (:mod:`segnode.engines.model_process`):
+    #: the volume and the label map pass through shared memory, and the model's thread no
+    #: longer waits for the interpreter lock that receiving, encoding and sending hold. A
+    #: model process that dies fails only the jobs it ran, with that reason, and the next
+    #: job starts it again.
+    model_process: bool = setting(False)
     #: Seconds a queued job may wait before it starts ahead of more urgent ones (0: never):
     #: urgent series go first, but a routine one is not starved by a stream of them.
     max_wait_s: float = setting(1800.0, 0)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pydicom.errors import InvalidDicomError
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
-from segnode.engines.base import Engine, EngineError, create_engine
+from segnode.engines.base import Engine, EngineError
 from segnode.engines.manifest import ModelManifest, check_runnable
 from segnode.node.audit.trail import AuditTrail
 from segnode.node.config import Config
@@ -38,7 +38,7 @@ from segnode.node.ops.metrics import Metrics
 from segnode.node.ops.notify import Notifier
 from segnode.node.ops.retention import Retention
 from segnode.node.outbox.scu import Dispatcher
-from segnode.node.pipeline.engine_pool import EnginePool, engine_options
+from segnode.node.pipeline.engine_pool import EnginePool, make_engine
 from segnode.node.pipeline.worker import Worker
 from segnode.node.routing.rules import (
     Decision,
@@ -192,12 +192,12 @@ class Node:
             #: or the ledger file went.
             self.failure: str | None = None
             if engine is None:
-                options = engine_options(
+                engine = make_engine(
                     model_specs(config)[0],
                     config.data_dir,
                     gpu_memory_limit=config.engine.gpu_memory_limit,
+                    model_process=config.engine.model_process,
                 )
-                engine = create_engine(config.model.engine, **options)
                 if config.model.load == "background":
                     self._unloaded = engine
                 else:

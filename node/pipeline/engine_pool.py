@@ -17,6 +17,7 @@ from typing import Any
 
 from segnode.engines.base import Engine, EngineError, create_engine, run_precision
 from segnode.engines.manifest import ModelManifest, check_runnable
+from segnode.engines.model_process import ProcessEngine
 from segnode.node.config import Config
 from segnode.node.modelspec import load_spec_manifest
 from segnode.node.routing.rules import DEFAULT_MODEL_NAME, ModelSpec, model_specs
@@ -55,6 +56,17 @@ def engine_options(spec: ModelSpec, data_dir: Path, *, gpu_memory_limit: int = 0
     return {}
 
 
+def make_engine(
+    spec: ModelSpec, data_dir: Path, *, gpu_memory_limit: int = 0, model_process: bool = False
+) -> Engine:
+    """The (unloaded) engine of one model: its backend in the node's process, or with
+    ``model_process`` (``[engine] model_process``) in a process of its own."""
+    options = engine_options(spec, data_dir, gpu_memory_limit=gpu_memory_limit)
+    if model_process:
+        return ProcessEngine(spec.engine, options)
+    return create_engine(spec.engine, **options)
+
+
 class EnginePool:
     """Loaded engines by model name.
 
@@ -80,10 +92,12 @@ class EnginePool:
         preloaded: Mapping[str, tuple[Engine, ModelManifest]] | None = None,
         *,
         gpu_memory_limit: int = 0,
+        model_process: bool = False,
     ) -> None:
         self.specs = {s.name: s for s in specs}
         self.data_dir = data_dir
         self.gpu_memory_limit = gpu_memory_limit
+        self.model_process = model_process
         self._engines: dict[str, Engine] = {}
         self.manifests: dict[str, ModelManifest] = {}
         for name, (engine, manifest) in (preloaded or {}).items():
@@ -103,6 +117,7 @@ class EnginePool:
             config.data_dir,
             {DEFAULT_MODEL_NAME: (engine, manifest)},
             gpu_memory_limit=config.engine.gpu_memory_limit,
+            model_process=config.engine.model_process,
         )
 
     @property
@@ -138,8 +153,12 @@ class EnginePool:
                 raise EngineError(f"model {name!r} is not configured (configured: {known})")
             manifest = self.manifests[name]
             log.info("loading model %s (%s) on %s", name, self.label(name), spec.engine)
-            options = engine_options(spec, self.data_dir, gpu_memory_limit=self.gpu_memory_limit)
-            engine = create_engine(spec.engine, **options)
+            engine = make_engine(
+                spec,
+                self.data_dir,
+                gpu_memory_limit=self.gpu_memory_limit,
+                model_process=self.model_process,
+            )
             engine.load(manifest)
             self._engines[name] = engine
             manifest = self.manifests[name] = _as_run(engine, manifest)
@@ -167,4 +186,4 @@ def _as_run(engine: Engine, manifest: ModelManifest) -> ModelManifest:
     return replace(manifest, precision=run_precision(engine, manifest))
 
 
-__all__ = ["DEFAULT_MODEL_NAME", "EnginePool", "engine_options"]
+__all__ = ["DEFAULT_MODEL_NAME", "EnginePool", "engine_options", "make_engine"]

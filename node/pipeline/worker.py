@@ -59,7 +59,7 @@ from pydicom.dataset import FileMetaDataset
 from pydicom.uid import UID, ExplicitVRLittleEndian, generate_uid
 from sqlalchemy.exc import SQLAlchemyError
 
-from segnode.engines.base import Engine, EngineError, LabelSums, SlotEngine, SumsEngine
+from segnode.engines.base import Engine, EngineError, LabelSums, SlotEngine
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.memory import (
     JobEstimate,
@@ -69,6 +69,7 @@ from segnode.engines.memory import (
     reset_peak,
     resident_bytes,
 )
+from segnode.engines.model_process import segment_volume
 from segnode.node import __version__
 from segnode.node.config import Config
 from segnode.node.dicom.rejection import KOS_SOP_CLASS, build_rejection_note
@@ -812,23 +813,20 @@ def _switch_interval(seconds: float) -> Iterator[None]:
 def _segment(
     engine: Engine, manifest: ModelManifest, volume: Volume
 ) -> tuple[npt.NDArray[np.uint8], LabelSums | None]:
-    """The engine's label map, and its per-label HU sums when the engine computes them.
+    """The engine's label map, and its per-label HU sums when the engine computes them
+    (:func:`segnode.engines.model_process.segment_volume`, in the node or in the model's
+    process of its own).
 
-    A version-2 (trained) model runs through
-    :func:`segnode.engines.trained.segment_trained_with_sums` with the volume's geometry (sums
-    from an engine that computes them on its device, else none: the SR's statistics are then
-    computed from the label map); a series the model cannot take (gantry tilt, oblique) raises
-    :class:`segnode.engines.preprocess.GeometryError`, an :class:`EngineError`: the job fails with
-    that reason.
+    A version-2 (trained) model runs with the volume's geometry; a series the model cannot
+    take (gantry tilt, oblique) raises :class:`segnode.engines.preprocess.GeometryError`, an
+    :class:`EngineError`: the job fails with that reason.
     """
+    geometry = None
     if manifest.is_trained:
         from segnode.engines.preprocess.orientation import Geometry
-        from segnode.engines.trained import segment_trained_with_sums
 
-        return segment_trained_with_sums(engine, manifest, volume.hu, Geometry.from_volume(volume))
-    if isinstance(engine, SumsEngine):
-        return engine.segment_with_sums(volume.hu)
-    return engine.segment(volume.hu), None
+        geometry = Geometry.from_volume(volume)
+    return segment_volume(engine, manifest, volume.hu, geometry)
 
 
 def _job_scope(engine: Engine, held: Hold) -> contextlib.AbstractContextManager[None]:
