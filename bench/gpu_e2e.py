@@ -193,7 +193,8 @@ def process_tree(pid: int) -> list[int]:
 class GpuMemory:
     """The most GPU memory a process and its children held (NVML's per-process figures,
     what ``nvidia-smi`` shows: the CUDA context, PyTorch's reserved blocks, cuDNN's
-    workspace), sampled every 50 ms on a thread between ``start`` and ``stop``; ``peak`` is None without NVML."""
+    workspace), sampled every 50 ms on a thread between ``start`` and ``stop``; ``peak`` is
+    None without NVML."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak = pid, None
