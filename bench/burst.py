@@ -70,8 +70,9 @@ def swapped_out() -> int:
 
 class HostCpu:
     """The host's CPU use and one process's CPU time (with its children's), sampled every
-    0.25 s on a thread (``/proc/stat`` and ``/proc/PID/stat``), so that a span's figures can be read afterwards:
-    on a CPU-only machine they say whether a burst is bound by the cores."""
+    0.25 s on a thread (``/proc/stat`` and ``/proc/PID/stat``), so that a span's figures can
+    be read afterwards: on a CPU-only machine they say whether a burst is bound by the
+    cores."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
