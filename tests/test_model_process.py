@@ -79,8 +79,8 @@ def send_series(port: int, seed: int, slices: int = 4) -> list[int]:
     assoc = ae.associate("127.0.0.1", port, ae_title="SEGNODE")
     assert assoc.is_established
     try:
-        geometry = PhantomGeometry(rows=64, columns=64, slices=slices)
-        return [int(assoc.send_c_store(ds).Status) for ds in synthetic_datasets(geometry, seed=seed)]
+        series = synthetic_datasets(PhantomGeometry(rows=64, columns=64, slices=slices), seed=seed)
+        return [int(assoc.send_c_store(ds).Status) for ds in series]
     finally:
         assoc.release()
 

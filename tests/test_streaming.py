@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -375,5 +376,39 @@ def test_hints_say_how_far_decoding_is_behind(tmp_path: Path) -> None:
         hints = asm.hints(uid)
         assert hints is not None and hints.behind == 0 and hints.received == 5
         assert hints.incomplete_reason() == "5 of 8 instances received (Images in Acquisition)"
+    finally:
+        asm.stop()
+
+
+def test_an_urgent_senders_instances_are_decoded_before_a_routine_backlog(
+    tmp_path: Path,
+) -> None:
+    """Queued instances of a more urgent calling AE go to the decoder first (the oldest first
+    among equals): an urgent series' release is not held behind routine headers."""
+    routine = write_synthetic_series(tmp_path / "routine", TWO_SLABS, seed=61)
+    urgent = write_synthetic_series(tmp_path / "urgent", TINY, seed=62)
+    routine_uid, urgent_uid = series_uid_of(routine[0]), series_uid_of(urgent[0])
+    order: list[str] = []
+    asm = StreamingAssembler(workers=1, priority=lambda ae: 10 if ae == "URGENT" else 0)
+    decode = asm._decode
+
+    def recording(state: Any, arrival: Arrival) -> bool:
+        order.append(arrival.calling_ae)
+        return decode(state, arrival)
+
+    asm._decode = recording  # type: ignore[method-assign]
+    for i, path in enumerate(routine):  # the backlog, queued before the pool starts
+        asm.submit(Arrival(routine_uid, f"r{i}", path, "ROUTINE", 0))
+    for i, path in enumerate(urgent):
+        asm.submit(Arrival(urgent_uid, f"u{i}", path, "URGENT", 0))
+    asm.start()
+    try:
+        assert asm.wait_idle()
+        assert order == ["URGENT"] * len(urgent) + ["ROUTINE"] * len(routine)
+        hints = asm.hints(urgent_uid)
+        assert hints is not None and hints.received == len(urgent)
+        volume = asm.take(routine_uid, routine)  # the routine series is whole, in order
+        assert volume is not None and volume.hu.shape[0] == len(routine)
+        assert_same_volume(volume, assemble_volume(routine))
     finally:
         asm.stop()

@@ -31,6 +31,7 @@ first series after a start is decoded like every later one.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -204,6 +205,10 @@ class StreamingAssembler:
         False tracks geometry only (``streaming.enabled = false``).
     warm_bytes
         Slab memory touched by :meth:`start` (``streaming.warm_mb``), for 512x512 slices.
+    priority
+        The priority of a calling AE's series (``[[series.senders]] priority``): queued
+        instances of a more urgent sender are decoded first (the oldest first among equals),
+        so that an urgent series' release is not held behind a backlog of routine headers.
     """
 
     def __init__(
@@ -215,8 +220,10 @@ class StreamingAssembler:
         on_geometry: OnGeometry | None = None,
         decode_pixels: bool = True,
         warm_bytes: int = 0,
+        priority: Callable[[str], int] | None = None,
     ) -> None:
         self.max_bytes = max_bytes
+        self.priority = priority
         self.warm_bytes = min(warm_bytes, max_bytes) if decode_pixels else 0
         self.pool = SlabPool()
         self.min_slices = min_slices
@@ -229,7 +236,11 @@ class StreamingAssembler:
         # arrives. Insertion-ordered, the oldest forgotten beyond MAX_GEOMETRIES.
         self._geometry: dict[str, SeriesGeometry] = {}
         self._bytes = 0
-        self._queue: queue.SimpleQueue[tuple[_Series, Arrival] | None] = queue.SimpleQueue()
+        # (-priority, arrival order, item): the most urgent sender's instances first
+        self._queue: queue.PriorityQueue[tuple[int, int, tuple[_Series, Arrival] | None]] = (
+            queue.PriorityQueue()
+        )
+        self._order = itertools.count()
         self._threads = [
             threading.Thread(target=self._run, name=f"segnode-decode-{i}", daemon=True)
             for i in range(workers)
@@ -261,7 +272,7 @@ class StreamingAssembler:
         self._stopping = True
         if self._started:
             for _ in self._threads:
-                self._queue.put(None)
+                self._queue.put((-(2**62), next(self._order), None))
             for t in self._threads:
                 t.join(30)
             self._started = False
@@ -298,13 +309,14 @@ class StreamingAssembler:
                 self._series[arrival.series_uid] = state
             state.pending += 1
             state.last_used = time.monotonic()
-        self._queue.put((state, arrival))
+        urgency = self.priority(arrival.calling_ae) if self.priority is not None else 0
+        self._queue.put((-urgency, next(self._order), (state, arrival)))
 
     # -- the pool -------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            _, _, item = self._queue.get()
             if item is None:
                 return
             state, arrival = item

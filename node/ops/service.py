@@ -236,6 +236,7 @@ class Node:
                 on_geometry=self.completion.geometry_complete,
                 decode_pixels=sc.enabled,
                 warm_bytes=sc.warm_mb * 2**20,
+                priority=lambda ae: config.series.policy_for(ae).priority,
             )
             # [audit]: ATNA messages in a durable queue of their own (off: does nothing)
             self.audit = AuditTrail.from_config(config, node_name(config))
