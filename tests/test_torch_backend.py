@@ -528,3 +528,34 @@ def test_the_cudnn_switches_stay_set_while_another_job_is_inside() -> None:
         assert b.cudnn.benchmark is False  # restored by the last one out
     finally:
         b.cudnn.benchmark = before
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_a_model_process_gives_the_labels_and_sums_of_the_engine_in_the_node(
+    unet: ModelManifest,
+) -> None:
+    """``[engine] model_process`` on a GPU: the torch engine in its own process gives the
+    labels and HU sums of the same engine in this one; a job alone there sets the peak that
+    its ``has_room`` answers from."""
+    from segnode.engines.model_process import ProcessEngine
+
+    inside = TorchEngine(precision="fp16")
+    inside.load(unet)
+    hu = np.random.default_rng(8).normal(0, 300, (96, 128, 128)).astype(np.float32)
+    labels, sums = inside.segment_with_sums(hu)
+    engine = ProcessEngine("torch", {"precision": "fp16"})
+    engine.load(unet)
+    try:
+        assert engine.precision_used == "fp16"
+        assert not engine.has_room()  # no job has run alone there yet
+        got, got_sums = engine.segment_job(hu)
+        assert got_sums is not None and got.shape == hu.shape
+        agree = float(np.mean(got == labels))
+        assert agree >= 0.999, agree
+        np.testing.assert_allclose(
+            got_sums.counts.astype(np.float64), sums.counts, rtol=2e-3, atol=labels.size * 1e-3
+        )
+        assert engine.has_room()  # the child measured a job alone
+    finally:
+        engine.close()
