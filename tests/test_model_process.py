@@ -34,6 +34,7 @@ from segnode.engines.models import default_manifest_path
 from segnode.engines.preprocess.orientation import Geometry, GeometryError
 from segnode.node.config import load_config
 from segnode.node.ops.service import Node
+from segnode.node.web.status import worker_figures
 from tests.conftest import free_port, wait_for
 from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets
 from tests.test_engine_load import run
@@ -285,6 +286,8 @@ def test_a_node_runs_its_jobs_in_a_model_process(tmp_path: Path) -> None:
         wait_for(lambda: node.ledger.counts()["jobs"].get("done") == 2, 60, "the second job")
         assert engine.pid not in (None, first)
         assert node.ledger.counts()["jobs"] == {"done": 2}
+        processes = worker_figures(node)["model_processes"]
+        assert processes == {"default": {"pid": engine.pid, "restarts": 1}}
     finally:
         node.request_stop()
         thread.join(30)

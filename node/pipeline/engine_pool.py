@@ -169,6 +169,18 @@ class EnginePool:
         with self._lock:
             return sorted(self._engines)
 
+    def model_processes(self) -> dict[str, dict[str, int | None]]:
+        """Per loaded model whose engine runs in a process of its own
+        (``[engine] model_process``): that process' id (None while it is not running) and
+        how often it was started again after it ended."""
+        with self._lock:
+            engines = dict(self._engines)
+        return {
+            name: {"pid": engine.pid, "restarts": engine.restarts}
+            for name, engine in sorted(engines.items())
+            if isinstance(engine, ProcessEngine)
+        }
+
     def close(self) -> None:
         """Close every loaded engine."""
         with self._lock:

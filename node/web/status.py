@@ -77,8 +77,9 @@ def node_status(node: Node) -> dict[str, Any]:
 def worker_figures(node: Node) -> dict[str, Any]:
     """The lanes, the jobs in progress and their stages, the share of the last minute the
     models were busy (and the GPU, where NVML reports it), the jobs waiting for the models by
-    priority, and the expected wait of a job queued now (the models' mean time per job times
-    the jobs ahead of it, or the ledger's rate before the node has run a job)."""
+    priority, the expected wait of a job queued now (the models' mean time per job times
+    the jobs ahead of it, or the ledger's rate before the node has run a job), and the models'
+    own processes (``[engine] model_process``: id and restarts)."""
     worker = node.worker
     gate = worker.gate
     jobs = node.ledger.counts()
@@ -98,6 +99,7 @@ def worker_figures(node: Node) -> dict[str, Any]:
         "model_mean_s": None if mean is None else round(mean, 3),
         "gpu_busy_pct": gpu_busy_percent(),
         "expected_wait_s": wait,
+        "model_processes": node.pool.model_processes(),
     }
 
 
