@@ -240,6 +240,12 @@ def run_variant(
     lanes_n, slots = int(lanes), int(slots_text or 0)
     tag = variant.replace(":", "-")
     data = work / f"data-lanes{tag}"
+    # one compiled-model cache for every variant: the one-at-a-time variant builds it
+    # (segnode engine build), the others load it instead of compiling again at their start
+    (work / "engines").mkdir(exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
+    if not (data / "engines").exists():
+        (data / "engines").symlink_to((work / "engines").resolve(), target_is_directory=True)
     port = free_port()
     cfg = work / f"config-lanes{tag}.toml"
     out: dict[str, Any] = {
