@@ -90,6 +90,7 @@ from segnode.node.results.build import (
     ResultError,
     ResultUIDs,
     derived_uid,
+    load_standard_tables,
     segment_statistics,
 )
 from segnode.node.results.seg_check import check_encoded
@@ -321,7 +322,10 @@ class Worker:
 
     def start(self) -> None:
         """Start the lanes' threads; a helper thread prepares a tiny result once, so that
-        the default model's SR template is cached before the first job."""
+        the default model's SR template is cached before the first job (highdicom's tables
+        of the standard are read first, here: see
+        :func:`segnode.node.results.build.load_standard_tables`)."""
+        load_standard_tables()
         self.warming = self._helper.submit(self._warm)
         for k in range(self.lanes):
             name = "segnode-worker" + (f"-{k + 1}" if self.lanes > 1 else "")

@@ -164,6 +164,34 @@ _label_counts = label_counts
 _numbering = numbering
 
 
+def load_standard_tables() -> None:
+    """Read highdicom's tables of the standard (SOP class to IOD, IOD modules, module
+    attributes, anatomic regions) now, in the calling thread.
+
+    highdicom reads each from a JSON file the first time an object is built; the parse is
+    one C call that holds the interpreter lock throughout (about 0.5 s on a small machine).
+    Left to the worker's warm-up after start, it stalled every other thread of the node that
+    long, among them the main thread's systemd watchdog pings. Best effort: a highdicom
+    without these private helpers reads them later as before.
+    """
+    try:
+        from highdicom import _standard_utils as standard
+    except ImportError:
+        return
+    for name in (
+        "get_sop_class_iod_map",
+        "get_iod_module_map",
+        "get_module_attribute_map",
+        "get_anatomic_region_map",
+    ):
+        getter = getattr(standard, name, None)
+        if callable(getter):
+            try:
+                getter()
+            except Exception as exc:  # the first result reads it then, or fails with the reason
+                logger.debug("highdicom's %s: %s", name, exc)
+
+
 def seg_algorithm(manifest: ModelManifest) -> hd.AlgorithmIdentificationSequence:
     """The SEG's Segmentation Algorithm Identification: the model's name and version, and
     as its Algorithm Parameters the precision that ran it (``precision``: ``fp32``,
