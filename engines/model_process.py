@@ -529,7 +529,11 @@ def main(argv: list[str] | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [_Forward(child.send)]
     root.setLevel(logging.INFO)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the node decides when it stops
+    # The node decides when its model process stops (Ctrl-C reaches the whole process group;
+    # systemd's KillMode=mixed sends SIGTERM to the node alone): it closes the socket, or
+    # dies, and this process leaves at once. SIGKILL still ends it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child.serve()
 
 
