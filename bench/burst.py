@@ -55,7 +55,9 @@ from bench.gpu_e2e import (
     wait_log,
 )
 from bench.ingest import LOOPBACK, free_port, ledger_job, wait
+from segnode.engines.models import default_manifest_path
 
+FAILING_AE = "FAILING"
 URGENT_AE = "URGENT"
 SLOWEST = [0.0]  # the slowest C-STORE response of the variant, seconds
 
@@ -142,6 +144,23 @@ def send_dcmtk(port: int, folder: Path, calling: str) -> float:
     if done.returncode != 0:
         raise RuntimeError(f"storescu exit {done.returncode}: {done.stderr[-500:]}")
     return time.time()
+
+
+def failing_model(work: Path) -> Path:
+    """A model whose network file is corrupt (the bundled tissue model's manifest beside a
+    file that is not ONNX): every job of it fails when its engine cannot load it."""
+    folder = work / "failing-model"
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = json.loads(default_manifest_path().read_text())
+    raw["name"] = "failing"
+    (folder / "failing.json").write_text(json.dumps({**raw, "onnx": "failing.onnx"}))
+    (folder / "failing.onnx").write_bytes(b"this is not an ONNX model\n" * 64)
+    return folder / "failing.json"
+
+
+def failing_manifest(work: Path) -> Path:
+    path = work / "failing-model" / "failing.json"
+    return path if path.exists() else failing_model(work)
 
 
 def send_any(port: int, series: dict[str, Any], calling: str = "MODALITY") -> float:
@@ -260,6 +279,13 @@ def run_variant(
         text += f"\n[engine]\nlanes = {lanes_n}\n" + (f"model_slots = {slots}\n" if slots else "")
         text += "model_process = true\n" if process else ""
         text += f'\n[[series.senders]]\nae_title = "{URGENT_AE}"\npriority = 10\n'
+        if args.failing_model:  # its series go to a model whose network file is corrupt
+            text += (
+                f'\n[models.failing]\nmanifest = "{failing_manifest(work)}"\n'
+                f'engine = "{args.engine}"\n'
+                f'\n[[rules]]\nname = "failing"\ncalling_ae = ["{FAILING_AE}"]\n'
+                'models = ["failing"]\n\n[[rules]]\nname = "default"\n'
+            )
         cfg.write_text(text)
         if variant == "1" and args.engine == "torch":
             out["engine_build"] = engine_build(work, cfg, args)
@@ -299,7 +325,8 @@ def run_variant(
             def sender(share: list[dict[str, Any]]) -> None:
                 for s in share:
                     try:
-                        sent[s["study"]] = send_any(port, s)
+                        calling = FAILING_AE if s.get("bad") == "model" else "MODALITY"
+                        sent[s["study"]] = send_any(port, s, calling)
                     except Exception as exc:
                         errors.append(f"{s['study']}: {exc}")
 
@@ -421,6 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         "--lane-threads", type=int, default=0, help="[model] threads of the lanes' variant"
     )
     p.add_argument("--bad", type=int, default=1, help="corrupt series in the burst")
+    p.add_argument(
+        "--failing-model",
+        type=int,
+        default=1,
+        help="series of the burst (sent as FAILING) whose model fails: a [models.failing] "
+        "whose network file is corrupt, chosen by a routing rule",
+    )
     p.add_argument("--sender", choices=("auto", "storescu", "pynetdicom"), default="auto")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument(
@@ -447,9 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = model_manifest(args.model, work)
     print(f"[burst] making {args.series + 3} series of {args.slices} slices ...", flush=True)
 
-    def one(seed: int, name: str, bad: bool = False) -> dict[str, Any]:
+    def one(seed: int, name: str, bad: bool | str = False) -> dict[str, Any]:
         datasets = make_series(args.slices, seed)
-        if bad:
+        if bad is True:
             corrupt(datasets)
         s = {"datasets": datasets, "study": str(datasets[0].StudyInstanceUID),
              "uid": str(datasets[0].SeriesInstanceUID), "bad": bad}  # fmt: skip
@@ -457,9 +491,13 @@ def main(argv: list[str] | None = None) -> int:
         s["datasets"], s["sender"] = None, sender
         return s
 
-    burst = [
-        one(args.seed + k, f"s{k:02d}", bad=k == 3 and args.bad > 0) for k in range(args.series)
-    ]
+    def bad(k: int) -> bool | str:
+        """Series 3 corrupt (--bad), series 7 sent to a model that fails (--failing-model)."""
+        if k == 3 and args.bad > 0:
+            return True
+        return "model" if k == 7 and args.failing_model > 0 else False
+
+    burst = [one(args.seed + k, f"s{k:02d}", bad=bad(k)) for k in range(args.series)]
     warm = {"warm_up": one(args.seed + 900, "warm")}
     urgent = {
         "urgent_solo": one(args.seed + 901, "urgent-solo"),

@@ -205,7 +205,11 @@ class ProcessEngine:
             self._reader = reader
             reader.start()
         started = time.monotonic()
-        facts = self._call(("load", self.backend, self.options, self.manifest), LOAD_TIMEOUT_S)
+        try:
+            facts = self._call(("load", self.backend, self.options, self.manifest), LOAD_TIMEOUT_S)
+        except BaseException:
+            self.close()  # a child without its model serves nothing: it leaves now
+            raise
         self._facts = dict(facts)
         self.precision_used = str(self._facts.get("precision_used", ""))
         log.info(

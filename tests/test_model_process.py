@@ -175,7 +175,9 @@ def test_a_load_error_is_raised_in_the_node(tissue: ModelManifest, tmp_path: Pat
     with pytest.raises(EngineError) as caught:
         engine.load(broken)
     assert "nowhere.onnx" in str(caught.value)
-    engine.close()
+    proc = engine._proc
+    assert proc is not None and proc.poll() is not None  # the child did not stay behind
+    assert engine.pid is None
 
 
 def test_a_killed_child_fails_its_job_and_the_next_job_starts_another(
