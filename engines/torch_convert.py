@@ -121,7 +121,8 @@ def convert_onnx(path: Any) -> Any:
     Raises
     ------
     EngineError
-        If onnx2torch is missing or cannot convert a node (the message names it).
+        If the file is not a readable ONNX model, or onnx2torch is missing or cannot convert
+        a node (the message names it).
     """
     import onnx
 
@@ -131,7 +132,12 @@ def convert_onnx(path: Any) -> Any:
         raise EngineError(
             f"the torch engine needs onnx2torch (pip install onnx2torch): {exc}"
         ) from exc
-    model = fold_initializer_nodes(onnx.load(str(path)))
+    from google.protobuf.message import DecodeError
+
+    try:
+        model = fold_initializer_nodes(onnx.load(str(path)))
+    except (OSError, DecodeError) as exc:  # missing, unreadable, or not an ONNX protobuf
+        raise EngineError(f"cannot load {path}: not a readable ONNX model: {exc}") from exc
     try:
         return convert(model)
     except NotImplementedError as first:

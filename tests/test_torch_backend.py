@@ -559,3 +559,12 @@ def test_a_model_process_gives_the_labels_and_sums_of_the_engine_in_the_node(
         assert engine.has_room()  # the child measured a job alone
     finally:
         engine.close()
+
+
+def test_a_file_that_is_not_onnx_fails_with_the_reason(tmp_path: Path) -> None:
+    """A model whose network file is corrupt fails its load with an EngineError naming the
+    file (its jobs fail with that reason), not protobuf's DecodeError as an internal error."""
+    bad = tmp_path / "broken.onnx"
+    bad.write_bytes(b"this is not an ONNX model\n" * 64)
+    with pytest.raises(EngineError, match=r"cannot load .*broken\.onnx: not a readable ONNX"):
+        convert_onnx(bad)
