@@ -235,14 +235,15 @@ class EngineConfig:
     #: runs beside the first, each on a CUDA stream of its own, while the GPU's free memory
     #: holds the peak a job of its model reached alone (1.28x -> 1.62x the throughput of one
     #: job at a time in a burst on an H100, docs/performance.md); other engines always run
-    #: one job at a time. Default 1 until the agreement of two jobs at once with one at a
-    #: time has been checked on a GPU.
+    #: one job at a time. Default 1: with two, an urgent series shares the GPU with the job
+    #: it finds there (on an H200 it then missed its bound of solo time plus one job).
     model_slots: int = setting(1, 1, 4)
     #: Each model's engine in a process of its own (:mod:`segnode.engines.model_process`):
     #: the volume and the label map pass through shared memory, and the model's thread no
     #: longer waits for the interpreter lock that receiving, encoding and sending hold. A
     #: model process that dies fails only the jobs it ran, with that reason, and the next
-    #: job starts it again.
+    #: job starts it again. Recommended for the torch engine on a GPU (a burst on an H200:
+    #: 1.58x -> 1.84x one job at a time); no gain for the CPU engines.
     model_process: bool = setting(False)
     #: Seconds a queued job may wait before it starts ahead of more urgent ones (0: never):
     #: urgent series go first, but a routine one is not starved by a stream of them.
