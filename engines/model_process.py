@@ -108,6 +108,33 @@ def shared_dir() -> Path:
     return Path(tempfile.gettempdir())
 
 
+def sweep_stale(folder: Path | None = None) -> list[Path]:
+    """Remove the shared files that a node which no longer runs left behind (killed in the
+    middle of a job: ``/dev/shm`` is memory, and nothing else would free it). Files of a
+    running process are kept. Returns those removed."""
+    folder = shared_dir() if folder is None else folder
+    removed: list[Path] = []
+    try:
+        entries = list(folder.glob(f"{SHARED_PREFIX}*"))
+    except OSError:
+        return removed
+    for path in entries:
+        owner = path.name[len(SHARED_PREFIX) :].split("-", 1)[0]
+        if not owner.isdigit():
+            continue
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+        except OSError:  # another user's process, still running
+            continue
+    if removed:
+        log.info("removed %d shared file(s) of a node that no longer runs", len(removed))
+    return removed
+
+
 def _shared_file(path: Path, nbytes: int) -> None:
     """Create ``path`` with ``nbytes`` allocated (``posix_fallocate``: a full ``/dev/shm``
     fails here with ENOSPC rather than with SIGBUS when the mapping is written)."""
@@ -182,6 +209,7 @@ class ProcessEngine:
                 return
             if self.manifest is None:
                 raise EngineError(f"{self.name}: no model loaded")
+            sweep_stale()
             ours, theirs = socket.socketpair()
             env = dict(os.environ)
             env.setdefault("PYTHONUNBUFFERED", "1")
@@ -541,7 +569,7 @@ def main(argv: list[str] | None = None) -> None:
     child.serve()
 
 
-__all__ = ["ProcessEngine", "segment_volume", "shared_dir"]
+__all__ = ["ProcessEngine", "segment_volume", "shared_dir", "sweep_stale"]
 
 if __name__ == "__main__":
     main()

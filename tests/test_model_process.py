@@ -168,6 +168,28 @@ def test_a_trained_model_runs_with_its_geometry_and_its_errors_come_back(
     assert list(shared_folder.iterdir()) == []
 
 
+def test_files_a_dead_node_left_are_removed_at_start(
+    tissue: ModelManifest, shared_folder: Path
+) -> None:
+    """A node killed in the middle of a job leaves its shared volume in /dev/shm (memory):
+    the next model process' start removes it, and keeps those of running processes."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    stale = shared_folder / f"{SHARED_PREFIX}{int(dead.stdout)}-abc.hu"
+    stale.write_bytes(b"\0" * 4096)
+    live = shared_folder / f"{SHARED_PREFIX}{os.getpid()}-def.hu"
+    live.write_bytes(b"\0" * 4096)
+    other = shared_folder / "someone-else.bin"
+    other.write_bytes(b"x")
+    engine = ProcessEngine("onnxruntime", {"threads": 1})
+    engine.load(tissue)
+    try:
+        assert not stale.exists()
+        assert live.exists() and other.exists()
+    finally:
+        engine.close()
+
+
 def test_a_load_error_is_raised_in_the_node(tissue: ModelManifest, tmp_path: Path) -> None:
     missing = tmp_path / "nowhere.onnx"
     broken = type(tissue)(**{**tissue.__dict__, "onnx_path": missing})
