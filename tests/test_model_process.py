@@ -10,7 +10,6 @@ node, and a whole node running its jobs through one.
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
@@ -31,14 +30,14 @@ from segnode.engines.base import EngineError
 from segnode.engines.manifest import ModelManifest
 from segnode.engines.model_process import SHARED_PREFIX, ProcessEngine, segment_volume
 from segnode.engines.models import default_manifest_path
-from segnode.engines.preprocess.orientation import Geometry, GeometryError
+from segnode.engines.preprocess.orientation import GeometryError
 from segnode.node.config import load_config
 from segnode.node.ops.service import Node
 from segnode.node.web.status import worker_figures
 from tests.conftest import free_port, wait_for
 from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets
 from tests.test_engine_load import run
-from tests.test_trained_runtime import SPACING, geometry, phantom, write_trained
+from tests.test_trained_runtime import geometry, phantom, tilted_geometry, write_trained
 
 
 @pytest.fixture(autouse=True)
@@ -153,11 +152,7 @@ def test_a_trained_model_runs_with_its_geometry_and_its_errors_come_back(
         assert set(np.unique(got)) == {0, 1, 2}
         # a tilted series: the child's GeometryError, its type and its message
         small = phantom((12, 24, 24))
-        t = math.radians(12.0)
-        row, col = (1.0, 0.0, 0.0), (0.0, math.cos(t), math.sin(t))
-        normal = np.cross(row, col)
-        positions = [tuple(float(v) for v in k * SPACING[0] * normal) for k in range(12)]
-        tilted = Geometry.from_image_plane(row, col, positions, SPACING[1:])
+        tilted = tilted_geometry(12, 12.0)
         with pytest.raises(GeometryError, match=r"oblique series: an image axis is 12\.0"):
             engine.segment_job(small, tilted)
         # the child still serves after a job's error

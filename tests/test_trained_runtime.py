@@ -168,6 +168,15 @@ def geometry(kind: str, shape: tuple[int, int, int]) -> Geometry:
     return Geometry.from_image_plane(row, col, positions, SPACING[1:])
 
 
+def tilted_geometry(slices: int, degrees: float) -> Geometry:
+    """An axial stack whose columns are tilted by ``degrees`` (a gantry-tilted series)."""
+    t = math.radians(degrees)
+    row, col = (1.0, 0.0, 0.0), (0.0, math.cos(t), math.sin(t))
+    normal = np.cross(row, col)
+    positions = [tuple(float(v) for v in k * SPACING[0] * normal) for k in range(slices)]
+    return Geometry.from_image_plane(row, col, positions, SPACING[1:])
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("trained")
@@ -328,11 +337,7 @@ def test_tilted_geometry_is_refused_unless_allowed(
     ort_engine: OrtEngine, manifest: ModelManifest
 ) -> None:
     hu = phantom((12, 24, 24))
-    t = math.radians(12.0)
-    row, col = (1.0, 0.0, 0.0), (0.0, math.cos(t), math.sin(t))
-    normal = np.cross(row, col)
-    positions = [tuple(float(v) for v in k * SPACING[0] * normal) for k in range(12)]
-    tilted = Geometry.from_image_plane(row, col, positions, SPACING[1:])
+    tilted = tilted_geometry(12, 12.0)
     with pytest.raises(GeometryError, match=r"oblique series: an image axis is 12\.0 degrees"):
         segment_trained(ort_engine, manifest, hu, tilted)
     allowed = replace(
