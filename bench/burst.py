@@ -158,11 +158,6 @@ def failing_model(work: Path) -> Path:
     return folder / "failing.json"
 
 
-def failing_manifest(work: Path) -> Path:
-    path = work / "failing-model" / "failing.json"
-    return path if path.exists() else failing_model(work)
-
-
 def send_any(port: int, series: dict[str, Any], calling: str = "MODALITY") -> float:
     """Send one series on one association as ``calling``; epoch of the last response."""
     if series.get("folder") is not None and series.get("sender") == "pynetdicom":
@@ -281,7 +276,7 @@ def run_variant(
         text += f'\n[[series.senders]]\nae_title = "{URGENT_AE}"\npriority = 10\n'
         if args.failing_model:  # its series go to a model whose network file is corrupt
             text += (
-                f'\n[models.failing]\nmanifest = "{failing_manifest(work)}"\n'
+                f'\n[models.failing]\nmanifest = "{failing_model(work)}"\n'
                 f'engine = "{args.engine}"\n'
                 f'\n[[rules]]\nname = "failing"\ncalling_ae = ["{FAILING_AE}"]\n'
                 'models = ["failing"]\n\n[[rules]]\nname = "default"\n'
