@@ -59,6 +59,8 @@ from segnode.engines.models import default_manifest_path
 
 FAILING_AE = "FAILING"
 URGENT_AE = "URGENT"
+#: ``[results] encode_processes`` of a variant with the suffix ``e``.
+ENCODERS = 2
 SLOWEST = [0.0]  # the slowest C-STORE response of the variant, seconds
 
 
@@ -249,8 +251,10 @@ def run_variant(
     args: Any, work: Path, manifest: Path, variant: str, series: list[dict[str, Any]],
     warm: dict[str, Any], urgent: dict[str, Any], period_one: float | None,
 ) -> dict[str, Any]:  # fmt: skip
-    process = variant.endswith("p")  # [engine] model_process = true
-    lanes, _, slots_text = variant.removesuffix("p").partition(":")
+    base = variant.rstrip("pe")
+    process = "p" in variant[len(base) :]  # [engine] model_process = true
+    encoders = ENCODERS if "e" in variant[len(base) :] else 0  # [results] encode_processes
+    lanes, _, slots_text = base.partition(":")
     lanes_n, slots = int(lanes), int(slots_text or 0)
     tag = variant.replace(":", "-")
     data = work / f"data-lanes{tag}"
@@ -266,6 +270,7 @@ def run_variant(
         "lanes_setting": lanes_n,
         "model_slots_setting": slots,
         "model_process": process,
+        "encode_processes": encoders,
     }
     with ResultsSCP() as scp:
         text = config_text(data, port, scp.port, manifest, args)
@@ -273,6 +278,8 @@ def run_variant(
             text = text.replace("[model]\n", f"[model]\nthreads = {args.lane_threads}\n", 1)
         text += f"\n[engine]\nlanes = {lanes_n}\n" + (f"model_slots = {slots}\n" if slots else "")
         text += "model_process = true\n" if process else ""
+        if encoders:
+            text = text.replace("[results]\n", f"[results]\nencode_processes = {encoders}\n", 1)
         text += f'\n[[series.senders]]\nae_title = "{URGENT_AE}"\npriority = 10\n'
         if args.failing_model:  # its series go to a model whose network file is corrupt
             text += (
@@ -370,6 +377,7 @@ def run_variant(
             out["node_vmhwm_gib"] = process_peak_rss(proc.pid)
             children = [process_peak_rss(pid) for pid in process_tree(proc.pid)[1:]]
             out["model_process_vmhwm_gib"] = max((c for c in children if c), default=None)
+            out["children_vmhwm_gib"] = [c for c in children if c]
         log = node_log.read_text(errors="replace")[log_mark:]
     span = end - start
     inference = model_seconds(log)
@@ -435,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         "--lanes",
         default="0",
         help="[engine] lanes of the variants after the one at a time, comma-separated, each "
-        "LANES or LANES:MODEL_SLOTS (0: the node's automatic choice), with a trailing p: "
-        "the models in a process of their own ([engine] model_process)",
+        "LANES or LANES:MODEL_SLOTS (0: the node's automatic choice), then p: the models in "
+        "a process of their own ([engine] model_process), e: the SEGs encoded in "
+        f"{ENCODERS} processes of their own ([results] encode_processes)",
     )
     p.add_argument("--urgent-at", type=float, default=10.0)
     p.add_argument(
@@ -525,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"[burst] one at a time {one_at_a_time['series_per_min']} series/min, "
             f"lanes {lanes_run['lanes']} (model slots {lanes_run['model_slots']}"
-            f"{', model process' if lanes_run['model_process'] else ''}) "
+            f"{', model process' if lanes_run['model_process'] else ''}"
+            f"{', SEG encoders' if lanes_run.get('encode_processes') else ''}) "
             f"{lanes_run['series_per_min']} series/min: "
             f"{lanes_run['throughput_ratio']}x; GPU busy {one_at_a_time['gpu_busy_pct']} -> "
             f"{lanes_run['gpu_busy_pct']} %; model busy {one_at_a_time['model_busy_pct']} -> "

@@ -31,30 +31,28 @@ child's answers after loading.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import os
-import pickle
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from segnode.engines.base import EngineError, LabelSums, SlotEngine, SumsEngine, create_engine
+from segnode.engines.child_process import (
+    SHARED_PREFIX,
+    ChildProcess,
+    ChildServer,
+    child_main,
+    shared_dir,
+    shared_file,
+    shared_name,
+    sweep_stale,
+)
 
 if TYPE_CHECKING:
     from segnode.engines.manifest import ModelManifest
@@ -64,10 +62,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds the node waits for a child to load its model before it gives up.
 LOAD_TIMEOUT_S = 1800.0
-#: Seconds a closing child may take before it is killed.
-CLOSE_TIMEOUT_S = 10.0
-#: Files of the shared volumes and label maps start with this.
-SHARED_PREFIX = "segnode-model-"
 
 
 def segment_volume(
@@ -96,67 +90,7 @@ def segment_volume(
     return engine.segment(hu), None
 
 
-def shared_dir() -> Path:
-    """Where the shared volumes live: ``/dev/shm`` where it is a writable folder, else the
-    temporary folder (``SEGNODE_SHARED_DIR`` overrides both)."""
-    configured = os.environ.get("SEGNODE_SHARED_DIR", "").strip()
-    if configured:
-        return Path(configured)
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm
-    return Path(tempfile.gettempdir())
-
-
-def sweep_stale(folder: Path | None = None) -> list[Path]:
-    """Remove the shared files that a node which no longer runs left behind (killed in the
-    middle of a job: ``/dev/shm`` is memory, and nothing else would free it). Files of a
-    running process are kept. Returns those removed."""
-    folder = shared_dir() if folder is None else folder
-    removed: list[Path] = []
-    try:
-        entries = list(folder.glob(f"{SHARED_PREFIX}*"))
-    except OSError:
-        return removed
-    for path in entries:
-        owner = path.name[len(SHARED_PREFIX) :].split("-", 1)[0]
-        if not owner.isdigit():
-            continue
-        try:
-            os.kill(int(owner), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                path.unlink()
-                removed.append(path)
-        except OSError:  # another user's process, still running
-            continue
-    if removed:
-        log.info("removed %d shared file(s) of a node that no longer runs", len(removed))
-    return removed
-
-
-def _shared_file(path: Path, nbytes: int) -> None:
-    """Create ``path`` with ``nbytes`` allocated (``posix_fallocate``: a full ``/dev/shm``
-    fails here with ENOSPC rather than with SIGBUS when the mapping is written)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, max(1, nbytes))
-    except OSError:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-
-
-@dataclass
-class _Job:
-    """One request in flight: its future, and the shared files it owns."""
-
-    future: Future[Any]
-    files: tuple[Path, ...] = ()
-
-
-class ProcessEngine:
+class ProcessEngine(ChildProcess):
     """The engine of backend ``backend`` (constructed with ``options``) in a child process.
 
     Parameters
@@ -172,30 +106,18 @@ class ProcessEngine:
     def __init__(
         self, backend: str, options: dict[str, Any] | None = None, *, python: str | None = None
     ) -> None:
+        super().__init__(
+            "segnode.engines.model_process",
+            f"the model process ({backend})",
+            error=EngineError,
+            python=python,
+        )
         self.name = backend
         self.backend = backend
         self.options = dict(options or {})
-        self.python = python or sys.executable
         self.precision_used = ""
         self.manifest: ModelManifest | None = None
         self._facts: dict[str, Any] = {}
-        self._lock = threading.Lock()  # start, stop, the pending table
-        self._send_lock = threading.Lock()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
-        self._reader: threading.Thread | None = None
-        self._pending: dict[int, _Job] = {}
-        self._ids = itertools.count(1)
-        self._closed = False
-        self.restarts = 0
-
-    # -- the child's life ----------------------------------------------------------------
-
-    @property
-    def pid(self) -> int | None:
-        """The child's process id while it runs."""
-        proc = self._proc
-        return proc.pid if proc is not None and proc.poll() is None else None
 
     def load(self, manifest: ModelManifest) -> None:
         """Start the child and load ``manifest`` there; its load error is raised here."""
@@ -204,150 +126,25 @@ class ProcessEngine:
         self._start()
 
     def _start(self) -> None:
-        with self._lock:
-            if self._proc is not None and self._proc.poll() is None:
-                return
-            if self.manifest is None:
-                raise EngineError(f"{self.name}: no model loaded")
-            sweep_stale()
-            ours, theirs = socket.socketpair()
-            env = dict(os.environ)
-            env.setdefault("PYTHONUNBUFFERED", "1")
-            try:
-                proc = subprocess.Popen(
-                    [self.python, "-m", "segnode.engines.model_process", str(theirs.fileno())],
-                    pass_fds=(theirs.fileno(),),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                )
-            except OSError as exc:
-                ours.close()
-                theirs.close()
-                raise EngineError(f"{self.name}: cannot start the model process: {exc}") from exc
-            theirs.close()
-            conn = Connection(ours.detach())
-            self._proc, self._conn, self._pending = proc, conn, {}
-            reader = threading.Thread(
-                target=self._read, args=(proc, conn), name="segnode-model-reader", daemon=True
-            )
-            self._reader = reader
-            reader.start()
+        if self.manifest is None:
+            raise EngineError(f"{self.name}: no model loaded")
+        if not self._spawn():
+            return
         started = time.monotonic()
         try:
-            facts = self._call(("load", self.backend, self.options, self.manifest), LOAD_TIMEOUT_S)
+            facts = self.call(("load", self.backend, self.options, self.manifest), LOAD_TIMEOUT_S)
         except BaseException:
             self.close()  # a child without its model serves nothing: it leaves now
             raise
         self._facts = dict(facts)
         self.precision_used = str(self._facts.get("precision_used", ""))
         log.info(
-            "model process %d: %s loaded %s in %.1f s",
-            proc.pid,
+            "model process %s: %s loaded %s in %.1f s",
+            self.pid,
             self.backend,
             self.manifest.name,
             time.monotonic() - started,
         )
-
-    def close(self) -> None:
-        """Ask the child to close its engine and exit; kill it when it does not in time."""
-        with self._lock:
-            self._closed = True
-            proc, conn = self._proc, self._conn
-        if proc is None or conn is None:
-            return
-        with contextlib.suppress(OSError, ValueError), self._send_lock:
-            conn.send(("close",))
-        try:
-            proc.wait(CLOSE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("model process %d did not exit in time: killed", proc.pid)
-            proc.kill()
-            proc.wait()
-        with contextlib.suppress(OSError):
-            conn.close()
-        if self._reader is not None:
-            self._reader.join(5.0)
-
-    def _read(self, proc: subprocess.Popen[bytes], conn: Connection) -> None:
-        """The reader thread: answers to their requests, log records to the node's log; when
-        the socket ends, every request still in flight fails with the child's exit."""
-        try:
-            while True:
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    break
-                kind = message[0]
-                if kind == "log":
-                    _, level, name, text = message
-                    logging.getLogger(name).log(level, "model process %d: %s", proc.pid, text)
-                    continue
-                _, request, ok, value = message
-                with self._lock:
-                    job = self._pending.pop(request, None)
-                if job is None:
-                    continue
-                for path in job.files[:1]:  # the volume; the label map is the caller's
-                    path.unlink(missing_ok=True)
-                if ok:
-                    job.future.set_result(value)
-                else:
-                    job.future.set_exception(value)
-        finally:
-            code = proc.wait()
-            why = _exit_reason(code)
-            with self._lock:
-                pending, self._pending = self._pending, {}
-                closing = self._closed
-            for job in pending.values():
-                for path in job.files:
-                    path.unlink(missing_ok=True)
-                job.future.set_exception(
-                    EngineError(
-                        f"the model process ({self.backend}) {why} while it ran this job; "
-                        "the next job starts it again"
-                    )
-                )
-            if not closing:
-                log.error("model process %d (%s) %s", proc.pid, self.backend, why)
-
-    def _call(
-        self, message: tuple[Any, ...], timeout: float | None = None, files: tuple[Path, ...] = ()
-    ) -> Any:
-        future: Future[Any] = Future()
-        with self._lock:
-            conn, proc = self._conn, self._proc
-            if conn is None or proc is None or proc.poll() is not None:
-                for path in files:
-                    path.unlink(missing_ok=True)
-                raise EngineError(f"the model process ({self.backend}) is not running")
-            request = next(self._ids)
-            self._pending[request] = _Job(future, files)
-        try:
-            with self._send_lock:
-                conn.send((message[0], request, *message[1:]))
-        except (OSError, ValueError, pickle.PicklingError) as exc:
-            with self._lock:
-                self._pending.pop(request, None)
-            for path in files:
-                path.unlink(missing_ok=True)
-            raise EngineError(f"the model process ({self.backend}): cannot send: {exc}") from exc
-        try:
-            return future.result(timeout)
-        except TimeoutError as exc:
-            raise EngineError(
-                f"the model process ({self.backend}) did not answer in {timeout:.0f} s"
-            ) from exc
-
-    def _ensure_running(self) -> None:
-        if self._closed:
-            raise EngineError(f"the model process ({self.backend}) is closed")
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            return
-        self.restarts += 1
-        log.warning("starting the model process (%s) again", self.backend)
-        self._start()
 
     # -- what the worker calls -----------------------------------------------------------
 
@@ -359,24 +156,25 @@ class ProcessEngine:
         volume = np.ascontiguousarray(hu, dtype=np.float32)
         if volume.ndim != 3 or volume.size == 0:
             raise EngineError(f"expected a non-empty (z, y, x) volume, got shape {volume.shape}")
-        self._ensure_running()
-        folder = shared_dir()
-        token = f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
-        src, dst = folder / f"{token}.hu", folder / f"{token}.labels"
+        self.ensure_running(self._start)
+        src = shared_name(".hu")
+        dst = src.with_suffix(".labels")
         try:
-            _shared_file(src, volume.nbytes)
-            _shared_file(dst, volume.size)
+            shared_file(src, volume.nbytes)
+            shared_file(dst, volume.size)
         except OSError as exc:
             src.unlink(missing_ok=True)
             raise EngineError(
-                f"no room in {folder} for a {volume.nbytes / 2**20:.0f} MiB volume and its "
+                f"no room in {src.parent} for a {volume.nbytes / 2**20:.0f} MiB volume and its "
                 f"label map for the model process: {exc}"
             ) from exc
         try:
             shared = np.memmap(src, dtype=np.float32, mode="r+", shape=volume.shape)
             np.copyto(shared, volume)
             del shared
-            sums = self._call(("job", str(src), str(dst), volume.shape, geometry), files=(src, dst))
+            sums = self.call(
+                ("job", str(src), str(dst), volume.shape, geometry), files=(src, dst), answered=1
+            )
             labels = np.asarray(np.memmap(dst, dtype=np.uint8, mode="r+", shape=volume.shape))
         finally:
             src.unlink(missing_ok=True)
@@ -399,7 +197,7 @@ class ProcessEngine:
         if not self._facts.get("slots") or self.pid is None:
             return False
         try:
-            return bool(self._call(("room",), 30.0))
+            return bool(self.call(("room",), 30.0))
         except EngineError:
             return False
 
@@ -413,63 +211,22 @@ class ProcessEngine:
         return int(self._facts.get("window_batch") or 1)
 
 
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
 # -- the child -------------------------------------------------------------------------------
-
-
-class _Forward(logging.Handler):
-    """Log records of the child, sent to the node."""
-
-    def __init__(self, send: Callable[[tuple[Any, ...]], None]) -> None:
-        super().__init__(logging.DEBUG)
-        self._send = send
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            text = record.getMessage()
-            if record.exc_info:
-                text += "\n" + logging.Formatter().formatException(record.exc_info)
-            self._send(("log", record.levelno, record.name, text))
-        except Exception:  # the socket is gone: nothing to log to
-            pass
-
-
-def _portable(exc: BaseException) -> BaseException:
-    """``exc`` itself where it survives pickling, else an EngineError with its text."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return EngineError(f"{type(exc).__name__}: {exc}")
-    return exc
 
 
 class _Child:
     def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.send_lock = threading.Lock()
+        self.server = ChildServer(
+            conn,
+            {"load": (self.load, False), "job": (self.job, True), "room": (self.room, False)},
+            error=EngineError,
+        )
+        self.server.on_close = self.close
+        self.answer = self.server.answer
         self.engine: Any = None
         self.manifest: Any = None
         self.running: dict[int, bool] = {}  # request -> ran beside another
         self.running_lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(4, thread_name_prefix="segnode-model-job")
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        with self.send_lock:
-            self.conn.send(message)
-
-    def answer(self, request: int, ok: bool, value: Any) -> None:
-        try:
-            self.send(("answer", request, ok, value if ok else _portable(value)))
-        except (OSError, ValueError):
-            os._exit(0)  # the node is gone
 
     def load(self, request: int, backend: str, options: dict[str, Any], manifest: Any) -> None:
         try:
@@ -532,44 +289,17 @@ class _Child:
             value = False
         self.answer(request, True, value)
 
-    def serve(self) -> None:
-        while True:
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):
-                os._exit(0)  # the node is gone (or closed the socket): leave at once
-            kind = message[0]
-            if kind == "close":
-                break
-            if kind == "load":
-                self.load(*message[1:])
-            elif kind == "job":
-                self.pool.submit(self.job, *message[1:])
-            elif kind == "room":
-                self.room(message[1])
-        self.pool.shutdown(wait=True)
+    def close(self) -> None:
         if self.engine is not None:
-            with contextlib.suppress(Exception):
-                self.engine.close()
+            self.engine.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     """The child: ``python -m segnode.engines.model_process FD`` (FD: its socket)."""
-    args = sys.argv[1:] if argv is None else argv
-    conn = Connection(int(args[0]))
-    child = _Child(conn)
-    root = logging.getLogger()
-    root.handlers[:] = [_Forward(child.send)]
-    root.setLevel(logging.INFO)
-    # The node decides when its model process stops (Ctrl-C reaches the whole process group;
-    # systemd's KillMode=mixed sends SIGTERM to the node alone): it closes the socket, or
-    # dies, and this process leaves at once. SIGKILL still ends it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    child.serve()
+    child_main(argv, lambda conn: _Child(conn).server)
 
 
-__all__ = ["ProcessEngine", "segment_volume", "shared_dir", "sweep_stale"]
+__all__ = ["SHARED_PREFIX", "ProcessEngine", "segment_volume", "shared_dir", "sweep_stale"]
 
 if __name__ == "__main__":
     main()

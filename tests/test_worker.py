@@ -277,12 +277,12 @@ def test_seg_that_fails_its_check_leaves_no_file(
 ) -> None:
     """The SEG is written while it is checked; a failed check fails the job and removes
     the written bytes (no result file under any name)."""
-    import segnode.node.pipeline.worker as worker_module
+    import segnode.node.results.encode_process as encode_module
 
     def corrupt(*_: object) -> None:
         raise ResultError("frame 3 does not reproduce the label map on slice 2")
 
-    monkeypatch.setattr(worker_module, "check_encoded", corrupt)
+    monkeypatch.setattr(encode_module, "check_encoded", corrupt)
     worker, ledger, spool = make(tmp_path, engine)
     files = write_synthetic_series(
         tmp_path / "in", PhantomGeometry(rows=64, columns=64, slices=6), seed=34

@@ -333,6 +333,12 @@ class ResultsConfig:
     #: thread, before the engine runs: the engine's Python then has the GIL to itself, which
     #: a GPU engine launching kernels from Python needs; docs/performance.md).
     prepare: str = setting("concurrent", choices=("concurrent", "before"))
+    #: Processes that encode and check the SEGs (:mod:`segnode.node.results.encode_process`),
+    #: beside the node's interpreter lock; 0: in the node. Each holds a label map while it
+    #: encodes (and about 100 MB besides). With many segments under a burst the SEG's
+    #: thousands of short numpy calls wait for the lock the receiving threads hold: 2 for
+    #: TotalSegmentator-sized label sets on a GPU (docs/performance.md).
+    encode_processes: int = setting(0, 0, 16)
 
     @property
     def seg_transfer_syntax_uid(self) -> str:

@@ -93,12 +93,12 @@ from segnode.node.results.build import (
     load_standard_tables,
     segment_statistics,
 )
-from segnode.node.results.seg_check import check_encoded
+from segnode.node.results.encode_process import SegEncoders, WrittenSeg, encode_and_write
 from segnode.node.results.seg_encode import SegPlan
 from segnode.node.results.sr_encode import SrPlan
 from segnode.node.results.statistics import statistics_from_sums
 from segnode.storage.ledger import MISSING_FILES, JobState, JobView, Ledger
-from segnode.storage.spool import write_atomic, write_synced
+from segnode.storage.spool import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +271,12 @@ class Worker:
         self.prepare_mode = config.results.prepare
         # Prepares the SEG and SR of a job while its inference runs (one per lane).
         self._helper = ThreadPoolExecutor(self.lanes, thread_name_prefix="segnode-prepare")
+        #: The SEG encoder processes (``[results] encode_processes``), or None: in the node.
+        self.encoders = (
+            SegEncoders(config.results.encode_processes)
+            if config.results.encode_processes
+            else None
+        )
         self.wake = threading.Event()
         #: Set once the default model's engine is loaded; jobs wait for it (a node that
         #: loads its engine in the background clears it until then).
@@ -327,6 +333,8 @@ class Worker:
         :func:`segnode.node.results.build.load_standard_tables`)."""
         load_standard_tables()
         self.warming = self._helper.submit(self._warm)
+        if self.encoders is not None:
+            self._helper.submit(self._start_encoders)
         for k in range(self.lanes):
             name = "segnode-worker" + (f"-{k + 1}" if self.lanes > 1 else "")
             thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -338,6 +346,13 @@ class Worker:
             self.gate.slots,
             " (a second job only on a GPU with room for it)" if self.gate.slots > 1 else "",
         )
+
+    def _start_encoders(self) -> None:
+        assert self.encoders is not None
+        try:
+            self.encoders.start()
+        except Exception as exc:  # each job tries again, and fails with the reason
+            log.error("the SEG encoder processes did not start: %s", exc)
 
     def _warm(self) -> None:
         try:
@@ -355,6 +370,8 @@ class Worker:
         for thread in self._threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._helper.shutdown(wait=False)
+        if self.encoders is not None:
+            self.encoders.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -554,29 +571,39 @@ class Worker:
         self._stage(job.id, "results")
         self.ledger.mark(job.id, "inference_at")
         clock.lap("mark")
-        seg = seg_plan.encode(labels)
-        clock.lap("seg")
         out = self.results_dir / str(job.id)
         seg_path = out / f"seg-{uids.seg_sop_uid}.dcm"
         sr_path = out / f"sr-{uids.sr_sop_uid}.dcm"
-        # The SEG goes to disk (a synced temp file) on the helper thread while it is checked;
-        # it gets its name only once the check passed.
-        written = self._helper.submit(write_synced, seg_path, seg.data)
-        try:
-            check_encoded(seg_plan, seg, labels)  # the bytes that will be sent
-        except BaseException:
-            with contextlib.suppress(Exception):
-                written.result()[0].unlink(missing_ok=True)
-            raise
-        clock.lap("check")
-        if sums is not None:
-            stats = statistics_from_sums(volume, sums, manifest)
+        # Encoded and checked in an encoder process (while this thread computes the
+        # statistics and the SR) or here; the SEG goes to disk (a synced temp file) while it
+        # is checked, and gets its name only once the check passed.
+        encoding = None
+        if self.encoders is not None:
+            encoding = self.encoders.submit(seg_plan, labels, seg_path)
+            seg = None
         else:
-            stats = segment_statistics(volume, labels, manifest)
-        clock.lap("statistics")
-        sr_bytes = sr_plan.encode(stats, now=created)
-        clock.lap("sr")
-        os.replace(written.result()[0], seg_path)
+            seg = encode_and_write(seg_plan, labels, seg_path, self._helper)
+        clock.lap("seg")
+        try:
+            if sums is not None:
+                stats = statistics_from_sums(volume, sums, manifest)
+            else:
+                stats = segment_statistics(volume, labels, manifest)
+            clock.lap("statistics")
+            sr_bytes = sr_plan.encode(stats, now=created)
+            clock.lap("sr")
+        except BaseException:
+            _discard(encoding, seg)
+            raise
+        if encoding is not None:
+            seg = encoding.result()  # its errors fail the job
+            clock.laps["seg"] += clock.lap("seg waited")
+        assert seg is not None
+        try:
+            os.replace(seg.temp, seg_path)
+        except BaseException:
+            seg.temp.unlink(missing_ok=True)
+            raise
         write_atomic(sr_path, sr_bytes)  # its fsync of the folder makes both names durable
         clock.lap("files")
         notes = self._rejection_notes(job, out)
@@ -588,7 +615,7 @@ class Worker:
         kept = self.ledger.save_results(
             job.id,
             [
-                ("SEG", seg.sop_class_uid, uids.seg_sop_uid, uids.seg_series_uid, seg_path),
+                ("SEG", seg_plan.sop_class_uid, uids.seg_sop_uid, uids.seg_series_uid, seg_path),
                 ("SR", sr_plan.sop_class_uid, uids.sr_sop_uid, uids.sr_series_uid, sr_path),
             ],
             list(job.destinations),
@@ -597,12 +624,13 @@ class Worker:
         )
         clock.lap("ledger")
         ms = {name: seconds * 1e3 for name, seconds in clock.laps.items()}
-        after = ("mark", "seg", "check", "statistics", "sr", "files", "notes", "ledger")
+        after = ("mark", "seg", "statistics", "sr", "files", "notes", "ledger")
         log.info(
             "job %d: timing ms: waited for memory %.1f, for the model %.1f; "
             "inference %.1f, prepare %.1f (%s, inference waited %.1f); "
-            "after inference %.1f = mark %.1f, SEG encode %.1f, check %.1f, statistics %.1f "
-            "(%s), SR encode %.1f, files %.1f (%.1f MB), notes %.1f, ledger %.1f; %s",
+            "after inference %.1f = mark %.1f, SEG %.1f (SEG encode %.1f, check %.1f, %s), "
+            "statistics %.1f (%s), SR encode %.1f, files %.1f (%.1f MB), notes %.1f, "
+            "ledger %.1f; %s",
             job.id,
             budget_wait * 1e3,
             held.waited * 1e3,
@@ -613,12 +641,14 @@ class Worker:
             sum(ms[name] for name in after),
             ms["mark"],
             ms["seg"],
-            ms["check"],
+            seg.encode_s * 1e3,
+            seg.check_s * 1e3,
+            "in the node" if seg.pid == os.getpid() else f"encoder process {seg.pid}",
             ms["statistics"],
             "engine sums" if sums is not None else "CPU",
             ms["sr"],
             ms["files"],
-            (len(seg.data) + len(sr_bytes)) / 1e6,
+            (seg.size + len(sr_bytes)) / 1e6,
             ms["notes"],
             ms["ledger"],
             memory,
@@ -852,10 +882,24 @@ class _Clock:
         """The next lap counts from now."""
         self._last = time.perf_counter()
 
-    def lap(self, name: str) -> None:
+    def lap(self, name: str) -> float:
+        """Record the seconds since the last lap as ``name``; returns them."""
         now = time.perf_counter()
-        self.laps[name] = now - self._last
+        self.laps[name] = seconds = now - self._last
         self._last = now
+        return seconds
+
+
+def _discard(encoding: Future[WrittenSeg] | None, seg: WrittenSeg | None) -> None:
+    """Remove the temp file of a SEG whose job failed after its encoding (waiting for an
+    encoder process to finish it first)."""
+    if encoding is not None:
+        try:
+            seg = encoding.result()
+        except Exception:
+            return  # it failed too: nothing was left
+    if seg is not None:
+        seg.temp.unlink(missing_ok=True)
 
 
 def result_paths(data_dir: Path, job_id: int) -> list[Path]:

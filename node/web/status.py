@@ -79,7 +79,8 @@ def worker_figures(node: Node) -> dict[str, Any]:
     models were busy (and the GPU, where NVML reports it), the jobs waiting for the models by
     priority, the expected wait of a job queued now (the models' mean time per job times
     the jobs ahead of it, or the ledger's rate before the node has run a job), and the models'
-    own processes (``[engine] model_process``: id and restarts)."""
+    own processes (``[engine] model_process``: id and restarts) and the SEG encoder
+    processes' (``[results] encode_processes``)."""
     worker = node.worker
     gate = worker.gate
     jobs = node.ledger.counts()
@@ -100,6 +101,7 @@ def worker_figures(node: Node) -> dict[str, Any]:
         "gpu_busy_pct": gpu_busy_percent(),
         "expected_wait_s": wait,
         "model_processes": node.pool.model_processes(),
+        "encode_processes": worker.encoders.figures() if worker.encoders is not None else [],
     }
 
 
