@@ -37,6 +37,7 @@ from segnode.node.pipeline.worker import result_paths
 from segnode.node.results.build import Equipment, ResultUIDs
 from segnode.node.results.encode_process import SegEncoders, encode_and_write
 from segnode.node.results.seg_encode import SegPlan
+from segnode.node.results.statistics import segment_statistics
 from segnode.node.web.status import worker_figures
 from tests.conftest import free_port, wait_for
 from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
@@ -97,6 +98,18 @@ def test_an_encoder_process_writes_the_bytes_of_the_node(
     seg = hd.seg.segread(there.temp)  # a reader we did not write
     assert seg.number_of_segments == 117
     assert list(shared_folder.iterdir()) == []  # the shared label map is gone
+
+
+def test_an_encoder_process_gives_the_statistics_of_the_node(
+    encoders: SegEncoders, plan: SegPlan, labels: np.ndarray, tmp_path: Path, shared_folder: Path
+) -> None:
+    volume = blob_volume(SHAPE)
+    there = encoders.submit(
+        plan, labels, tmp_path / "seg.dcm", volume.hu, voxel_volume_ml=volume.voxel_volume_ml
+    ).result(60)
+    assert there.statistics == segment_statistics(volume, labels, plan.manifest)
+    assert len(there.statistics) == 117 and there.statistics_s > 0
+    assert list(shared_folder.iterdir()) == []  # the label map and the HU are gone
 
 
 def test_errors_come_back_with_their_type_and_leave_no_file(
@@ -184,7 +197,8 @@ def test_a_worker_encodes_its_segs_in_an_encoder_process(
         ((pid, restarts),) = [(f["pid"], f["restarts"]) for f in worker.encoders.figures()]
         assert pid not in (None, os.getpid()) and restarts == 0
         line = next(r.getMessage() for r in caplog.records if "timing ms" in r.getMessage())
-        assert f"encoder process {pid}" in line
+        assert "SEG encode" in line and f"encoder process {pid})" in line
+        assert f"(CPU in encoder process {pid}, " in line  # the statistics too
         seg_path = next(p for p in result_paths(tmp_path, jid) if p.name.startswith("seg-"))
         seg = hd.seg.segread(seg_path)  # a reader we did not write
         assert str(seg.SOPInstanceUID) == view.seg_sop_uid

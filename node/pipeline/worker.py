@@ -574,30 +574,38 @@ class Worker:
         out = self.results_dir / str(job.id)
         seg_path = out / f"seg-{uids.seg_sop_uid}.dcm"
         sr_path = out / f"sr-{uids.sr_sop_uid}.dcm"
-        # Encoded and checked in an encoder process (while this thread computes the
-        # statistics and the SR) or here; the SEG goes to disk (a synced temp file) while it
-        # is checked, and gets its name only once the check passed.
-        encoding = None
+        # Encoded and checked in an encoder process (with the statistics where the engine
+        # gave no sums, else while this thread computes them from the sums) or here; the SEG
+        # goes to disk (a synced temp file) while it is checked, and gets its name only
+        # once the check passed and the SR is encoded.
+        encoding: Future[WrittenSeg] | None = None
+        seg: WrittenSeg | None = None
         if self.encoders is not None:
-            encoding = self.encoders.submit(seg_plan, labels, seg_path)
-            seg = None
+            hu = volume.hu if sums is None else None
+            encoding = self.encoders.submit(
+                seg_plan, labels, seg_path, hu, voxel_volume_ml=volume.voxel_volume_ml
+            )
         else:
             seg = encode_and_write(seg_plan, labels, seg_path, self._helper)
         clock.lap("seg")
         try:
+            where = "engine sums"
             if sums is not None:
                 stats = statistics_from_sums(volume, sums, manifest)
-            else:
-                stats = segment_statistics(volume, labels, manifest)
+            elif encoding is None:
+                stats, where = segment_statistics(volume, labels, manifest), "CPU"
             clock.lap("statistics")
+            if encoding is not None:
+                seg = encoding.result()  # its errors fail the job
+                clock.laps["seg"] += clock.lap("seg waited")
+                if seg.statistics is not None:
+                    stats = seg.statistics
+                    where = f"CPU in encoder process {seg.pid}, {seg.statistics_s * 1e3:.1f} there"
             sr_bytes = sr_plan.encode(stats, now=created)
             clock.lap("sr")
         except BaseException:
             _discard(encoding, seg)
             raise
-        if encoding is not None:
-            seg = encoding.result()  # its errors fail the job
-            clock.laps["seg"] += clock.lap("seg waited")
         assert seg is not None
         try:
             os.replace(seg.temp, seg_path)
@@ -645,7 +653,7 @@ class Worker:
             seg.check_s * 1e3,
             "in the node" if seg.pid == os.getpid() else f"encoder process {seg.pid}",
             ms["statistics"],
-            "engine sums" if sums is not None else "CPU",
+            where,
             ms["sr"],
             ms["files"],
             (seg.size + len(sr_bytes)) / 1e6,

@@ -42,6 +42,7 @@ from segnode.engines.child_process import (
 from segnode.node.errors import ResultError
 from segnode.node.results.seg_check import check_encoded
 from segnode.node.results.seg_encode import SegPlan
+from segnode.node.results.statistics import SegmentStatistics, segment_statistics
 from segnode.storage.spool import write_synced
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class WrittenSeg:
         Seconds of the encoding and of the check.
     pid
         The process that encoded it.
+    statistics, statistics_s
+        The segments' statistics and their seconds, where the HU were given (else None, 0).
     """
 
     temp: Path
@@ -78,14 +81,33 @@ class WrittenSeg:
     encode_s: float
     check_s: float
     pid: int
+    statistics: list[SegmentStatistics] | None = None
+    statistics_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _HU:
+    """The HU of a volume and its voxel volume: what the statistics read of a Volume."""
+
+    hu: npt.NDArray[np.floating]
+    voxel_volume_ml: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.hu.shape)
 
 
 def encode_and_write(
-    plan: SegPlan, labels: npt.NDArray[np.integer], path: Path, helper: Executor
+    plan: SegPlan,
+    labels: npt.NDArray[np.integer],
+    path: Path,
+    helper: Executor,
+    hu: _HU | None = None,
 ) -> WrittenSeg:
     """Encode ``labels`` with ``plan``, write the bytes to a synced temp file next to
     ``path`` on ``helper`` while they are checked; the temp file is removed when the check
-    fails.
+    (or the statistics) fail. With ``hu``, also the segments' statistics
+    (:func:`segnode.node.results.statistics.segment_statistics`).
 
     Raises
     ------
@@ -102,11 +124,13 @@ def encode_and_write(
     written = helper.submit(write_synced, path, seg.data)
     try:
         check_encoded(plan, seg, labels)  # the bytes that will be sent
+        checked = time.perf_counter()
+        statistics = None if hu is None else segment_statistics(hu, labels, plan.manifest)
     except BaseException:
         with contextlib.suppress(Exception):
             written.result()[0].unlink(missing_ok=True)
         raise
-    checked = time.perf_counter()
+    counted = time.perf_counter()
     temp, size = written.result()
     return WrittenSeg(
         temp=temp,
@@ -116,6 +140,8 @@ def encode_and_write(
         encode_s=encoded - started,
         check_s=checked - encoded,
         pid=os.getpid(),
+        statistics=statistics,
+        statistics_s=counted - checked if hu is not None else 0.0,
     )
 
 
@@ -139,30 +165,47 @@ class _Encoder(ChildProcess):
                 raise
 
     def submit(
-        self, plan: SegPlan, labels: npt.NDArray[np.integer], path: Path
+        self,
+        plan: SegPlan,
+        labels: npt.NDArray[np.integer],
+        path: Path,
+        hu: _HU | None = None,
     ) -> Future[WrittenSeg]:
         self.ensure_running(self.start)
-        data = np.ascontiguousarray(labels)
-        shared = shared_name(".seglabels")
+        arrays = [np.ascontiguousarray(labels)]
+        if hu is not None:
+            arrays.append(np.ascontiguousarray(hu.hu))
+        files: list[Path] = []
         try:
-            shared_file(shared, data.nbytes)
-        except OSError as exc:
-            raise ResultError(
-                f"no room in {shared.parent} for a {data.nbytes / 2**20:.0f} MiB label map "
-                f"for the SEG encoder: {exc}"
-            ) from exc
-        try:
-            view = np.memmap(shared, dtype=data.dtype, mode="r+", shape=data.shape)
-            np.copyto(view, data)
-            del view
+            for data in arrays:
+                shared = shared_name(".seglabels" if not files else ".seghu")
+                try:
+                    shared_file(shared, data.nbytes)
+                except OSError as exc:
+                    raise ResultError(
+                        f"no room in {shared.parent} for {data.nbytes / 2**20:.0f} MiB of "
+                        f"the label map and HU for the SEG encoder: {exc}"
+                    ) from exc
+                files.append(shared)
+                view = np.memmap(shared, dtype=data.dtype, mode="r+", shape=data.shape)
+                np.copyto(view, data)
+                del view
         except BaseException:
-            shared.unlink(missing_ok=True)
+            for shared in files:
+                shared.unlink(missing_ok=True)
             raise
-        # the file is removed when the answer comes (or the child dies)
+        described = [(str(f), a.shape, a.dtype.str) for f, a in zip(files, arrays, strict=True)]
+        # the files are removed when the answer comes (or the child dies)
         return self.request(
-            ("encode", plan, str(shared), data.shape, data.dtype.str, str(path)),
-            files=(shared,),
-            answered=1,
+            (
+                "encode",
+                plan,
+                described,
+                None if hu is None else hu.voxel_volume_ml,
+                str(path),
+            ),
+            files=tuple(files),
+            answered=len(files),
         )
 
 
@@ -187,10 +230,16 @@ class SegEncoders:
         )
 
     def submit(
-        self, plan: SegPlan, labels: npt.NDArray[np.integer], path: Path
+        self,
+        plan: SegPlan,
+        labels: npt.NDArray[np.integer],
+        path: Path,
+        hu: npt.NDArray[np.floating] | None = None,
+        voxel_volume_ml: float = 0.0,
     ) -> Future[WrittenSeg]:
         """:func:`encode_and_write` in an encoder process: the future holds its result (or
-        raises its error). ``labels`` is copied before this returns."""
+        raises its error); with ``hu`` (and the volume's ``voxel_volume_ml``) also the
+        segments' statistics. ``labels`` and ``hu`` are copied before this returns."""
         with self._pick:
             k = min(range(len(self._encoders)), key=lambda i: self._assigned[i])
             self._assigned[k] += 1
@@ -200,7 +249,8 @@ class SegEncoders:
                 self._assigned[k] -= 1
 
         try:
-            future = self._encoders[k].submit(plan, labels, path)
+            volume = None if hu is None else _HU(hu, voxel_volume_ml)
+            future = self._encoders[k].submit(plan, labels, path, volume)
         except BaseException:
             done(Future())
             raise
@@ -241,15 +291,18 @@ class _Child:
         self,
         request: int,
         plan: SegPlan,
-        labels_path: str,
-        shape: tuple[int, ...],
-        dtype: str,
+        arrays: list[tuple[str, tuple[int, ...], str]],
+        voxel_volume_ml: float | None,
         path: str,
     ) -> None:
         try:
-            labels = np.memmap(labels_path, dtype=np.dtype(dtype), mode="r", shape=shape)
-            written = encode_and_write(plan, labels, Path(path), self.helper)
-            del labels
+            maps = [
+                np.memmap(name, dtype=np.dtype(dtype), mode="r", shape=shape)
+                for name, shape, dtype in arrays
+            ]
+            hu = None if voxel_volume_ml is None else _HU(maps[1], voxel_volume_ml)
+            written = encode_and_write(plan, maps[0], Path(path), self.helper, hu)
+            del maps, hu
         except BaseException as exc:
             self.server.answer(request, False, exc)
         else:

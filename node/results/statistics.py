@@ -36,6 +36,21 @@ class Shaped(Protocol):
         ...
 
 
+class Measured(Shaped, Protocol):
+    """What :func:`segment_statistics` reads of a volume (a
+    :class:`~segnode.node.ingest.volume.Volume`, or its HU alone in an encoder process)."""
+
+    @property
+    def hu(self) -> npt.NDArray[np.floating]:
+        """The HU, of :attr:`shape`."""
+        ...
+
+    @property
+    def voxel_volume_ml(self) -> float:
+        """Millilitres per voxel."""
+        ...
+
+
 @dataclass(frozen=True)
 class _Shape:
     """A slab's shape, standing for the volume :func:`label_counts` checks it against."""
@@ -328,7 +343,7 @@ class SegmentStatsAccumulator:
 
 
 def segment_statistics(
-    volume: Volume, labels: npt.NDArray[np.integer], manifest: ModelManifest
+    volume: Measured, labels: npt.NDArray[np.integer], manifest: ModelManifest
 ) -> list[SegmentStatistics]:
     """Voxel count, volume (mL), mean and standard deviation (HU) of each non-empty label.
 
