@@ -596,14 +596,31 @@ class _Frames:
             target[: len(packed)] = packed
             return
         step = pixels // 8  # bytes per frame
+        frames = target[: len(values) * step].reshape(len(values), step)
+        # run[f]: frames f, f+1, ... that show one value on consecutive slices (frames come
+        # by segment, then slice): they are compared in one numpy call
+        run = [1] * len(values)
+        for f in range(len(values) - 2, -1, -1):
+            if values[f + 1] == values[f] and slices[f + 1] == slices[f] + 1:
+                run[f] = run[f + 1] + 1
 
         def block(start: int, stop: int) -> None:
-            mask = np.empty(pixels, dtype=np.bool_)
-            for f in range(start, stop):
-                np.equal(self.flat[slices[f]], values[f], out=mask)
-                target[f * step : (f + 1) * step] = np.packbits(mask, bitorder="little")
+            # up to _PACK_FRAMES frames per numpy call: each call gives the interpreter lock
+            # away and must take it back, which under a burst waits for the receiving threads
+            mask = np.empty((_PACK_FRAMES, pixels), dtype=np.bool_)
+            first = start
+            while first < stop:
+                n = min(stop - first, _PACK_FRAMES, run[first])
+                k = slices[first]
+                np.equal(self.flat[k : k + n], values[first], out=mask[:n])
+                frames[first : first + n] = np.packbits(mask[:n], axis=1, bitorder="little")
+                first += n
 
-        map_blocks(block, len(values), 1)
+        map_blocks(block, len(values), _PACK_FRAMES)
+
+
+#: BINARY frames compared and packed per numpy call (a 4 MiB mask for 512 x 512 frames).
+_PACK_FRAMES = 16
 
 
 def _labelmap_frames(
