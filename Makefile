@@ -84,15 +84,17 @@ bench-gpu-e2e: venv
 
 # A burst of series at once, one job at a time against the lanes (issue 36): on this machine's
 # CPU the bundled model, 20 series of 128 slices from 4 DCMTK senders; on a GPU workstation the
-# 31 M U-Net, 20 series of 300 slices.
+# 31 M U-Net, 20 series of 300 slices; then a 117-segment SEG in the node and in an encoder
+# process while Python threads hold the interpreter lock (bench/out/seg_contention.json).
 bench-burst: venv tools
 	$(BIN)/python -m bench.burst --model tissue --engine onnxruntime --series 20 --slices 128 \
-		--out bench/out/burst
+		--lanes 0,0e --out bench/out/burst
+	$(BIN)/python -m bench.seg_contention --out bench/out
 
 bench-burst-gpu: venv
 	$(BIN)/pip install -q -e '.[bench,gpu]'
 	$(BIN)/python -m bench.burst --model unet --engine torch --series 20 --slices 300 \
-		--lanes 0,4:2 --out bench/out/burst-gpu
+		--lanes 0,3p,3pe --out bench/out/burst-gpu
 
 # TotalSegmentator's total task on a CUDA GPU (issue 34; docs/performance.md): the engine alone
 # on the five 1.5 mm parts of the real shape (random weights), then segnode end to end with the
