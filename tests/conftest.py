@@ -88,6 +88,16 @@ def rsyslog(tmp_path: Path) -> Iterator[Any]:
 
 
 @pytest.fixture
+def shared_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The files shared with child processes (``/dev/shm``) in a folder of the test's own,
+    to count leftovers (``SEGNODE_SHARED_DIR``)."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    monkeypatch.setenv("SEGNODE_SHARED_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
 def pg_url(postgres_cluster: Any) -> str:
     """The URL of a new, empty PostgreSQL database on the session's cluster."""
     return str(postgres_cluster.database())

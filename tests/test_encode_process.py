@@ -48,13 +48,8 @@ from tests.test_worker import ingest, run_job, worker_on
 SHAPE = (24, 96, 96)
 
 
-@pytest.fixture(autouse=True)
-def shared_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The shared label maps of these tests in a folder of their own, to count leftovers."""
-    folder = tmp_path / "shm"
-    folder.mkdir()
-    monkeypatch.setenv("SEGNODE_SHARED_DIR", str(folder))
-    return folder
+#: Every test's shared files in a folder of its own (tests/conftest.py), to count leftovers.
+pytestmark = pytest.mark.usefixtures("shared_folder")
 
 
 @pytest.fixture(scope="module")

@@ -39,14 +39,8 @@ from tests.fixtures.synthetic import PhantomGeometry, synthetic_datasets
 from tests.test_engine_load import run
 from tests.test_trained_runtime import geometry, phantom, tilted_geometry, write_trained
 
-
-@pytest.fixture(autouse=True)
-def shared_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The shared volumes of these tests in a folder of their own, to count leftovers."""
-    folder = tmp_path / "shm"
-    folder.mkdir()
-    monkeypatch.setenv("SEGNODE_SHARED_DIR", str(folder))
-    return folder
+#: Every test's shared files in a folder of its own (tests/conftest.py), to count leftovers.
+pytestmark = pytest.mark.usefixtures("shared_folder")
 
 
 @pytest.fixture(scope="module")
