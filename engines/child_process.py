@@ -171,12 +171,6 @@ class ChildProcess:
         proc = self._proc
         return proc.pid if proc is not None and proc.poll() is None else None
 
-    @property
-    def in_flight(self) -> int:
-        """Requests sent and not yet answered."""
-        with self._lock:
-            return len(self._pending)
-
     def _spawn(self) -> bool:
         """Start the child unless it runs; True where it was started now."""
         with self._lock:
@@ -316,10 +310,6 @@ class ChildProcess:
             return future.result(timeout)
         except TimeoutError as exc:
             raise self.error(f"{self.what} did not answer in {timeout:.0f} s") from exc
-
-    def running(self) -> bool:
-        """Whether the child runs (and was not closed)."""
-        return not self._closed and self.pid is not None
 
     def ensure_running(self, start: Callable[[], None]) -> None:
         """Call ``start`` (which starts the child) where the child is not running (a
