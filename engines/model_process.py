@@ -10,7 +10,10 @@ model's thread spends much of a burst waiting for that lock while the GPU idles
 * The volume goes to the child, and the label map comes back, through files in
   ``/dev/shm`` (shared memory) that both processes map; only the request, the geometry and
   the per-label sums travel through the socket between them (pickled,
-  :mod:`multiprocessing.connection` framing).
+  :mod:`multiprocessing.connection` framing). The files are kept, mapped on both sides,
+  for the next jobs (:class:`~segnode.engines.child_process.SharedPool`): a volume costs a
+  memory copy, not a page fault per page; a label map's file goes back when the worker lets
+  go of it.
 * Several jobs may run in the child at once (the gate's model slots), each on a thread of its
   own; the child says whether a job ran beside another, so that a backend's memory peak of a
   job alone (:class:`~segnode.engines.base.SlotEngine`) stays that of a job alone.
@@ -34,6 +37,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection
@@ -47,10 +51,10 @@ from segnode.engines.child_process import (
     SHARED_PREFIX,
     ChildProcess,
     ChildServer,
+    SharedMaps,
+    SharedPool,
     child_main,
     shared_dir,
-    shared_file,
-    shared_name,
     sweep_stale,
 )
 
@@ -118,12 +122,30 @@ class ProcessEngine(ChildProcess):
         self.precision_used = ""
         self.manifest: ModelManifest | None = None
         self._facts: dict[str, Any] = {}
+        self._volumes = SharedPool(".hu")
+        self._labels = SharedPool(".labels")
 
     def load(self, manifest: ModelManifest) -> None:
         """Start the child and load ``manifest`` there; its load error is raised here."""
         self.manifest = manifest
+        if self._closed:  # loaded again after close(): new pools
+            self._volumes, self._labels = SharedPool(".hu"), SharedPool(".labels")
         self._closed = False
         self._start()
+
+    def close(self) -> None:
+        """End the child and remove the idle shared files (a label map still held is
+        removed when the worker lets go of it)."""
+        super().close()
+        self._volumes.close()
+        self._labels.close()
+
+    @staticmethod
+    def _no_room(volume: npt.NDArray[np.float32], exc: OSError) -> EngineError:
+        return EngineError(
+            f"no room in {shared_dir()} for a {volume.nbytes / 2**20:.0f} MiB volume and its "
+            f"label map for the model process: {exc}"
+        )
 
     def _start(self) -> None:
         if self.manifest is None:
@@ -157,28 +179,26 @@ class ProcessEngine(ChildProcess):
         if volume.ndim != 3 or volume.size == 0:
             raise EngineError(f"expected a non-empty (z, y, x) volume, got shape {volume.shape}")
         self.ensure_running(self._start)
-        src = shared_name(".hu")
-        dst = src.with_suffix(".labels")
         try:
-            shared_file(src, volume.nbytes)
-            shared_file(dst, volume.size)
+            src = self._volumes.take(volume.nbytes)
         except OSError as exc:
-            src.unlink(missing_ok=True)
-            raise EngineError(
-                f"no room in {src.parent} for a {volume.nbytes / 2**20:.0f} MiB volume and its "
-                f"label map for the model process: {exc}"
-            ) from exc
+            raise self._no_room(volume, exc) from exc
         try:
-            shared = np.memmap(src, dtype=np.float32, mode="r+", shape=volume.shape)
-            np.copyto(shared, volume)
-            del shared
-            sums = self.call(
-                ("job", str(src), str(dst), volume.shape, geometry), files=(src, dst), answered=1
-            )
-            labels = np.asarray(np.memmap(dst, dtype=np.uint8, mode="r+", shape=volume.shape))
+            try:
+                dst = self._labels.take(volume.size)
+            except OSError as exc:
+                raise self._no_room(volume, exc) from exc
+            try:
+                np.copyto(src.array(volume.shape, np.float32), volume)
+                sums = self.call(("job", str(src.path), str(dst.path), volume.shape, geometry))
+            except BaseException:
+                self._labels.give(dst)
+                raise
         finally:
-            src.unlink(missing_ok=True)
-            dst.unlink(missing_ok=True)  # the mapping stays until the labels are freed
+            self._volumes.give(src)  # answered (or the child is dead): no one writes it now
+        labels = dst.array(volume.shape, np.uint8)
+        # the file goes back to the pool when the worker lets go of the label map
+        weakref.finalize(labels, self._labels.give, dst)
         return labels, sums
 
     def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
@@ -227,6 +247,7 @@ class _Child:
         self.manifest: Any = None
         self.running: dict[int, bool] = {}  # request -> ran beside another
         self.running_lock = threading.Lock()
+        self.maps = SharedMaps()
 
     def load(self, request: int, backend: str, options: dict[str, Any], manifest: Any) -> None:
         try:
@@ -257,7 +278,7 @@ class _Child:
                 self.running[other] = True
             self.running[request] = beside
         try:
-            hu = np.memmap(src, dtype=np.float32, mode="c", shape=shape)
+            hu = self.maps.array(src, shape, np.float32)
             scope = (
                 self.engine.job_scope(lambda: self.running[request])
                 if isinstance(self.engine, SlotEngine)
@@ -271,7 +292,7 @@ class _Child:
                     f"the model gave a label map of shape {labels.shape} for a volume of "
                     f"shape {tuple(shape)}"
                 )
-            out = np.memmap(dst, dtype=np.uint8, mode="r+", shape=shape)
+            out = self.maps.array(dst, shape, np.uint8)
             np.copyto(out, labels, casting="unsafe")
             del out, hu
         except BaseException as exc:

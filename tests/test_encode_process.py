@@ -92,6 +92,13 @@ def test_an_encoder_process_writes_the_bytes_of_the_node(
     assert there.frames == here.frames > 117
     seg = hd.seg.segread(there.temp)  # a reader we did not write
     assert seg.number_of_segments == 117
+    # the label map's file is kept for the next SEG: no new file, the same bytes
+    files = sorted(shared_folder.iterdir())
+    assert [p.suffix for p in files] == [".seglabels"]
+    again = encoders.submit(plan, labels, tmp_path / "again" / "seg.dcm").result(60)
+    assert again.temp.read_bytes() == here.temp.read_bytes()
+    assert sorted(shared_folder.iterdir()) == files
+    encoders.close()
     assert list(shared_folder.iterdir()) == []  # the shared label map is gone
 
 
@@ -104,6 +111,8 @@ def test_an_encoder_process_gives_the_statistics_of_the_node(
     ).result(60)
     assert there.statistics == segment_statistics(volume, labels, plan.manifest)
     assert len(there.statistics) == 117 and there.statistics_s > 0
+    assert sorted(p.suffix for p in shared_folder.iterdir()) == [".seghu", ".seglabels"]
+    encoders.close()
     assert list(shared_folder.iterdir()) == []  # the label map and the HU are gone
 
 
@@ -118,7 +127,7 @@ def test_errors_come_back_with_their_type_and_leave_no_file(
     with pytest.raises(ResultError, match=r"values \[200\]"):
         encoders.submit(plan, unknown, out / "seg.dcm").result(60)
     assert not out.exists() or list(out.iterdir()) == []
-    assert list(shared_folder.iterdir()) == []
+    assert [p.suffix for p in shared_folder.iterdir()] == [".seglabels"]  # kept, not leaked
     # and the process still serves
     assert encoders.submit(plan, labels, out / "seg.dcm").result(60).frames > 0
 
@@ -145,7 +154,7 @@ def test_a_killed_encoder_fails_its_seg_and_the_next_starts_another(
     os.kill(first, signal.SIGKILL)
     with pytest.raises(ResultError, match="was killed by SIGKILL while it ran this job"):
         future.result(60)
-    assert list(shared_folder.iterdir()) == []
+    assert [p.suffix for p in shared_folder.iterdir()] == [".seglabels"]  # back in the pool
     again = encoders.submit(plan, blob_labels(SHAPE), tmp_path / "b" / "seg.dcm").result(60)
     assert again.frames > 0
     assert encoders.figures() == [{"pid": again.pid, "restarts": 1}]

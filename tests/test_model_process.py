@@ -10,6 +10,7 @@ node, and a whole node running its jobs through one.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -110,7 +111,39 @@ def test_labels_match_the_engine_in_the_node(
     # the worker's dispatch goes to the child
     again, _ = segment_volume(proc_engine, tissue, hu, None)
     assert np.array_equal(again, want)
+    assert np.array_equal(got, want)  # the first label map is not the second's file
+    proc_engine.close()
     assert list(shared_folder.iterdir()) == []  # the shared files are gone
+    assert np.array_equal(got, want)  # and a label map still held stays readable
+
+
+def test_the_shared_files_are_kept_for_the_next_jobs(
+    proc_engine: ProcessEngine, shared_folder: Path
+) -> None:
+    """The volume's file and the label map's (once the worker lets go of it) serve the next
+    job: no new file, no page faults on fresh memory; the idle ones are bounded."""
+    first, _ = proc_engine.segment_job(_volume(seed=1))
+    files = {p.name for p in shared_folder.iterdir()}
+    assert sorted(n.rsplit(".", 1)[1] for n in files) == ["hu", "labels"]
+    held = first.copy()
+    del first
+    gc.collect()
+    for seed in (2, 3, 4):
+        labels, _ = proc_engine.segment_job(_volume(seed=seed))
+        assert {p.name for p in shared_folder.iterdir()} == files, seed
+        del labels
+        gc.collect()
+    # a smaller volume reuses a file twice its size at most: here a new one
+    small, _ = proc_engine.segment_job(_volume((6, 32, 32)))
+    assert len(list(shared_folder.iterdir())) == 4
+    # two label maps held at once are two files; idle files stay at most two per kind
+    maps = [proc_engine.segment_job(_volume(seed=s))[0] for s in (1, 5, 6)]
+    assert np.array_equal(maps[0], held)
+    del maps, small
+    gc.collect()
+    names = [p.name for p in shared_folder.iterdir()]
+    assert sum(n.endswith(".labels") for n in names) == 2
+    assert sum(n.endswith(".hu") for n in names) == 2
 
 
 def test_two_jobs_at_once_each_get_their_own_labels(proc_engine: ProcessEngine) -> None:
@@ -152,6 +185,8 @@ def test_a_trained_model_runs_with_its_geometry_and_its_errors_come_back(
         # the child still serves after a job's error
         assert np.array_equal(engine.segment_job(hu, where)[0], want)
         assert engine.restarts == 0
+        # the label map held, and at most two idle files of each kind
+        assert len(list(shared_folder.iterdir())) <= 5
     finally:
         engine.close()
     assert list(shared_folder.iterdir()) == []
@@ -220,7 +255,9 @@ def test_a_killed_child_fails_its_job_and_the_next_job_starts_another(
     assert isinstance(error, EngineError), error
     assert "killed by SIGKILL while it ran this job" in str(error)
     wait_for(lambda: not _alive(first), 10, "the killed child reaped")
-    assert list(shared_folder.iterdir()) == []
+    # the job's files went back to the pools (kept for the next job, not lost)
+    kept = {p.name for p in shared_folder.iterdir()}
+    assert sorted(n.rsplit(".", 1)[1] for n in kept) == ["hu", "labels"]
     # the next job starts a new child and succeeds
     hu = _volume()
     labels, _ = proc_engine.segment_job(hu)

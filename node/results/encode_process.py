@@ -9,12 +9,12 @@ SEG takes several times as long, and slows them in turn (docs/performance.md, "A
 the H200"). :func:`encode_and_write` does it in this process; :class:`SegEncoders`
 (``[results] encode_processes``) in child processes with their own interpreter lock.
 
-The label map reaches the child through a file in ``/dev/shm`` that both map
-(:func:`segnode.engines.child_process.shared_file`); the plan goes pickled through the
-socket; the child writes the SEG's temp file itself and answers with its path. A check that
-fails, no segment found, or no room on the disk come back as the same exceptions as in the
-node. A child that dies fails only the jobs it was encoding, with that reason; the next job
-starts it again.
+The label map reaches the child through a file in ``/dev/shm`` that both map, kept mapped
+for the next SEGs (:class:`segnode.engines.child_process.SharedPool`); the plan goes pickled
+through the socket; the child writes the SEG's temp file itself and answers with its path.
+A check that fails, no segment found, or no room on the disk come back as the same
+exceptions as in the node. A child that dies fails only the jobs it was encoding, with that
+reason; the next job starts it again.
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ import numpy.typing as npt
 from segnode.engines.child_process import (
     ChildProcess,
     ChildServer,
+    SharedBuffer,
+    SharedMaps,
+    SharedPool,
     child_main,
-    shared_file,
-    shared_name,
+    shared_dir,
 )
 from segnode.node.errors import ResultError
 from segnode.node.results.seg_check import check_encoded
@@ -148,12 +150,13 @@ def encode_and_write(
 class _Encoder(ChildProcess):
     """One encoder process."""
 
-    def __init__(self, number: int) -> None:
+    def __init__(self, number: int, pools: _Pools) -> None:
         super().__init__(
             "segnode.node.results.encode_process",
             f"the SEG encoder process {number}",
             error=ResultError,
         )
+        self.pools = pools
 
     def start(self) -> None:
         """Start the child and wait until it has imported what it encodes with."""
@@ -175,38 +178,54 @@ class _Encoder(ChildProcess):
         arrays = [np.ascontiguousarray(labels)]
         if hu is not None:
             arrays.append(np.ascontiguousarray(hu.hu))
-        files: list[Path] = []
+        taken: list[tuple[SharedPool, SharedBuffer]] = []
+
+        def give_back(_: object = None) -> None:
+            for pool, buffer in taken:
+                pool.give(buffer)
+
         try:
-            for data in arrays:
-                shared = shared_name(".seglabels" if not files else ".seghu")
+            for data, pool in zip(arrays, (self.pools.labels, self.pools.hu), strict=False):
                 try:
-                    shared_file(shared, data.nbytes)
+                    buffer = pool.take(data.nbytes)
                 except OSError as exc:
                     raise ResultError(
-                        f"no room in {shared.parent} for {data.nbytes / 2**20:.0f} MiB of "
+                        f"no room in {shared_dir()} for {data.nbytes / 2**20:.0f} MiB of "
                         f"the label map and HU for the SEG encoder: {exc}"
                     ) from exc
-                files.append(shared)
-                view = np.memmap(shared, dtype=data.dtype, mode="r+", shape=data.shape)
-                np.copyto(view, data)
-                del view
+                taken.append((pool, buffer))
+                np.copyto(buffer.array(data.shape, data.dtype), data)
+            described = [
+                (str(b.path), a.shape, a.dtype.str) for (_, b), a in zip(taken, arrays, strict=True)
+            ]
+            future = self.request(
+                (
+                    "encode",
+                    plan,
+                    described,
+                    None if hu is None else hu.voxel_volume_ml,
+                    str(path),
+                )
+            )
         except BaseException:
-            for shared in files:
-                shared.unlink(missing_ok=True)
+            give_back()
             raise
-        described = [(str(f), a.shape, a.dtype.str) for f, a in zip(files, arrays, strict=True)]
-        # the files are removed when the answer comes (or the child dies)
-        return self.request(
-            (
-                "encode",
-                plan,
-                described,
-                None if hu is None else hu.voxel_volume_ml,
-                str(path),
-            ),
-            files=tuple(files),
-            answered=len(files),
-        )
+        # answered (or the child died): the files go back for the next SEG
+        future.add_done_callback(give_back)
+        return future
+
+
+@dataclass
+class _Pools:
+    """The shared files of the encoders' label maps and HU, kept between SEGs
+    (:class:`~segnode.engines.child_process.SharedPool`)."""
+
+    labels: SharedPool
+    hu: SharedPool
+
+    def close(self) -> None:
+        self.labels.close()
+        self.hu.close()
 
 
 class SegEncoders:
@@ -216,7 +235,11 @@ class SegEncoders:
     def __init__(self, processes: int) -> None:
         if processes < 1:
             raise ValueError("SegEncoders needs at least one process")
-        self._encoders = [_Encoder(k + 1) for k in range(processes)]
+        # two idle files of each kind per process: one SEG in flight, the next being copied
+        self._pools = _Pools(
+            SharedPool(".seglabels", 2 * processes), SharedPool(".seghu", 2 * processes)
+        )
+        self._encoders = [_Encoder(k + 1, self._pools) for k in range(processes)]
         self._pick = threading.Lock()
         self._assigned = [0] * processes
 
@@ -261,6 +284,7 @@ class SegEncoders:
         """End the processes."""
         for encoder in self._encoders:
             encoder.close()
+        self._pools.close()
 
     def figures(self) -> list[dict[str, int | None]]:
         """Per process: its id (None while it is not running) and its restarts."""
@@ -279,6 +303,7 @@ class _Child:
             error=ResultError,
         )
         self.helper = ThreadPoolExecutor(2, thread_name_prefix="segnode-seg-write")
+        self.maps = SharedMaps()
         self.server.on_close = lambda: self.helper.shutdown(wait=True)
 
     def ready(self, request: int) -> None:
@@ -296,10 +321,7 @@ class _Child:
         path: str,
     ) -> None:
         try:
-            maps = [
-                np.memmap(name, dtype=np.dtype(dtype), mode="r", shape=shape)
-                for name, shape, dtype in arrays
-            ]
+            maps = [self.maps.array(name, shape, np.dtype(dtype)) for name, shape, dtype in arrays]
             hu = None if voxel_volume_ml is None else _HU(maps[1], voxel_volume_ml)
             written = encode_and_write(plan, maps[0], Path(path), self.helper, hu)
             del maps, hu
