@@ -36,6 +36,7 @@ unet)
         --slices "$SLICES" --senders 4 --lanes "$LANES" $PROFILE_ARG --work /tmp/burst-unet --out "$OUT/burst-unet" \
         2>&1 | tee "$OUT/burst-unet.log" | grep -v "^\[gpu-e2e\]" | tail -12
     tail -40 /tmp/burst-unet/node.log > "$OUT/burst-unet-node-tail.log"
+    gzip -c /tmp/burst-unet/node.log > "$OUT/burst-unet-node.log.gz"
     ;;
 total)
     rm -rf /tmp/burst-total
@@ -45,6 +46,7 @@ total)
         --series "$SERIES" --slices "$SLICES" --senders 4 --lanes "$LANES" $PROFILE_ARG --work /tmp/burst-total \
         --out "$OUT/burst-total" 2>&1 | tee "$OUT/burst-total.log" | tail -12
     tail -40 /tmp/burst-total/node.log > "$OUT/burst-total-node-tail.log"
+    gzip -c /tmp/burst-total/node.log > "$OUT/burst-total-node.log.gz"
     ;;
 *) echo "unknown stage $1"; exit 2 ;;
 esac

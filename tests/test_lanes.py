@@ -390,6 +390,49 @@ def test_an_urgent_job_runs_next_behind_the_job_in_the_model(tmp_path: Path) -> 
     assert [ledger.job_state(j) for j in routine] == ["done"] * 4
 
 
+def test_an_urgent_job_starts_when_every_lane_holds_a_job(tmp_path: Path) -> None:
+    """Two lanes, both holding routine jobs (one in the model, one waiting for it): the
+    urgent lane takes the urgent job at once, and it enters the model right after the job
+    in it, before the routine job that waited longer."""
+    worker, ledger, engine = _lanes_worker(tmp_path, 1.5, lanes=2)
+    assert worker.spare_lane
+    uids = _series(tmp_path, ledger, worker, 3, seed=75)
+    routine = _queue(ledger, uids[:2])
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sorted(worker.running.values()) != ["model", "waiting for the model"]:
+            assert time.monotonic() < deadline, worker.running
+            time.sleep(0.01)
+        (urgent,) = _queue(ledger, uids[2:], priority=10)
+        worker.wake.set()
+        while worker.running.get(urgent) != "waiting for the model":
+            assert time.monotonic() < deadline, worker.running
+            time.sleep(0.01)
+        # it came to the gate while the first routine job was still in the model
+        assert len(engine.order) == 1 and set(routine) <= set(worker.running), worker.running
+        _wait_done(ledger, [*routine, urgent])
+        # no third routine lane: the spare one takes only a more urgent job than all
+        assert max(worker.gate.most_at_once, engine.most_inside) == 1
+    finally:
+        worker.stop(10)
+    assert engine.order == [routine[0], urgent, routine[1]], engine.order
+    assert [ledger.job_state(j) for j in [*routine, urgent]] == ["done"] * 3
+
+
+def test_the_urgent_lane_takes_no_routine_job(tmp_path: Path) -> None:
+    """Three routine jobs on two lanes: never more than two in progress at once."""
+    worker, ledger, engine = _lanes_worker(tmp_path, 0.4, lanes=2)
+    ids = _queue(ledger, _series(tmp_path, ledger, worker, 3, seed=85))
+    worker.start()
+    try:
+        _wait_done(ledger, ids)
+    finally:
+        worker.stop(10)
+    assert all(len(beside) <= 1 for beside in engine.beside), engine.beside
+    assert [ledger.job_state(j) for j in ids] == ["done"] * 3
+
+
 def test_one_lane_is_one_job_at_a_time(tmp_path: Path) -> None:
     worker, ledger, engine = _lanes_worker(tmp_path, 0.1, lanes=1)
     assert worker.ahead == 1
@@ -401,6 +444,7 @@ def test_one_lane_is_one_job_at_a_time(tmp_path: Path) -> None:
     finally:
         worker.stop(10)
     assert engine.beside == [{}, {}]  # nothing else in progress while the model ran
+    assert not worker.spare_lane  # one job at a time, urgent ones too
 
 
 @pytest.mark.parametrize("lanes", [0, 2])

@@ -228,8 +228,10 @@ class EngineConfig:
     #: ``openvino``, which share the CPU with the work around the model). While one
     #: job's model runs, the next jobs' volumes are assembled and their results prepared, and
     #: the last ones' results encoded and written; the models run one job at a time, the most
-    #: urgent waiting job first. Each job in progress holds its volume and label map: a job
-    #: starts only while the estimated peaks of those in progress fit ``memory_limit``.
+    #: urgent waiting job first; with every lane busy, one more lane takes a job more urgent
+    #: than all of them (never a routine one). Each job in progress holds its volume and
+    #: label map: a job starts only while the estimated peaks of those in progress fit
+    #: ``memory_limit``.
     lanes: int = setting(0, 0, 16)
     #: Jobs in their models at once. 2 (the ``torch`` engine on a CUDA GPU): a second job
     #: runs beside the first, each on a CUDA stream of its own, while the GPU's free memory

@@ -249,6 +249,10 @@ class Worker:
         #: Jobs a lane may take ahead of the models (more only for a more urgent one): an
         #: urgent job is never queued behind routine ones the lanes already hold.
         self.ahead = max(1, self.lanes - self.gate.slots - 1)
+        #: With several lanes, one more thread takes a job only while every lane holds
+        #: one, and only a job more urgent than all of them: an urgent series starts at
+        #: once (its volume and its place at the models' gate), not when a lane's job ends.
+        self.spare_lane = self.lanes > 1
         self._running_lock = threading.Lock()
         self.results_dir = config.data_dir / "results"
         # Destinations that take IOCM rejection notes for superseded results.
@@ -270,7 +274,9 @@ class Worker:
         self.seg_transfer_syntax = config.results.seg_transfer_syntax_uid
         self.prepare_mode = config.results.prepare
         # Prepares the SEG and SR of a job while its inference runs (one per lane).
-        self._helper = ThreadPoolExecutor(self.lanes, thread_name_prefix="segnode-prepare")
+        self._helper = ThreadPoolExecutor(
+            self.lanes + self.spare_lane, thread_name_prefix="segnode-prepare"
+        )
         #: The SEG encoder processes (``[results] encode_processes``), or None: in the node.
         self.encoders = (
             SegEncoders(config.results.encode_processes)
@@ -310,12 +316,21 @@ class Worker:
         if stage in (None, "model"):
             self.wake.set()  # a lane may take the next job
 
-    def _claim(self) -> JobView | None:
+    def _claim(self, spare: bool = False) -> JobView | None:
         """The next job for a lane: the most urgent queued one while fewer than
-        :attr:`ahead` jobs in progress wait for the models, else only a more urgent one."""
+        :attr:`ahead` jobs in progress wait for the models, else only a more urgent one.
+
+        ``spare``: the urgent lane's claim, only while every lane holds a job, and only a
+        job more urgent than every job in progress (it would otherwise wait until one of
+        them ended, model and SEG included)."""
         with self._running_lock:
             waiting = [self._priority[j] for j, st in self.running.items() if st in BEFORE_MODEL]
-        above = max(waiting) if len(waiting) >= self.ahead else None
+            if spare:
+                if len(self.running) < self.lanes:
+                    return None  # a lane is free: it takes the job
+                above: int | None = max(self._priority.values(), default=0)
+        if not spare:
+            above = max(waiting) if len(waiting) >= self.ahead else None
         job = self.ledger.claim_next_job(self.config.engine.max_wait_s, above)
         if job is not None:
             with self._running_lock:
@@ -340,9 +355,16 @@ class Worker:
             thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._threads.append(thread)
             thread.start()
+        if self.spare_lane:
+            thread = threading.Thread(
+                target=self._run, args=(True,), name="segnode-worker-urgent", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
         log.info(
-            "worker: %d lane(s), %d model slot(s)%s",
+            "worker: %d lane(s)%s, %d model slot(s)%s",
             self.lanes,
+            " and one for an urgent job when they are full" if self.spare_lane else "",
             self.gate.slots,
             " (a second job only on a GPU with room for it)" if self.gate.slots > 1 else "",
         )
@@ -373,11 +395,11 @@ class Worker:
         if self.encoders is not None:
             self.encoders.close()
 
-    def _run(self) -> None:
+    def _run(self, spare: bool = False) -> None:
         while not self._stop.is_set():
             try:
                 self._requeue_interrupted()
-                found = self.run_once()
+                found = self.run_once(spare)
             except SQLAlchemyError as exc:  # the ledger's database is away (PostgreSQL)
                 log.error("the ledger cannot be reached (%s); jobs wait until it can", exc)
                 self._stop.wait(2.0)
@@ -403,12 +425,12 @@ class Worker:
                 if self._interrupted and self._interrupted[0] == job_id:
                     self._interrupted.pop(0)
 
-    def run_once(self) -> bool:
+    def run_once(self, spare: bool = False) -> bool:
         """Take and run one job; return False when the queue was empty (or the engine is
-        still loading: jobs stay queued)."""
+        still loading: jobs stay queued). ``spare``: as the urgent lane (:meth:`_claim`)."""
         if not self.engine_ready.is_set():
             return False
-        job = self._claim()
+        job = self._claim(spare)
         if job is None:
             return False
         try:
@@ -446,8 +468,20 @@ class Worker:
     def process(self, job: JobView) -> None:
         """Run every stage of ``job``; failures end it as failed with a reason."""
         t0 = time.perf_counter()
+        queued, started = job.stages.get("queued"), job.stages.get("started")
+        waited = (
+            f", queued {(started - queued).total_seconds():.2f} s" if queued and started else ""
+        )
+        with self._running_lock:
+            beside = ", ".join(f"{j} {stage}" for j, stage in self.running.items() if j != job.id)
         log.info(
-            "job %d: start (series v%d, %d instances)", job.id, job.version, job.instance_count
+            "job %d: start (series v%d, %d instances; priority %d%s; %s)",
+            job.id,
+            job.version,
+            job.instance_count,
+            job.priority,
+            waited,
+            f"in progress: {beside}" if beside else "nothing else in progress",
         )
         try:
             self._process(job)
