@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from segnode.engines.base import register_backend
 from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL
@@ -431,6 +432,67 @@ def test_the_urgent_lane_takes_no_routine_job(tmp_path: Path) -> None:
         worker.stop(10)
     assert all(len(beside) <= 1 for beside in engine.beside), engine.beside
     assert [ledger.job_state(j) for j in ids] == ["done"] * 3
+
+
+class SlowLoadEngine:
+    """ONNX Runtime whose ``load`` waits until the test lets it finish (a compiled model
+    takes tens of seconds to load)."""
+
+    name = "slow-load-test"
+    release = threading.Event()
+
+    def __init__(self, **_: Any) -> None:
+        self.inner = OrtEngine(threads=1)
+
+    def load(self, manifest: Any) -> None:
+        assert type(self).release.wait(60), "the test never let the load finish"
+        self.inner.load(manifest)
+
+    def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
+        return self.inner.segment(hu)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+register_backend("slow-load-test", SlowLoadEngine)
+
+
+def test_a_model_loading_holds_up_no_other_job(tmp_path: Path) -> None:
+    """A job whose model is still loading is not a job ahead of the models, and does not
+    hold the other models: two lanes run the default model's jobs meanwhile."""
+    SlowLoadEngine.release.clear()
+    holder: list[Worker] = []
+    engine = SlowEngine(0.1, holder)
+    engine.load(load_manifest(DEFAULT_MODEL))
+    settings = {
+        "engine": {"lanes": 2},
+        "models": {"slow": {"manifest": str(DEFAULT_MODEL), "engine": "slow-load-test"}},
+    }
+    worker, ledger, spool = worker_on(tmp_path, engine, load_manifest(DEFAULT_MODEL), settings)
+    holder.append(worker)
+    worker_spool[id(worker)] = spool
+    uids = _series(tmp_path, ledger, worker, 3, seed=90)
+    slow = ledger.create_job(
+        uids[0], trigger="t", model="tissue", engine="slow-load-test", model_name="slow"
+    )
+    assert slow is not None
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while worker.running.get(slow) != "loading its model":
+            assert time.monotonic() < deadline, worker.running
+            time.sleep(0.01)
+        others = _queue(ledger, uids[1:])
+        worker.wake.set()
+        _wait_done(ledger, others, 30)
+        assert worker.running.get(slow) == "loading its model"  # still loading meanwhile
+        SlowLoadEngine.release.set()
+        _wait_done(ledger, [slow], 30)
+    finally:
+        SlowLoadEngine.release.set()
+        worker.stop(10)
+    assert [ledger.job_state(j) for j in [*others, slow]] == ["done"] * 3
 
 
 def test_one_lane_is_one_job_at_a_time(tmp_path: Path) -> None:

@@ -108,6 +108,8 @@ class EnginePool:
                 self.manifests[name] = load_spec_manifest(spec)
             check_runnable(self.manifests[name])
         self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = {}  # per model: its load
+        self._closed = False
 
     @classmethod
     def of_config(cls, config: Config, engine: Engine, manifest: ModelManifest) -> EnginePool:
@@ -151,7 +153,15 @@ class EnginePool:
             if spec is None:
                 known = ", ".join(sorted(self.specs)) or "none"
                 raise EngineError(f"model {name!r} is not configured (configured: {known})")
-            manifest = self.manifests[name]
+            loading = self._loading.setdefault(name, threading.Lock())
+        # One load per model at a time; the other models' jobs go on meanwhile (a compiled
+        # torch model takes tens of seconds to load).
+        with loading:
+            with self._lock:
+                engine = self._engines.get(name)
+                if engine is not None:
+                    return engine, self.manifests[name]
+                manifest = self.manifests[name]
             log.info("loading model %s (%s) on %s", name, self.label(name), spec.engine)
             engine = make_engine(
                 spec,
@@ -160,9 +170,20 @@ class EnginePool:
                 model_process=self.model_process,
             )
             engine.load(manifest)
-            self._engines[name] = engine
-            manifest = self.manifests[name] = _as_run(engine, manifest)
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._engines[name] = engine
+                    manifest = self.manifests[name] = _as_run(engine, manifest)
+            if closed:
+                engine.close()
+                raise EngineError(f"model {name!r}: the node is stopping")
             return engine, manifest
+
+    def is_loaded(self, name: str) -> bool:
+        """Whether model ``name``'s engine is loaded (:meth:`get` returns at once)."""
+        with self._lock:
+            return name in self._engines
 
     def loaded(self) -> list[str]:
         """Names of the models whose engines are loaded."""
@@ -185,6 +206,7 @@ class EnginePool:
         """Close every loaded engine."""
         with self._lock:
             engines, self._engines = list(self._engines.values()), {}
+            self._closed = True
         for engine in engines:
             try:
                 engine.close()

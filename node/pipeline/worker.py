@@ -313,7 +313,7 @@ class Worker:
                 self._priority.pop(job_id, None)
             else:
                 self.running[job_id] = stage
-        if stage in (None, "model"):
+        if stage in (None, "model", "loading its model"):
             self.wake.set()  # a lane may take the next job
 
     def _claim(self, spare: bool = False) -> JobView | None:
@@ -526,7 +526,13 @@ class Worker:
                 f"{len(missing)} {MISSING_FILES}, e.g. {missing[0].name}; the job runs again "
                 "by itself when the sender sends them again (or: segnode retry)"
             )
-        engine, manifest = self.pool.get(job.model_name)
+        if not self.pool.is_loaded(job.model_name):
+            # not a job ahead of the models while its model loads: the lanes take others
+            self._stage(job.id, "loading its model")
+            engine, manifest = self.pool.get(job.model_name)
+            self._stage(job.id, "started")
+        else:
+            engine, manifest = self.pool.get(job.model_name)
         volume = self._sibling_volume(job, paths)
         if volume is None and self.volumes is not None:
             volume = self.volumes.take(job.series_instance_uid, paths)
