@@ -14,14 +14,15 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from segnode.engines.base import register_backend
 from segnode.engines.manifest_parse import load_manifest
 from segnode.engines.ort_backend import OrtEngine
 from segnode.node.config import DEFAULT_MODEL
 from segnode.node.pipeline.gate import EngineGate
 from segnode.node.pipeline.worker import MemoryBudget, Worker
 from segnode.storage.ledger import Ledger
+from tests.conftest import wait_for
 from tests.fixtures.synthetic import PhantomGeometry, write_synthetic_series
+from tests.test_engine_load import GatedEngine
 from tests.test_worker import ingest, worker_on
 
 # ------------------------------------------------------------------------------- the gate
@@ -323,6 +324,19 @@ def _wait_done(ledger: Ledger, ids: list[int], timeout: float = 60) -> None:
     raise AssertionError({j: ledger.job_state(j) for j in ids})
 
 
+def _run_all(worker: Worker, ledger: Ledger, ids: list[int]) -> None:
+    """Start the worker, wait until the jobs ``ids`` ended, stop it."""
+    worker.start()
+    try:
+        _wait_done(ledger, ids)
+    finally:
+        worker.stop(10)
+
+
+def _wait_stage(worker: Worker, job: int, stage: str) -> None:
+    wait_for(lambda: worker.running.get(job) == stage, 30, f"job {job} {stage}", 0.01)
+
+
 def test_lanes_overlap_jobs_and_run_the_model_one_job_at_a_time(tmp_path: Path) -> None:
     """Three lanes, four jobs: every job is done, the model never ran two jobs at once, and
     while it ran one, another job was in progress beside it."""
@@ -354,11 +368,7 @@ def test_two_model_slots_run_two_jobs_at_once_where_there_is_room(
     engine.room = room
     assert worker.gate.slots == 2 and worker.ahead == 1
     ids = _queue(ledger, _series(tmp_path, ledger, worker, 4, seed=65))
-    worker.start()
-    try:
-        _wait_done(ledger, ids)
-    finally:
-        worker.stop(10)
+    _run_all(worker, ledger, ids)
     assert [ledger.job_state(j) for j in ids] == ["done"] * 4
     assert engine.most_inside == (2 if room else 1)
     assert any(engine.shared) == room and len(engine.shared) == 4
@@ -373,15 +383,10 @@ def test_an_urgent_job_runs_next_behind_the_job_in_the_model(tmp_path: Path) -> 
     routine = _queue(ledger, uids[:4])
     worker.start()
     try:
-        deadline = time.monotonic() + 30
-        while len(engine.order) < 1 or not worker.gate.waiting():
-            assert time.monotonic() < deadline, "no job waits for the model"
-            time.sleep(0.01)
+        wait_for(lambda: engine.order and worker.gate.waiting(), 30, "a job waiting", 0.01)
         (urgent,) = _queue(ledger, uids[4:], priority=10)
         worker.wake.set()
-        while worker.running.get(urgent) != "waiting for the model":
-            assert time.monotonic() < deadline, worker.running
-            time.sleep(0.01)
+        _wait_stage(worker, urgent, "waiting for the model")
         in_model = len(engine.order)  # the routine job in the model when it came to the gate
         _wait_done(ledger, [*routine, urgent])
     finally:
@@ -401,15 +406,15 @@ def test_an_urgent_job_starts_when_every_lane_holds_a_job(tmp_path: Path) -> Non
     routine = _queue(ledger, uids[:2])
     worker.start()
     try:
-        deadline = time.monotonic() + 30
-        while sorted(worker.running.values()) != ["model", "waiting for the model"]:
-            assert time.monotonic() < deadline, worker.running
-            time.sleep(0.01)
+        wait_for(
+            lambda: sorted(worker.running.values()) == ["model", "waiting for the model"],
+            30,
+            "both lanes busy",
+            0.01,
+        )
         (urgent,) = _queue(ledger, uids[2:], priority=10)
         worker.wake.set()
-        while worker.running.get(urgent) != "waiting for the model":
-            assert time.monotonic() < deadline, worker.running
-            time.sleep(0.01)
+        _wait_stage(worker, urgent, "waiting for the model")
         # it came to the gate while the first routine job was still in the model
         assert len(engine.order) == 1 and set(routine) <= set(worker.running), worker.running
         _wait_done(ledger, [*routine, urgent])
@@ -425,72 +430,42 @@ def test_the_urgent_lane_takes_no_routine_job(tmp_path: Path) -> None:
     """Three routine jobs on two lanes: never more than two in progress at once."""
     worker, ledger, engine = _lanes_worker(tmp_path, 0.4, lanes=2)
     ids = _queue(ledger, _series(tmp_path, ledger, worker, 3, seed=85))
-    worker.start()
-    try:
-        _wait_done(ledger, ids)
-    finally:
-        worker.stop(10)
+    _run_all(worker, ledger, ids)
     assert all(len(beside) <= 1 for beside in engine.beside), engine.beside
     assert [ledger.job_state(j) for j in ids] == ["done"] * 3
-
-
-class SlowLoadEngine:
-    """ONNX Runtime whose ``load`` waits until the test lets it finish (a compiled model
-    takes tens of seconds to load)."""
-
-    name = "slow-load-test"
-    release = threading.Event()
-
-    def __init__(self, **_: Any) -> None:
-        self.inner = OrtEngine(threads=1)
-
-    def load(self, manifest: Any) -> None:
-        assert type(self).release.wait(60), "the test never let the load finish"
-        self.inner.load(manifest)
-
-    def segment(self, hu: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
-        return self.inner.segment(hu)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-register_backend("slow-load-test", SlowLoadEngine)
 
 
 def test_a_model_loading_holds_up_no_other_job(tmp_path: Path) -> None:
     """A job whose model is still loading is not a job ahead of the models, and does not
     hold the other models: two lanes run the default model's jobs meanwhile."""
-    SlowLoadEngine.release.clear()
+    GatedEngine.gate.clear()  # the model's load waits for it
+    GatedEngine.failure = None
     holder: list[Worker] = []
     engine = SlowEngine(0.1, holder)
     engine.load(load_manifest(DEFAULT_MODEL))
     settings = {
         "engine": {"lanes": 2},
-        "models": {"slow": {"manifest": str(DEFAULT_MODEL), "engine": "slow-load-test"}},
+        "models": {"slow": {"manifest": str(DEFAULT_MODEL), "engine": "gated-test"}},
     }
     worker, ledger, spool = worker_on(tmp_path, engine, load_manifest(DEFAULT_MODEL), settings)
     holder.append(worker)
     worker_spool[id(worker)] = spool
     uids = _series(tmp_path, ledger, worker, 3, seed=90)
     slow = ledger.create_job(
-        uids[0], trigger="t", model="tissue", engine="slow-load-test", model_name="slow"
+        uids[0], trigger="t", model="tissue", engine="gated-test", model_name="slow"
     )
     assert slow is not None
     worker.start()
     try:
-        deadline = time.monotonic() + 30
-        while worker.running.get(slow) != "loading its model":
-            assert time.monotonic() < deadline, worker.running
-            time.sleep(0.01)
+        _wait_stage(worker, slow, "loading its model")
         others = _queue(ledger, uids[1:])
         worker.wake.set()
         _wait_done(ledger, others, 30)
         assert worker.running.get(slow) == "loading its model"  # still loading meanwhile
-        SlowLoadEngine.release.set()
+        GatedEngine.gate.set()
         _wait_done(ledger, [slow], 30)
     finally:
-        SlowLoadEngine.release.set()
+        GatedEngine.gate.set()
         worker.stop(10)
     assert [ledger.job_state(j) for j in [*others, slow]] == ["done"] * 3
 
@@ -500,11 +475,7 @@ def test_one_lane_is_one_job_at_a_time(tmp_path: Path) -> None:
     assert worker.ahead == 1
     uids = _series(tmp_path, ledger, worker, 2, seed=80)
     ids = _queue(ledger, uids)
-    worker.start()
-    try:
-        _wait_done(ledger, ids)
-    finally:
-        worker.stop(10)
+    _run_all(worker, ledger, ids)
     assert engine.beside == [{}, {}]  # nothing else in progress while the model ran
     assert not worker.spare_lane  # one job at a time, urgent ones too
 
