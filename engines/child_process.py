@@ -13,7 +13,7 @@ The node's end, :class:`ChildProcess`:
 * sends requests and waits for their answers; a request's error in the child is raised
   again in the node with its type and message;
 * when the child dies, fails every request in flight with the reason ("was killed by
-  SIGKILL while it ran this job"), and removes the shared files those requests owned;
+  SIGKILL while it ran this job");
 * writes the child's log records to the node's log, as ``PROCESS PID: message``.
 
 The child's end, :class:`ChildServer`: reads requests, runs each (on a thread of its own
@@ -21,9 +21,9 @@ where the handler says so) and answers; forwards its log records; ignores SIGINT
 SIGTERM (the node decides when it stops) and exits when the node closes the socket, or dies.
 
 Data too large for the socket (volumes, label maps) travels through files in ``/dev/shm``
-that both processes map (:func:`shared_dir`, :func:`shared_file`); their names start with
-:data:`SHARED_PREFIX` and the node's process id, so that :func:`sweep_stale` can remove
-those of a node that was killed.
+that both processes map and keep between requests (:class:`SharedPool` on the node's side,
+:class:`SharedMaps` on the child's); their names start with :data:`SHARED_PREFIX` and the
+node's process id, so that :func:`sweep_stale` can remove those of a node that was killed.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -202,12 +201,6 @@ class SharedPool:
         for old in drop:  # the mapping goes when the last array over it does
             old.path.unlink(missing_ok=True)
 
-    @property
-    def idle_bytes(self) -> int:
-        """Bytes of the idle files."""
-        with self._lock:
-            return sum(b.capacity for b in self._idle)
-
     def close(self) -> None:
         """Remove every file, idle or in use (a mapping stays valid without its file: a
         label map still held keeps its memory until it is let go)."""
@@ -245,19 +238,6 @@ class SharedMaps:
                 os.close(fd)
             return np.ndarray(shape, dtype=dtype, buffer=entry[1])
 
-    def __len__(self) -> int:
-        return len(self._maps)
-
-
-@dataclass
-class _Request:
-    """One request in flight: its future and the shared files it owns (removed when the
-    child dies; ``answered``: the first so many also when the answer comes)."""
-
-    future: Future[Any]
-    files: tuple[Path, ...] = ()
-    answered: int = 0
-
 
 class ChildProcess:
     """The node's end of a child ``python -m module FD``.
@@ -291,7 +271,7 @@ class ChildProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._reader: threading.Thread | None = None
-        self._pending: dict[int, _Request] = {}
+        self._pending: dict[int, Future[Any]] = {}
         self._ids = itertools.count(1)
         self._closed = False
         #: Times the child was started again after it died.
@@ -376,25 +356,21 @@ class ChildProcess:
                     continue
                 _, request, ok, value = message
                 with self._lock:
-                    job = self._pending.pop(request, None)
-                if job is None:
+                    future = self._pending.pop(request, None)
+                if future is None:
                     continue
-                for path in job.files[: job.answered]:
-                    path.unlink(missing_ok=True)
                 if ok:
-                    job.future.set_result(value)
+                    future.set_result(value)
                 else:
-                    job.future.set_exception(value)
+                    future.set_exception(value)
         finally:
             code = proc.wait()
             why = exit_reason(code)
             with self._lock:
                 pending, self._pending = self._pending, {}
                 closing = self._closed
-            for job in pending.values():
-                for path in job.files:
-                    path.unlink(missing_ok=True)
-                job.future.set_exception(
+            for future in pending.values():
+                future.set_exception(
                     self.error(
                         f"{self.what} {why} while it ran this job; the next job starts it again"
                     )
@@ -402,42 +378,28 @@ class ChildProcess:
             if not closing:
                 log.error("%s (%d) %s", self.what, proc.pid, why)
 
-    def request(
-        self, message: tuple[Any, ...], files: tuple[Path, ...] = (), answered: int = 0
-    ) -> Future[Any]:
-        """Send ``(kind, *args)``; the future holds the child's answer (or its error).
-
-        ``files``: shared files the request owns, removed should the child die; the first
-        ``answered`` of them also as soon as the answer comes."""
+    def request(self, message: tuple[Any, ...]) -> Future[Any]:
+        """Send ``(kind, *args)``; the future holds the child's answer (or its error, or
+        the child's end)."""
         future: Future[Any] = Future()
         with self._lock:
             conn, proc = self._conn, self._proc
             if conn is None or proc is None or proc.poll() is not None:
-                for path in files:
-                    path.unlink(missing_ok=True)
                 raise self.error(f"{self.what} is not running")
             request = next(self._ids)
-            self._pending[request] = _Request(future, files, answered)
+            self._pending[request] = future
         try:
             with self._send_lock:
                 conn.send((message[0], request, *message[1:]))
         except (OSError, ValueError, pickle.PicklingError) as exc:
             with self._lock:
                 self._pending.pop(request, None)
-            for path in files:
-                path.unlink(missing_ok=True)
             raise self.error(f"{self.what}: cannot send: {exc}") from exc
         return future
 
-    def call(
-        self,
-        message: tuple[Any, ...],
-        timeout: float | None = None,
-        files: tuple[Path, ...] = (),
-        answered: int = 0,
-    ) -> Any:
+    def call(self, message: tuple[Any, ...], timeout: float | None = None) -> Any:
         """:meth:`request`, and wait for the answer (at most ``timeout`` seconds)."""
-        future = self.request(message, files, answered)
+        future = self.request(message)
         try:
             return future.result(timeout)
         except TimeoutError as exc:

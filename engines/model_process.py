@@ -134,8 +134,8 @@ class ProcessEngine(ChildProcess):
         self._start()
 
     def close(self) -> None:
-        """End the child and remove the idle shared files (a label map still held is
-        removed when the worker lets go of it)."""
+        """End the child and remove the shared files (a label map still held stays
+        readable: its mapping outlives its file)."""
         super().close()
         self._volumes.close()
         self._labels.close()

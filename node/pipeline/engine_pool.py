@@ -180,11 +180,6 @@ class EnginePool:
                 raise EngineError(f"model {name!r}: the node is stopping")
             return engine, manifest
 
-    def is_loaded(self, name: str) -> bool:
-        """Whether model ``name``'s engine is loaded (:meth:`get` returns at once)."""
-        with self._lock:
-            return name in self._engines
-
     def loaded(self) -> list[str]:
         """Names of the models whose engines are loaded."""
         with self._lock:

@@ -324,13 +324,15 @@ class Worker:
         job more urgent than every job in progress (it would otherwise wait until one of
         them ended, model and SEG included)."""
         with self._running_lock:
-            waiting = [self._priority[j] for j, st in self.running.items() if st in BEFORE_MODEL]
             if spare:
                 if len(self.running) < self.lanes:
                     return None  # a lane is free: it takes the job
                 above: int | None = max(self._priority.values(), default=0)
-        if not spare:
-            above = max(waiting) if len(waiting) >= self.ahead else None
+            else:
+                waiting = [
+                    self._priority[j] for j, st in self.running.items() if st in BEFORE_MODEL
+                ]
+                above = max(waiting) if len(waiting) >= self.ahead else None
         job = self.ledger.claim_next_job(self.config.engine.max_wait_s, above)
         if job is not None:
             with self._running_lock:
@@ -526,13 +528,12 @@ class Worker:
                 f"{len(missing)} {MISSING_FILES}, e.g. {missing[0].name}; the job runs again "
                 "by itself when the sender sends them again (or: segnode retry)"
             )
-        if not self.pool.is_loaded(job.model_name):
-            # not a job ahead of the models while its model loads: the lanes take others
+        loading = job.model_name not in self.pool.loaded()
+        if loading:  # not a job ahead of the models while its model loads: lanes take others
             self._stage(job.id, "loading its model")
-            engine, manifest = self.pool.get(job.model_name)
+        engine, manifest = self.pool.get(job.model_name)
+        if loading:
             self._stage(job.id, "started")
-        else:
-            engine, manifest = self.pool.get(job.model_name)
         volume = self._sibling_volume(job, paths)
         if volume is None and self.volumes is not None:
             volume = self.volumes.take(job.series_instance_uid, paths)

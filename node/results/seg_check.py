@@ -49,11 +49,11 @@ from segnode.node.results.seg_header import (
     short_element,
 )
 
-# VRs with a 4-byte length field (PS3.5 Table 7.1-1)
 #: Slices whose bit planes :func:`_check_bit_planes` computes at once (4 MiB of label
 #: copies and under 4 MiB of planes for 512 x 512 slices).
 _RUN = 16
 
+# VRs with a 4-byte length field (PS3.5 Table 7.1-1)
 _LONG_VRS = frozenset(
     {b"OB", b"OD", b"OF", b"OL", b"OV", b"OW", b"SQ", b"SV", b"UC", b"UN", b"UR", b"UT", b"UV"}
 )
